@@ -1,0 +1,96 @@
+"""Session fixtures shared by every test: a tiny random-weight Llama and its own small tokenizer.
+
+The model is built here, from nothing, in a fraction of a second: 2 layers, hidden size 64, a
+byte-level BPE tokenizer of 512 tokens trained on a few sentences, and a ChatML chat template.
+No test downloads anything.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+STOKER = str(Path(sys.executable).with_name("stoker"))
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "What is the capital of France? The capital of France is Paris.",
+    "Stoker holds requests while instances scale up from a warm pool.",
+    "Hello, how are you today? I am fine, thank you.",
+    "One two three four five six seven eight nine ten.",
+]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_tiny_model(out: Path, *, max_positions: int = 256, seed: int = 0) -> Path:
+    """Write a tiny random Llama in Hugging Face layout (safetensors) to `out`."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=512,
+        special_tokens=["<unk>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS * 20, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|im_end|>",
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    config = LlamaConfig(
+        vocab_size=len(fast),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_positions,
+        bos_token_id=fast.bos_token_id,
+        eos_token_id=fast.eos_token_id,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.generation_config = GenerationConfig(
+        bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id, pad_token_id=fast.eos_token_id
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    fast.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-model") / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def stoker_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A data dir for this test session; never the user's own."""
+    return tmp_path_factory.mktemp("stoker-home")
+
+
+@pytest.fixture(scope="session")
+def stoker_env(stoker_home: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env["STOKER_HOME"] = str(stoker_home)
+    env["HF_HUB_OFFLINE"] = "1"
+    env["TRANSFORMERS_OFFLINE"] = "1"
+    return env
