@@ -1,0 +1,49 @@
+"""Model snapshots: import from a source, a content-addressed local store, integrity checks.
+
+A snapshot is a directory in Hugging Face layout plus `manifest.json` (every file's size and
+sha256, and the weights' dtype); its id is the hash of that content, so a revision points at exact
+bytes. This package is a leaf: it imports nothing else of Stoker's.
+
+    store = SnapshotStore(root)
+    record = store.resolve("smollm2")      # name, full id, or id prefix of 8+ hex chars
+    record.path, record.dtype              # the dir to hand an engine; "float32", "bfloat16", ...
+"""
+
+from snapshots.builtin import BUILTINS, builtin_path
+from snapshots.errors import (
+    AmbiguousRef,
+    CorruptSnapshot,
+    InvalidName,
+    InvalidSource,
+    SnapshotError,
+    SnapshotNotFound,
+    StoreWriteError,
+    UnsafeFileError,
+    UnsafePathError,
+)
+from snapshots.importer import import_gguf, import_hf_dir
+from snapshots.manifest import MANIFEST_NAME, FileEntry, Manifest
+from snapshots.store import SnapshotRecord, SnapshotStore
+from snapshots.verify import Problem
+
+__all__ = [
+    "BUILTINS",
+    "MANIFEST_NAME",
+    "AmbiguousRef",
+    "CorruptSnapshot",
+    "FileEntry",
+    "InvalidName",
+    "InvalidSource",
+    "Manifest",
+    "Problem",
+    "SnapshotError",
+    "SnapshotNotFound",
+    "SnapshotRecord",
+    "SnapshotStore",
+    "StoreWriteError",
+    "UnsafeFileError",
+    "UnsafePathError",
+    "builtin_path",
+    "import_gguf",
+    "import_hf_dir",
+]

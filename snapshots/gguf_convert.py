@@ -1,0 +1,58 @@
+"""Turning a GGUF file into a float32 safetensors model in Hugging Face layout.
+
+transformers reads GGUF and dequantizes it (to float32: that is what dequantized blocks are), but
+refuses to `save_pretrained` a model loaded that way. So the weights are moved into a fresh model
+built from the same config, with the GGUF quantization entry dropped (it would make a later load
+look for a GGUF file), and that model is saved with the tokenizer and generation config.
+Float32 is kept on purpose: the CPU engine computes in float32 (this class of CPU has no bf16
+instructions; bf16 prompt processing is ~10x slower), and vLLM casts on load if asked.
+
+torch and transformers are imported here, inside the function, and nowhere else in `snapshots`,
+so listing or verifying snapshots never pays for them. For the 98 MB SmolLM2 file the whole
+conversion takes about a minute, nearly all of it GGUF metadata parsing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from snapshots.errors import InvalidSource, SnapshotError
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+def convert_gguf(path: Path, out: Path) -> None:
+    """Write `path` (a GGUF file) as config, float32 safetensors, tokenizer and generation config."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    directory, filename = str(path.parent), path.name
+    try:
+        loaded = AutoModelForCausalLM.from_pretrained(
+            directory, gguf_file=filename, dtype=torch.float32, local_files_only=True
+        )
+        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=filename, local_files_only=True)
+    except Exception as exc:  # third-party errors of every kind end here, as ours
+        raise InvalidSource(f"cannot read {filename} as a GGUF model: {_one_line(exc)}") from exc
+
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    try:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.load_state_dict(loaded.state_dict(), strict=True)
+        model.generation_config = loaded.generation_config
+    except Exception as exc:
+        raise SnapshotError(f"cannot rebuild {filename} as a safetensors model: {_one_line(exc)}") from exc
+    del loaded
+
+    try:
+        model.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+    except OSError:
+        raise  # disk full and the like: the store's staging turns it into StoreWriteError
+    except Exception as exc:
+        raise SnapshotError(f"cannot save the converted {filename}: {_one_line(exc)}") from exc

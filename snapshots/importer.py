@@ -1,0 +1,176 @@
+"""Importing a model into the store: from a Hugging Face layout directory or a GGUF file.
+
+Either way the files are written into a hidden staging dir inside the store root, hashed, listed in
+a manifest, and renamed into place in one step (see `store`). Refused up front, before a byte is
+written: pickled weights, symlinks leading out of the source, a directory without `config.json` or
+without `*.safetensors`. Safetensors bytes are copied exactly as given; the manifest records their
+dominant dtype.
+
+A GGUF is converted (about a minute for SmolLM2), so the store keeps `sources/<sha256 of the GGUF>`
+-> id; importing the same file again costs one hash of it (~0.3 s for 98 MB).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from snapshots.durable import copy_hashing, hash_file
+from snapshots.errors import InvalidSource, UnsafeFileError
+from snapshots.manifest import MANIFEST_NAME, FileEntry, Manifest
+from snapshots.store import SnapshotRecord, SnapshotStore, check_name
+from snapshots.weights import PICKLE_SUFFIXES, dominant_dtype, is_pickle
+
+GGUF_MAGIC = b"GGUF"
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    rel: str  # POSIX path inside the snapshot
+    path: Path  # where its bytes are read from (a symlink's target, already checked)
+
+
+def scan_hf_dir(src: Path) -> list[SourceFile]:
+    """The files to import from `src`, sorted; raise if the directory is not a safe HF model.
+
+    Hidden files and dirs (`.git`, `.cache`, `.gitattributes`) are not part of a model and are
+    skipped. A symlink is followed only when it stays inside `src`.
+    """
+    if not src.exists():
+        raise InvalidSource(f"no such file or directory: {src}")
+    if not src.is_dir():
+        raise InvalidSource(f"{src} is neither a model directory nor a .gguf file")
+    root = src.resolve()
+    found: list[SourceFile] = []
+    for dirpath, dirnames, filenames in os.walk(src):
+        here = Path(dirpath)
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        for d in dirnames:
+            if (here / d).is_symlink():
+                raise InvalidSource(
+                    f"{(here / d).relative_to(src)} is a symlinked directory; copy it in instead"
+                )
+        for filename in sorted(f for f in filenames if not f.startswith(".")):
+            path = here / filename
+            rel = path.relative_to(src).as_posix()
+            target = path.resolve()
+            if path.is_symlink() and not target.is_relative_to(root):
+                raise UnsafeFileError(
+                    f"refusing {rel}: a symlink to {target}, outside {src} (copy the files with cp -L first)"
+                )
+            if is_pickle(rel) or is_pickle(target):
+                kinds = "/".join(sorted(PICKLE_SUFFIXES))
+                raise UnsafeFileError(
+                    f"refusing {rel}: pickled weights ({kinds}) are never loaded, since unpickling runs "
+                    "code; convert them to safetensors"
+                )
+            if not target.is_file():
+                raise InvalidSource(f"{rel} in {src} is not a regular file")
+            found.append(SourceFile(rel, target))
+    rels = {f.rel for f in found}
+    if "config.json" not in rels:
+        raise InvalidSource(f"{src} is not a Hugging Face model directory: it has no config.json")
+    if not any(r.endswith(".safetensors") for r in rels):
+        raise InvalidSource(f"{src} has no *.safetensors weights")
+    if MANIFEST_NAME in rels:
+        found = [f for f in found if f.rel != MANIFEST_NAME]  # a snapshot dir given back as source
+    _check_config(src / "config.json")
+    return found
+
+
+def _check_config(path: Path) -> None:
+    try:
+        config = json.loads(path.read_bytes())
+    except (OSError, ValueError) as exc:
+        raise InvalidSource(f"{path} is not readable JSON: {exc}") from exc
+    if not isinstance(config, dict):
+        raise InvalidSource(f"{path} is not a JSON object")
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+
+
+def _commit(store: SnapshotStore, tmp: Path, entries: list[FileEntry], dtype: str, source: str) -> str:
+    manifest = Manifest(dtype=dtype, files=tuple(entries), source=source, created=_now())
+    with open(tmp / MANIFEST_NAME, "x") as f:
+        f.write(manifest.to_json())
+    return store.commit(tmp)
+
+
+def import_hf_dir(src: Path, store: SnapshotStore, name: str | None = None) -> SnapshotRecord:
+    """Copy a Hugging Face layout directory into the store; return its record (same bytes: same id)."""
+    src = Path(src)
+    if name is not None:
+        check_name(name)
+    files = scan_hf_dir(src)
+    dtype = dominant_dtype(f.path for f in files if f.rel.endswith(".safetensors"))
+    store.remove_stale_tmp()
+    with store.staging() as tmp:
+        entries = []
+        for f in files:
+            dst = tmp / f.rel
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            size, digest = copy_hashing(f.path, dst)
+            entries.append(FileEntry(f.rel, size, digest))
+        snapshot_id = _commit(store, tmp, entries, dtype, source=str(src.resolve()))
+    if name is not None:
+        store.set_name(name, snapshot_id)
+    return store.record(snapshot_id)
+
+
+def _check_gguf(path: Path) -> None:
+    if not path.exists():
+        raise InvalidSource(f"no such file or directory: {path}")
+    if not path.is_file():
+        raise InvalidSource(f"{path} is not a file")
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as exc:
+        raise InvalidSource(f"cannot read {path}: {exc.strerror or exc}") from exc
+    if magic != GGUF_MAGIC:
+        raise InvalidSource(f"{path} is not a GGUF file (it does not start with 'GGUF')")
+
+
+def import_gguf(
+    path: Path,
+    store: SnapshotStore,
+    name: str | None = None,
+    *,
+    on_convert: Callable[[Path], None] | None = None,
+) -> SnapshotRecord:
+    """Convert a GGUF file to a float32 safetensors snapshot; reuse the earlier result if any.
+
+    `on_convert(path)` is called just before a conversion starts (not when the result is reused),
+    so a caller can tell its user that the next minute is expected.
+    """
+    path = Path(path)
+    if name is not None:
+        check_name(name)
+    _check_gguf(path)
+    store.remove_stale_tmp()
+    try:
+        _, source_digest = hash_file(path)
+    except OSError as exc:
+        raise InvalidSource(f"cannot read {path}: {exc.strerror or exc}") from exc
+    snapshot_id = store.lookup_source(source_digest)
+    if snapshot_id is None:
+        from snapshots.gguf_convert import convert_gguf
+
+        if on_convert is not None:
+            on_convert(path)
+        with store.staging() as tmp:
+            convert_gguf(path, tmp)
+            files = scan_hf_dir(tmp)
+            dtype = dominant_dtype(f.path for f in files if f.rel.endswith(".safetensors"))
+            entries = [FileEntry(f.rel, *hash_file(f.path)) for f in files]
+            snapshot_id = _commit(store, tmp, entries, dtype, source=f"gguf:{path.resolve()}")
+        store.remember_source(source_digest, snapshot_id)
+    if name is not None:
+        store.set_name(name, snapshot_id)
+    return store.record(snapshot_id)

