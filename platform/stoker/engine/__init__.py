@@ -1,0 +1,7 @@
+"""The CPU engine: one process serving one snapshot over vLLM's OpenAI-compatible HTTP surface.
+
+It exists for machines without a GPU (development, tests, the embedded default model) and speaks
+exactly what the platform expects of vLLM: the OpenAI routes, `/health`, `/metrics` with vLLM's
+metric names, and `/sleep`, `/wake_up`, `/is_sleeping`. Generation is transformers' continuous
+batching; this package adds admission, streaming, stop strings, sleep and metrics around it.
+"""

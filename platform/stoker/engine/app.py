@@ -1,0 +1,227 @@
+"""The CPU engine's HTTP surface: vLLM's OpenAI-compatible routes, health, metrics, sleep and wake.
+
+The two generation routes are pure ASGI endpoints: they read the body under a size limit, answer
+every refusal as an OpenAI error before any header goes out, then stream each delta to the client
+as it is produced (nothing buffered). A task watches the connection for `http.disconnect` the
+whole time, and a client that leaves cancels its generation at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from stoker.engine.core import Engine, Generation
+from stoker.engine.protocol import Kind, ResponseShape, ensure_served, parse_body, parse_request, sse
+from stoker.openai_errors import INVALID_REQUEST, NOT_FOUND, SERVER_ERROR, APIError, error_response, invalid
+
+log = logging.getLogger("stoker.engine")
+
+SSE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),  # tells nginx-style proxies not to buffer the stream
+]
+
+
+async def read_body(receive: Receive, scope: Scope, limit: int) -> bytes:
+    """The whole request body, refusing (413) anything over `limit` bytes without reading it all."""
+    for name, value in scope["headers"]:
+        if name == b"content-length" and value.isdigit() and int(value) > limit:
+            raise APIError(413, f"The request body exceeds {limit} bytes.", code="request_too_large")
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ConnectionAbortedError
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"The request body exceeds {limit} bytes.", code="request_too_large")
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+async def until_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def cancel_on_disconnect(receive: Receive, work: Awaitable[None]) -> None:
+    """Run `work`; if the client disconnects first, cancel it."""
+    worker = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(until_disconnect(receive))
+    try:
+        await asyncio.wait({worker, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (worker, watcher):
+            task.cancel()
+        for task in (worker, watcher):
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    if not worker.cancelled() and worker.exception() is not None:
+        raise worker.exception()
+
+
+class CompletionsEndpoint:
+    """`POST /v1/chat/completions` or `POST /v1/completions`, as a pure ASGI app."""
+
+    def __init__(self, engine: Engine, kind: Kind, max_body_bytes: int) -> None:
+        self.engine = engine
+        self.kind = kind
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        engine = self.engine
+        try:
+            body = parse_body(await read_body(receive, scope, self.max_body_bytes))
+            req = parse_request(self.kind, body)
+            ensure_served(req.model, engine.config.served_model_name)
+            engine.check_serving()
+            ids = engine.prompt_ids(req)
+            max_new = engine.budget(len(ids), req.params)
+            generation = await engine.start(ids, req.params, max_new)
+        except APIError as exc:
+            await error_response(exc)(scope, receive, send)
+            return
+        except ConnectionAbortedError:
+            return
+        shape = ResponseShape(self.kind, _response_id(self.kind, generation.request_id), req.model)
+        async with generation:
+            if req.stream:
+                work = self._stream(generation, shape, req.include_usage, send)
+            else:
+                work = self._whole(generation, shape, scope, receive, send)
+            await cancel_on_disconnect(receive, work)
+
+    async def _whole(self, generation: Generation, shape: ResponseShape, scope, receive, send) -> None:
+        parts = []
+        try:
+            async for delta in generation:
+                parts.append(delta.text)
+        except APIError as exc:
+            await error_response(exc)(scope, receive, send)
+            return
+        body = shape.whole(
+            "".join(parts), generation.finish_reason, generation.prompt_tokens, generation.completion_tokens
+        )
+        await JSONResponse(body)(scope, receive, send)
+
+    async def _stream(
+        self, generation: Generation, shape: ResponseShape, include_usage: bool, send: Send
+    ) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+
+        async def emit(data) -> None:
+            await send({"type": "http.response.body", "body": sse(data), "more_body": True})
+
+        try:
+            if shape.kind == "chat":
+                await emit(shape.chunk("", first=True))
+            async for delta in generation:
+                if delta.text:
+                    await emit(shape.chunk(delta.text))
+                if delta.finish_reason:
+                    await emit(shape.chunk("", delta.finish_reason))
+            if include_usage:
+                await emit(shape.usage_chunk(generation.prompt_tokens, generation.completion_tokens))
+        except APIError as exc:  # after the first byte an error can only travel as an event
+            log.warning("stream %s ended by an error: %s", generation.request_id, exc.message)
+            await emit(exc.body())
+        await emit("[DONE]")
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def _response_id(kind: Kind, request_id: str) -> str:
+    return ("chatcmpl-" if kind == "chat" else "cmpl-") + request_id
+
+
+def build_app(
+    engine: Engine, *, max_body_bytes: int, on_startup: Callable[[], None], on_shutdown: Callable[[], None]
+) -> Starlette:
+    served = engine.config.served_model_name
+
+    async def models(request: Request) -> Response:
+        card = {
+            "id": served,
+            "object": "model",
+            "created": 0,
+            "owned_by": "stoker",
+            "root": str(engine.config.snapshot_dir),
+        }
+        if engine.max_model_len:
+            card["max_model_len"] = engine.max_model_len
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def health(request: Request) -> Response:
+        if engine.state == "ready":
+            return Response(status_code=200)
+        return JSONResponse({"status": engine.state, "error": engine.failure}, status_code=503)
+
+    async def metrics(request: Request) -> Response:
+        return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def sleep(request: Request) -> Response:
+        raw = request.query_params.get("level", "1")
+        if raw not in ("1", "2"):
+            return error_response(invalid(f"'level' must be 1 or 2, got {raw!r}.", param="level"))
+        try:
+            await engine.sleep(int(raw))
+        except APIError as exc:
+            return error_response(exc)
+        return Response(status_code=200)
+
+    async def wake_up(request: Request) -> Response:
+        if engine.state not in ("ready", "sleeping"):
+            return error_response(
+                APIError(503, f"The engine is {engine.state}.", code=f"engine_{engine.state}")
+            )
+        await engine.wake_up()
+        return Response(status_code=200)
+
+    async def is_sleeping(request: Request) -> Response:
+        return JSONResponse({"is_sleeping": engine.state == "sleeping"})
+
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        kind = NOT_FOUND if exc.status_code == 404 else INVALID_REQUEST
+        return error_response(
+            APIError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}", type=kind)
+        )
+
+    async def server_error(request: Request, exc: Exception) -> Response:
+        log.exception("unhandled error on %s", request.url.path)
+        return error_response(APIError(500, "Internal error in the engine.", type=SERVER_ERROR))
+
+    routes = [
+        Route("/v1/chat/completions", CompletionsEndpoint(engine, "chat", max_body_bytes), methods=["POST"]),
+        Route("/v1/completions", CompletionsEndpoint(engine, "completion", max_body_bytes), methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/sleep", sleep, methods=["POST"]),
+        Route("/wake_up", wake_up, methods=["POST"]),
+        Route("/is_sleeping", is_sleeping, methods=["GET"]),
+    ]
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        on_startup()
+        yield
+        on_shutdown()
+
+    return Starlette(
+        routes=routes,
+        exception_handlers={HTTPException: http_error, Exception: server_error},
+        lifespan=lifespan,
+    )

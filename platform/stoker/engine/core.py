@@ -1,0 +1,464 @@
+"""The engine core: one model, transformers' continuous batching, admission, sleep and wake.
+
+Requests from the event loop enter transformers' `ContinuousBatchingManager`, which runs the
+model on its own thread and batches every running request into each forward step; each new token
+comes back to the loop through `register_result_handler` (`call_soon_threadsafe`). Around it:
+
+- Admission: at most `max_num_seqs` requests generate at once; up to `max_waiting` more wait, each
+  for at most `queue_timeout_s`; beyond that a request is refused at once (503, `queue_full`).
+- Cancellation: leaving `generate` early (client gone, stop string) cancels the request in the
+  manager, so its slot and its KV blocks are freed.
+- Sleep: the manager (and its KV cache) is stopped and every weight tensor is dropped; the model's
+  module tree, tokenizer and all imports stay. Wake reloads the weights from the snapshot's
+  safetensors (memory-mapped, so from the page cache when it is warm) and starts a new manager.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import gc
+import logging
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers.generation.configuration_utils import ContinuousBatchingConfig
+from transformers.generation.continuous_batching.requests import RequestStatus
+
+from stoker.engine import draw as draw_mod
+from stoker.engine.metrics import EngineMetrics
+from stoker.engine.protocol import GenerationRequest, SamplingParams
+from stoker.engine.text import TextTracker
+from stoker.openai_errors import SERVER_ERROR, APIError, invalid, unavailable
+
+log = logging.getLogger("stoker.engine")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+PAGE_SIZE = 32  # tokens per KV block: small pages waste little memory on short CPU requests
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    snapshot_dir: Path
+    served_model_name: str
+    dtype: str = "float32"  # this CPU has no bf16 instructions: bf16 prompt processing is ~10x slower
+    max_model_len: int | None = None  # default: the model's own, capped at 4096 for CPU speed
+    max_num_seqs: int = 8
+    max_waiting: int = 64
+    queue_timeout_s: float = 60.0
+    kv_cache_tokens: int | None = None  # default: 2 × max_model_len
+    max_prefill_tokens: int = 512  # tokens per forward step; long prompts are chunked
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        for name in ("max_num_seqs", "max_prefill_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_waiting < 0:
+            raise ValueError(f"max_waiting must be at least 0, got {self.max_waiting}")
+        if self.queue_timeout_s <= 0:
+            raise ValueError(f"queue_timeout_s must be positive, got {self.queue_timeout_s}")
+
+
+@dataclass(frozen=True)
+class Delta:
+    text: str
+    completion_tokens: int
+    finish_reason: str | None = None  # set on the last delta: "stop" or "length"
+
+
+class Engine:
+    def __init__(
+        self, config: EngineConfig, metrics: EngineMetrics, clock: Callable[[], float] = time.monotonic
+    ):
+        self.config = config
+        self.metrics = metrics
+        self.clock = clock
+        self.state = "loading"  # loading → ready ⇄ sleeping; failed; stopping
+        self.failure: str | None = None
+        self.max_model_len = 0
+        self.phases: dict[str, float] = {}
+        self._model = None
+        self._tokenizer = None
+        self._manager = None
+        self._draw = draw_mod.PerRequestDraw()
+        self._eos: set[int] = set()
+        self._slots = asyncio.Semaphore(config.max_num_seqs)
+        self._running = 0
+        self._waiting = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._lifecycle = asyncio.Lock()
+
+    # ---- loading -----------------------------------------------------------------------------------
+
+    def load(self) -> None:
+        """Load tokenizer and weights, start the batching manager and warm it up (blocking)."""
+        cfg = self.config
+        t0 = self.clock()
+        self._tokenizer = AutoTokenizer.from_pretrained(cfg.snapshot_dir)
+        self._model = AutoModelForCausalLM.from_pretrained(cfg.snapshot_dir, dtype=DTYPES[cfg.dtype]).eval()
+        t1 = self.clock()
+        model_cfg = self._model.config.get_text_config()
+        limit = getattr(model_cfg, "max_position_embeddings", None) or 4096
+        self.max_model_len = cfg.max_model_len or min(limit, 4096)
+        if self.max_model_len > limit:
+            raise ValueError(
+                f"max_model_len {self.max_model_len} exceeds the model's context of {limit} tokens"
+            )
+        if cfg.kv_cache_tokens is not None and cfg.kv_cache_tokens < self.max_model_len:
+            raise ValueError(f"kv_cache_tokens must be at least max_model_len ({self.max_model_len})")
+        eos = self._model.generation_config.eos_token_id
+        eos = eos if eos is not None else self._tokenizer.eos_token_id
+        self._eos = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        self._start_manager()
+        self._warm_up()
+        t2 = self.clock()
+        self.phases.update(weight_load=t1 - t0, warm_up=t2 - t1)
+        for name, seconds in self.phases.items():
+            self.metrics.phase(name, seconds)
+        self.state = "ready"
+
+    def _start_manager(self) -> None:
+        gen = GenerationConfig(
+            do_sample=True,
+            # Values other than 1.0 make transformers build its temperature and top-p processors;
+            # every request then passes its own values.
+            temperature=0.5,
+            top_p=0.5,
+            max_new_tokens=self.max_model_len,
+            eos_token_id=sorted(self._eos) or None,
+            pad_token_id=next(iter(self._eos), 0),
+        )
+        kv_tokens = self.config.kv_cache_tokens or 2 * self.max_model_len
+        cb = ContinuousBatchingConfig(
+            per_request_processors=True,
+            page_size=PAGE_SIZE,
+            num_blocks=-(-kv_tokens // PAGE_SIZE),
+            max_batch_tokens=self.config.max_prefill_tokens,
+            max_queue_size=self.config.max_num_seqs,
+            q_padding_interval_size=0,  # padding serves CUDA graphs; on the CPU it only adds work
+            kv_padding_interval_size=0,
+        )
+        manager = self._model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
+        draw_mod.install(manager, self._draw)
+        manager.start()
+        self._manager = manager
+
+    def _warm_up(self) -> None:
+        """One short generation, so the first real request does not pay for lazy initialisation."""
+        rid = f"warmup-{uuid.uuid4().hex[:8]}"
+        ids = self._tokenizer.encode("Hello", add_special_tokens=False) or [0]
+        self._manager.add_request(ids, request_id=rid, max_new_tokens=2, temperature=1.0, top_p=1.0)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            out = self._manager.get_result(request_id=rid, timeout=0.5)
+            if out is not None and out.is_finished():
+                return
+            if not self._manager.is_running():
+                break
+        raise RuntimeError("the engine did not complete its warm-up generation")
+
+    # ---- requests ----------------------------------------------------------------------------------
+
+    def prompt_ids(self, req: GenerationRequest) -> list[int]:
+        if req.messages is not None:
+            ids = self._tokenizer.apply_chat_template(
+                list(req.messages), add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        if isinstance(req.prompt, tuple):
+            vocab = len(self._tokenizer)
+            if max(req.prompt) >= vocab:
+                raise invalid(
+                    f"'prompt' has a token id outside the vocabulary (size {vocab}).", param="prompt"
+                )
+            return list(req.prompt)
+        return self._tokenizer.encode(req.prompt, add_special_tokens=True)
+
+    def budget(self, prompt_tokens: int, params: SamplingParams) -> int:
+        """How many tokens this request may generate; refuses requests that cannot fit the context."""
+        room = self.max_model_len - prompt_tokens
+        if params.max_tokens is None:
+            if room < 1:
+                raise invalid(
+                    f"This model's maximum context length is {self.max_model_len} tokens; "
+                    f"the prompt has {prompt_tokens}.",
+                    param="messages",
+                    code="context_length_exceeded",
+                )
+            return room
+        if params.max_tokens > room:
+            raise invalid(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{prompt_tokens + params.max_tokens} tokens ({prompt_tokens} in the prompt, "
+                f"{params.max_tokens} for the completion).",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        return params.max_tokens
+
+    def check_serving(self) -> None:
+        if self.state == "sleeping":
+            self.metrics.rejected("asleep")
+            raise unavailable("The engine is asleep; wake it with POST /wake_up.", code="engine_asleep")
+        if self.state != "ready":
+            self.metrics.rejected(self.state)
+            raise unavailable(f"The engine is not ready ({self.state}).", code=f"engine_{self.state}")
+
+    async def start(self, prompt_ids: list[int], params: SamplingParams, max_new: int) -> Generation:
+        """Admit one request and hand it to the batching manager.
+
+        Raises `APIError` (503) before anything is generated when the engine cannot take it, so the
+        caller can answer with an error status instead of a broken stream. The returned
+        `Generation` must be used as an async context manager: leaving it frees the slot and
+        cancels generation that has not finished.
+        """
+        arrival = self.clock()
+        self.check_serving()
+        await self._admit()
+        generation = Generation(self, self._manager, prompt_ids, params, arrival)
+        try:
+            generation.submit(max_new)
+        except BaseException:
+            await generation.close()
+            raise
+        return generation
+
+    async def _admit(self) -> None:
+        if self._slots.locked():
+            if self._waiting >= self.config.max_waiting:
+                self.metrics.rejected("queue_full")
+                raise unavailable("The engine's wait queue is full; retry shortly.", code="queue_full")
+            self._waiting += 1
+            self.metrics.waiting.set(self._waiting)
+            try:
+                async with asyncio.timeout(self.config.queue_timeout_s):
+                    await self._slots.acquire()
+            except TimeoutError:
+                self.metrics.rejected("queue_timeout")
+                raise unavailable(
+                    f"No generation slot became free within {self.config.queue_timeout_s:g} s.",
+                    code="queue_timeout",
+                ) from None
+            finally:
+                self._waiting -= 1
+                self.metrics.waiting.set(self._waiting)
+        else:
+            await self._slots.acquire()
+        if self.state != "ready":  # fell asleep or began stopping while we waited
+            self._slots.release()
+            self.check_serving()
+        self._running += 1
+        self._idle.clear()
+        self.metrics.running.set(self._running)
+
+    def _release(self) -> None:
+        self._running -= 1
+        self.metrics.running.set(self._running)
+        self._slots.release()
+        if self._running == 0:
+            self._idle.set()
+
+    def _decode(self, tokens) -> str:
+        return self._tokenizer.decode(tokens, skip_special_tokens=True)
+
+    # ---- sleep, wake, stop -------------------------------------------------------------------------
+
+    async def sleep(self, level: int = 1, drain_timeout_s: float = 30.0) -> None:
+        """Free the KV cache and the weights. Level 2 also drops the snapshot from the page cache."""
+        async with self._lifecycle:
+            if self.state == "sleeping":
+                return
+            self.check_serving()
+            self.state = "sleeping"  # new requests are refused from here on
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(drain_timeout_s):
+                    await self._idle.wait()
+            await asyncio.to_thread(self._unload, level)
+            self.metrics.sleeping.set(1)
+
+    def _unload(self, level: int) -> None:
+        self._manager.stop(block=True, timeout=30)  # in-flight requests (after the drain timeout) fail
+        self._manager = None
+        # Shapes stay (on the meta device, which holds no memory) so the reload can assign into them.
+        for module in self._model.modules():
+            for name, param in module._parameters.items():
+                if param is not None:
+                    meta = torch.empty(param.shape, dtype=param.dtype, device="meta")
+                    module._parameters[name] = torch.nn.Parameter(meta, requires_grad=False)
+        gc.collect()
+        _trim_heap()
+        if level >= 2:
+            for path in self.config.snapshot_dir.glob("*.safetensors"):
+                drop_from_page_cache(path)
+
+    async def wake_up(self) -> None:
+        async with self._lifecycle:
+            if self.state != "sleeping":
+                return
+            t0 = self.clock()
+            await asyncio.to_thread(self._reload)
+            self.phases["wake_up"] = self.clock() - t0
+            self.metrics.phase("wake_up", self.phases["wake_up"])
+            self.metrics.sleeping.set(0)
+            self.state = "ready"
+
+    def _reload(self) -> None:
+        target = DTYPES[self.config.dtype]
+        weights = {}
+        for path in sorted(self.config.snapshot_dir.glob("*.safetensors")):
+            with safe_open(path, framework="pt") as f:
+                for key in f.keys():
+                    tensor = f.get_tensor(key)
+                    weights[key] = tensor if tensor.dtype == target else tensor.to(target)
+        self._model.load_state_dict(weights, strict=False, assign=True)
+        self._model.tie_weights()
+        if any(p.is_meta for p in self._model.parameters()):
+            # The checkpoint's names do not map 1:1 onto the module tree (a conversion at load
+            # time): take transformers' full loading path instead.
+            self._model = AutoModelForCausalLM.from_pretrained(self.config.snapshot_dir, dtype=target).eval()
+        self._start_manager()
+
+    def shutdown(self) -> None:
+        self.state = "stopping"
+        if self._manager is not None:
+            self._manager.stop(block=True, timeout=10)
+            self._manager = None
+
+
+class Generation:
+    """One admitted request: an async iterator of `Delta`s, the last one carrying the finish reason."""
+
+    def __init__(
+        self, engine: Engine, manager, prompt_ids: list[int], params: SamplingParams, arrival: float
+    ):
+        self._engine = engine
+        self._manager = manager
+        self._prompt_ids = prompt_ids
+        self._params = params
+        self._arrival = arrival
+        self._outputs: asyncio.Queue = asyncio.Queue()  # at most one item per generated token
+        self._tracker = TextTracker(engine._decode, params.stop)
+        self.request_id = uuid.uuid4().hex
+        self.prompt_tokens = len(prompt_ids)
+        self.completion_tokens = 0
+        self.finish_reason: str | None = None
+        self._last_token_at: float | None = None
+        self._manager_done = False  # the manager finished the request itself (EOS or token budget)
+        self._closed = False
+
+    def submit(self, max_new: int) -> None:
+        engine, params, rid = self._engine, self._params, self.request_id
+        greedy = params.temperature == 0.0
+        engine._draw.register(rid, greedy=greedy, seed=params.seed)
+        self._manager.register_result_handler(rid, self._outputs.put_nowait)
+        accepted = self._manager.add_request(
+            self._prompt_ids,
+            request_id=rid,
+            max_new_tokens=max_new,
+            streaming=True,
+            temperature=draw_mod.GREEDY_TEMPERATURE if greedy else max(params.temperature, 1e-3),
+            top_p=params.top_p,
+        )
+        if accepted is None:
+            raise APIError(500, "The engine's generation loop is not running.", type=SERVER_ERROR)
+        engine.metrics.prompt_tokens.inc(self.prompt_tokens)
+
+    async def __aenter__(self) -> Generation:
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.close()
+
+    def __aiter__(self) -> AsyncIterator[Delta]:
+        return self._deltas()
+
+    async def _deltas(self) -> AsyncIterator[Delta]:
+        engine, tracker = self._engine, self._tracker
+        while self.finish_reason is None:
+            out = await self._next_output()
+            if out.status == RequestStatus.FAILED:
+                raise APIError(500, f"Generation failed: {out.error}", type=SERVER_ERROR)
+            tokens = out.generated_tokens
+            self._manager_done = out.is_finished()
+            self._count(len(tokens))
+            text = tracker.update([t for t in tokens if t not in engine._eos])
+            if tracker.stopped:
+                self._finish("stop")
+            elif out.is_finished():
+                self._finish("stop" if tokens and tokens[-1] in engine._eos else "length")
+                text += tracker.flush()
+            if text or self.finish_reason:
+                yield Delta(text, self.completion_tokens, self.finish_reason)
+
+    def _count(self, n: int) -> None:
+        new = n - self.completion_tokens
+        if new <= 0:
+            return
+        metrics, now = self._engine.metrics, self._engine.clock()
+        if self._last_token_at is None:
+            metrics.ttft.observe(now - self._arrival)
+        else:
+            metrics.itl.observe((now - self._last_token_at) / new)
+        metrics.generation_tokens.inc(new)
+        self._last_token_at, self.completion_tokens = now, n
+
+    def _finish(self, reason: str) -> None:
+        self.finish_reason = reason
+        self._engine.metrics.e2e.observe(self._engine.clock() - self._arrival)
+        self._engine.metrics.finished(reason)
+
+    async def _next_output(self):
+        """The next output, failing instead of hanging if the generation thread died."""
+        while True:
+            try:
+                async with asyncio.timeout(1.0):
+                    return await self._outputs.get()
+            except TimeoutError:
+                if not self._manager.is_running():
+                    raise APIError(500, "The engine's generation loop stopped.", type=SERVER_ERROR) from None
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        engine = self._engine
+        if not self._manager_done:  # a stop string, a client that left, or an error
+            self._manager.cancel_request(self.request_id)
+            _forget_handler(self._manager, self.request_id)
+            if self.finish_reason is None:
+                engine.metrics.finished("abort")
+        engine._draw.forget(self.request_id)
+        engine._release()
+
+
+def drop_from_page_cache(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _forget_handler(manager, request_id: str) -> None:
+    # A cancelled request may never deliver a final output, so its handler would stay registered.
+    router = getattr(manager, "output_router", None)
+    if router is not None:
+        with router._lock:
+            router.result_handlers.pop(request_id, None)
+
+
+def _trim_heap() -> None:
+    """Hand freed heap pages back to the OS so that sleep shows in the process's RSS (glibc only)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)

@@ -1,0 +1,178 @@
+"""`stoker engine`: run the CPU engine for one snapshot as its own process.
+
+The process serves HTTP at once and loads the model on a background thread; `/health` answers
+200 only once the model is loaded and warmed up. SIGTERM stops accepting connections, lets
+in-flight requests finish within `--grace-period`, and exits 0. A load that fails exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+import time
+from pathlib import Path
+
+log = logging.getLogger("stoker.engine")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("engine", help="run the CPU engine for one snapshot (OpenAI-compatible HTTP)")
+    p.add_argument(
+        "--snapshot", required=True, help="snapshot directory, or a snapshot id or name in the store"
+    )
+    p.add_argument("--port", type=_port, required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--served-model-name", help="model name clients send (default: the snapshot's name)")
+    p.add_argument("--threads", type=_positive_int, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--max-model-len", type=_positive_int, help="context window (default: model's, at most 4096)"
+    )
+    p.add_argument("--max-num-seqs", type=_positive_int, default=8, help="requests generated together")
+    p.add_argument("--max-waiting", type=_non_negative_int, default=64, help="requests queued beyond those")
+    p.add_argument("--queue-timeout", type=_positive_float, default=60.0, help="seconds a request may queue")
+    p.add_argument(
+        "--kv-cache-tokens", type=_positive_int, help="KV cache size in tokens (default 2×context)"
+    )
+    p.add_argument("--max-body-bytes", type=_positive_int, default=1 << 20)
+    p.add_argument(
+        "--grace-period", type=_positive_float, default=30.0, help="seconds in-flight requests get on SIGTERM"
+    )
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from stoker.errors import CLIError
+
+    t0 = time.monotonic()
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    snapshot_dir = resolve_snapshot(args.snapshot)
+    from stoker.engine.checks import refuse_unloadable
+
+    try:
+        refuse_unloadable(snapshot_dir)
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
+    name = args.served_model_name or snapshot_dir.name
+
+    import torch
+    import uvicorn
+
+    from stoker.engine.app import build_app
+    from stoker.engine.core import Engine, EngineConfig
+    from stoker.engine.metrics import EngineMetrics
+
+    imports_s = time.monotonic() - t0
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        config = EngineConfig(
+            snapshot_dir=snapshot_dir,
+            served_model_name=name,
+            dtype=args.dtype,
+            max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            max_waiting=args.max_waiting,
+            queue_timeout_s=args.queue_timeout,
+            kv_cache_tokens=args.kv_cache_tokens,
+        )
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
+    engine = Engine(config, EngineMetrics(name))
+    engine.phases["imports"] = imports_s
+    server: uvicorn.Server | None = None
+
+    def load() -> None:
+        try:
+            engine.load()
+        except Exception as exc:
+            log.exception("loading %s failed", snapshot_dir)
+            engine.state, engine.failure = "failed", str(exc)
+            server.should_exit = True
+            return
+        log.info(
+            "ready: serving %r from %s on http://%s:%d (imports %.2fs, weights %.2fs, warm-up %.2fs)",
+            name,
+            snapshot_dir,
+            args.host,
+            args.port,
+            engine.phases["imports"],
+            engine.phases["weight_load"],
+            engine.phases["warm_up"],
+        )
+
+    app = build_app(
+        engine,
+        max_body_bytes=args.max_body_bytes,
+        on_startup=lambda: threading.Thread(target=load, name="engine-load", daemon=True).start(),
+        on_shutdown=engine.shutdown,
+    )
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        access_log=False,
+        timeout_graceful_shutdown=args.grace_period,
+        timeout_keep_alive=30,
+    )
+    server = uvicorn.Server(config)
+    # uvicorn drains on SIGTERM, then re-raises the signal under the handler it found at start, so
+    # the process would die by the signal. Finding SIGTERM ignored makes a drained stop exit 0.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    server.run()
+    return 1 if engine.state == "failed" else 0
+
+
+def resolve_snapshot(ref: str) -> Path:
+    """A directory path as given, else an id, id prefix or name in the local snapshot store."""
+    path = Path(ref).expanduser()
+    if path.is_dir():
+        return path.resolve()
+    from snapshots.store import SnapshotStore
+    from stoker.paths import snapshot_store_dir
+
+    return SnapshotStore(snapshot_store_dir()).resolve(ref).path
+
+
+def _port(value: str) -> int:
+    port = _int(value)
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port in 1..65535, got {value}")
+    return port
+
+
+def _int(value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {value!r}") from None
+
+
+def _positive_int(value: str) -> int:
+    n = _int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return n
+
+
+def _non_negative_int(value: str) -> int:
+    n = _int(value)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return n
+
+
+def _positive_float(value: str) -> float:
+    try:
+        x = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {value!r}") from None
+    if not x > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return x

@@ -1,0 +1,54 @@
+"""Errors in OpenAI's JSON shape, shared by the CPU engine and (later) the gateway.
+
+Every error a client can see is an `APIError`; the one place that turns it into HTTP is
+`error_response`. The body is OpenAI's:
+
+    {"error": {"message": "...", "type": "invalid_request_error", "param": "max_tokens", "code": null}}
+
+so the official clients raise their usual exception classes (`BadRequestError`, `NotFoundError`,
+`InternalServerError`, ...).
+"""
+
+from __future__ import annotations
+
+from starlette.responses import JSONResponse
+
+INVALID_REQUEST = "invalid_request_error"
+NOT_FOUND = "not_found_error"
+UNAVAILABLE = "service_unavailable_error"
+SERVER_ERROR = "server_error"
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = INVALID_REQUEST,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def invalid(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def unavailable(message: str, code: str, retry_after_s: int = 1) -> APIError:
+    return APIError(503, message, type=UNAVAILABLE, code=code, headers={"retry-after": str(retry_after_s)})
+
+
+def error_response(exc: APIError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)

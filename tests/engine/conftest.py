@@ -1,0 +1,110 @@
+"""Engine processes for the tests: real `stoker engine` processes on free loopback ports."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import STOKER
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class EngineProcess:
+    proc: subprocess.Popen
+    url: str
+    log: Path
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"engine exited with {self.proc.returncode}:\n{self.log.read_text()[-3000:]}"
+                )
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"engine not ready after {timeout}s:\n{self.log.read_text()[-3000:]}")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                return self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        return self.proc.wait()
+
+
+def launch_engine(snapshot: Path, log_dir: Path, *extra: str, env: dict | None = None) -> EngineProcess:
+    port = free_port()
+    log = log_dir / f"engine-{port}.log"
+    cmd = [STOKER, "engine", "--snapshot", str(snapshot), "--port", str(port), "--served-model-name", "tiny"]
+    cmd += ["--threads", "1", *extra]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env or os.environ.copy())
+    return EngineProcess(proc, f"http://127.0.0.1:{port}", log)
+
+
+@pytest.fixture(scope="session")
+def tiny_snapshot(tiny_model_dir: Path, stoker_env: dict) -> Path:
+    """The tiny model imported into the session's snapshot store, as the platform would."""
+    out = subprocess.run(
+        [STOKER, "snapshot", "import", str(tiny_model_dir), "--name", "tiny", "--json"],
+        env=stoker_env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return Path(json.loads(out.stdout)["path"])
+
+
+@pytest.fixture(scope="session")
+def engine(tiny_snapshot: Path, tmp_path_factory, stoker_env) -> Iterator[EngineProcess]:
+    """One engine shared by the tests that only send requests."""
+    e = launch_engine(tiny_snapshot, tmp_path_factory.mktemp("engine-logs"), env=stoker_env)
+    try:
+        e.wait_ready()
+        yield e
+    finally:
+        e.stop()
+
+
+@pytest.fixture
+def fresh_engine(tiny_snapshot: Path, tmp_path: Path, stoker_env):
+    """A factory of engines with their own flags, stopped after the test."""
+    started: list[EngineProcess] = []
+
+    def start(*extra: str) -> EngineProcess:
+        e = launch_engine(tiny_snapshot, tmp_path, *extra, env=stoker_env)
+        started.append(e)
+        e.wait_ready()
+        return e
+
+    yield start
+    for e in started:
+        e.stop()
+
+
+if sys.platform != "linux":  # pragma: no cover
+    pytest.skip("the engine tests need Linux process semantics", allow_module_level=True)
