@@ -22,7 +22,13 @@ $(STAMP): pyproject.toml | $(PY)
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/stoker run-embedded --host $(HOST) --port $(PORT)
+	@$(VENV)/bin/stoker snapshot import --builtin smollm2 --name smollm2
+	@echo
+	@echo "Serving smollm2 on http://$(HOST):$(PORT) once it logs 'ready'. Try:"
+	@echo "  curl -s http://$(HOST):$(PORT)/v1/chat/completions -H 'content-type: application/json' \\"
+	@echo "    -d '{\"model\": \"smollm2\", \"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of France?\"}]}'"
+	@echo
+	$(VENV)/bin/stoker engine --snapshot smollm2 --served-model-name smollm2 --host $(HOST) --port $(PORT)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .

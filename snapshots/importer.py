@@ -34,11 +34,22 @@ class SourceFile:
     path: Path  # where its bytes are read from (a symlink's target, already checked)
 
 
+def _in_hf_cache_blobs(root: Path, target: Path) -> bool:
+    """`models--org--name/snapshots/<rev>/file` links to `models--org--name/blobs/<sha>` in HF's cache.
+
+    Those links are the cache's normal layout; any other link out of the source could copy an
+    unrelated file (a key, a password file) into a snapshot that may later be pushed to a bucket.
+    """
+    repo = root.parent.parent
+    return root.parent.name == "snapshots" and target.parent == repo / "blobs"
+
+
 def scan_hf_dir(src: Path) -> list[SourceFile]:
     """The files to import from `src`, sorted; raise if the directory is not a safe HF model.
 
     Hidden files and dirs (`.git`, `.cache`, `.gitattributes`) are not part of a model and are
-    skipped. A symlink is followed only when it stays inside `src`.
+    skipped. A symlink is followed only when it stays inside `src`, or when `src` is a revision
+    of a Hugging Face cache and the link leads to that repository's blob store.
     """
     if not src.exists():
         raise InvalidSource(f"no such file or directory: {src}")
@@ -58,7 +69,7 @@ def scan_hf_dir(src: Path) -> list[SourceFile]:
             path = here / filename
             rel = path.relative_to(src).as_posix()
             target = path.resolve()
-            if path.is_symlink() and not target.is_relative_to(root):
+            if path.is_symlink() and not (target.is_relative_to(root) or _in_hf_cache_blobs(root, target)):
                 raise UnsafeFileError(
                     f"refusing {rel}: a symlink to {target}, outside {src} (copy the files with cp -L first)"
                 )

@@ -109,6 +109,21 @@ def test_symlink_inside_the_source_is_copied_as_a_file(
     assert copied.read_bytes() == (src / "tokenizer.json").read_bytes()
 
 
+def test_hugging_face_cache_layout_is_followed_into_its_blobs(
+    tiny_model_dir: Path, store: SnapshotStore, tmp_path: Path
+) -> None:
+    repo = tmp_path / "hub" / "models--org--tiny"
+    (repo / "blobs").mkdir(parents=True)
+    revision = repo / "snapshots" / "0123abcd"
+    revision.mkdir(parents=True)
+    for f in sorted(tiny_model_dir.iterdir()):
+        blob = repo / "blobs" / f"blob-{f.name}"
+        blob.write_bytes(f.read_bytes())
+        (revision / f.name).symlink_to(Path("../../blobs") / blob.name)
+    record = import_hf_dir(revision, store)
+    assert record.id == import_hf_dir(tiny_model_dir, store).id  # the same bytes, the same snapshot
+
+
 def test_hidden_files_are_not_imported(tiny_model_dir: Path, store: SnapshotStore, tmp_path: Path) -> None:
     src = copy_model(tiny_model_dir, tmp_path / "src")
     (src / ".git").mkdir()
