@@ -1,0 +1,112 @@
+"""The commands that start engines, byte for byte, and the GPU inventory that places vLLM ones."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from warm_pool.errors import InvalidConfig, NoGpuAvailable
+from warm_pool.launch import GpuInventory, LaunchSpec, cpu_engine_spec, vllm_spec
+
+SNAP = Path("/data/snapshots/abc123")
+
+
+def test_cpu_engine_command():
+    spec = cpu_engine_spec(SNAP, 41234, "smollm2", threads=2, stoker_executable="/opt/bin/stoker")
+    assert spec.argv == (
+        "/opt/bin/stoker", "engine", "--snapshot", "/data/snapshots/abc123", "--port", "41234",
+        "--host", "127.0.0.1", "--served-model-name", "smollm2", "--threads", "2",
+    )  # fmt: skip
+    assert dict(spec.env) == {"PYTHONUNBUFFERED": "1"}
+    assert spec.health_path == "/health"
+
+
+def test_cpu_engine_defaults_to_the_stoker_script_beside_this_python():
+    spec = cpu_engine_spec(SNAP, 8001, "m", host="::1", extra_args=("--grace-period", "5"))
+    assert spec.argv[0] == str(Path(sys.executable).with_name("stoker"))
+    assert spec.argv[1:] == (
+        "engine", "--snapshot", str(SNAP), "--port", "8001", "--host", "::1", "--served-model-name", "m",
+        "--grace-period", "5",
+    )  # fmt: skip
+
+
+def test_vllm_on_one_gpu():
+    spec = vllm_spec(SNAP, 8000, "llama", [3])
+    assert spec.argv == (
+        "vllm", "serve", "/data/snapshots/abc123", "--host", "127.0.0.1", "--port", "8000",
+        "--served-model-name", "llama", "--enable-sleep-mode",
+    )  # fmt: skip
+    assert dict(spec.env) == {
+        "PYTHONUNBUFFERED": "1",
+        "CUDA_VISIBLE_DEVICES": "3",
+        "VLLM_SERVER_DEV_MODE": "1",
+    }
+
+
+def test_vllm_tensor_parallel_over_the_gpus_it_was_given():
+    spec = vllm_spec(SNAP, 8000, "big", [4, 5, 6, 7], extra_args=("--max-model-len", "8192"))
+    assert spec.argv[-4:] == ("--tensor-parallel-size", "4", "--max-model-len", "8192")
+    assert spec.env["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
+    with pytest.raises(ValueError, match="at least one GPU"):
+        vllm_spec(SNAP, 8000, "none", [])
+
+
+def test_a_spec_cannot_be_changed_after_it_is_built():
+    env = {"A": "1"}
+    spec = LaunchSpec(["x", "y"], env)  # type: ignore[arg-type]
+    env["A"] = "2"
+    assert spec.argv == ("x", "y") and spec.env["A"] == "1"
+    with pytest.raises(TypeError):
+        spec.env["B"] = "3"  # type: ignore[index]
+    assert spec == LaunchSpec(("x", "y"), {"A": "1"})
+
+
+def test_inventory_hands_out_the_lowest_free_gpus_and_takes_them_back():
+    inv = GpuInventory([0, 1, 2, 3])
+    assert inv.acquire(2, "a-1") == [0, 1]
+    assert inv.acquire(1, "b-1") == [2]
+    with pytest.raises(NoGpuAvailable) as err:
+        inv.acquire(2, "c-1")
+    assert str(err.value) == "c-1 needs 2 GPUs, 1 free of 4 (held: a-1: [0, 1], b-1: [2])"
+    assert inv.release("a-1") == [0, 1]
+    assert inv.release("a-1") == []  # twice is fine
+    assert inv.acquire(2, "c-1") == [0, 1]
+    assert inv.free() == [3] and inv.held_by("b-1") == [2]
+
+
+def test_inventory_refuses_misuse():
+    inv = GpuInventory([0, 1])
+    inv.acquire(1, "a")
+    with pytest.raises(ValueError, match="a already holds GPUs"):
+        inv.acquire(1, "a")
+    with pytest.raises(ValueError, match="n >= 1, got 0"):
+        inv.acquire(0, "b")
+    with pytest.raises(NoGpuAvailable, match="b needs 1 GPU, 0 free of 0"):
+        GpuInventory([]).acquire(1, "b")
+    with pytest.raises(InvalidConfig, match="distinct"):
+        GpuInventory([0, 0])
+
+
+@pytest.mark.parametrize(
+    ("environ", "gpus"),
+    [
+        ({}, []),
+        ({"CUDA_VISIBLE_DEVICES": "0,1,3"}, [0, 1, 3]),
+        ({"STOKER_GPUS": "2", "CUDA_VISIBLE_DEVICES": "0,1"}, [2]),
+        ({"STOKER_GPUS": ""}, []),
+        ({"CUDA_VISIBLE_DEVICES": " 1, 2 ,"}, [1, 2]),
+        ({"CUDA_VISIBLE_DEVICES": "-1"}, []),
+        ({"CUDA_VISIBLE_DEVICES": "0,1,-1,2"}, [0, 1]),  # CUDA stops at the first invalid index
+    ],
+)
+def test_inventory_from_env(environ, gpus):
+    assert list(GpuInventory.from_env(environ).gpus) == gpus
+
+
+def test_inventory_from_env_refuses_what_it_cannot_read():
+    with pytest.raises(InvalidConfig) as err:
+        GpuInventory.from_env({"CUDA_VISIBLE_DEVICES": "GPU-8f2c"})
+    assert err.value.field == "CUDA_VISIBLE_DEVICES"
+    assert str(err.value) == "CUDA_VISIBLE_DEVICES must list GPU indices like 0,1,3, got 'GPU-8f2c'"

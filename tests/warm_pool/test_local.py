@@ -1,0 +1,137 @@
+"""The local backend on real processes: a real `stoker engine`, stubborn ones, ones that die early."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import sys
+from dataclasses import replace
+
+import pytest
+from aiohttp import web
+
+from warm_pool.errors import StartFailed
+from warm_pool.launch import LaunchSpec, cpu_engine_spec
+from warm_pool.local import LocalBackend, free_port, read_start_ticks
+
+from .support import SLEEPER, STUBBORN_WITH_CHILD, pid_gone, python, read_pid_line, wait_gone
+
+if sys.platform != "linux":  # pragma: no cover
+    pytest.skip("the local backend needs Linux's /proc", allow_module_level=True)
+
+
+async def test_a_real_engine_starts_reports_its_phases_and_drains_to_exit_0(
+    tmp_path, tiny_model_dir, stoker_env
+):
+    backend = LocalBackend(tmp_path / "logs")
+    port = free_port()
+    spec = cpu_engine_spec(tiny_model_dir, port, "tiny", threads=1)
+    offline = {k: stoker_env[k] for k in ("STOKER_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    spec = replace(spec, env={**spec.env, **offline})
+    handle = await backend.start("tiny-0a1b2c3d", spec)
+    try:
+        assert handle.pgid == handle.pid == os.getpgid(handle.pid) != os.getpgid(0)
+        assert handle.start_ticks == read_start_ticks(handle.pid)
+        await backend.wait_ready(handle, f"http://127.0.0.1:{port}", timeout_s=120)
+        assert backend.is_alive(handle)
+        phases = await backend.read_startup_phases(f"http://127.0.0.1:{port}")
+        assert {"imports", "weight_load", "warm_up"} <= phases.keys()
+        assert all(v > 0 for v in phases.values())
+    finally:
+        code = await backend.stop(handle, term_timeout_s=30)
+    assert code == 0
+    assert pid_gone(handle.pid)
+    with pytest.raises(ProcessLookupError):
+        os.kill(handle.pid, 0)  # reaped, not a zombie
+    with pytest.raises(ProcessLookupError):
+        os.killpg(handle.pgid, 0)  # and nothing is left in its group
+    assert not backend.is_alive(handle)
+    assert await backend.stop(handle, term_timeout_s=1) is None  # again: nothing to do
+    assert "ready: serving 'tiny'" in (tmp_path / "logs" / "tiny-0a1b2c3d.log").read_text()
+
+
+async def test_a_process_ignoring_sigterm_is_killed_with_its_whole_group(tmp_path):
+    backend = LocalBackend(tmp_path)
+    handle = await backend.start("stubborn-1", LaunchSpec(python(STUBBORN_WITH_CHILD)))
+    child = await read_pid_line(tmp_path / "stubborn-1.log")
+    assert os.getpgid(child) == handle.pgid
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    code = await backend.stop(handle, term_timeout_s=0.5)
+    assert loop.time() - t0 >= 0.5  # SIGTERM was given its time, and ignored
+    assert code == -signal.SIGKILL
+    assert pid_gone(handle.pid)
+    assert await wait_gone(child), f"child {child} of the killed group still runs"
+
+
+async def test_a_process_that_exits_while_starting_fails_with_its_log_tail(tmp_path):
+    backend = LocalBackend(tmp_path)
+    code = "import sys; print('loading weights'); print('boom: no config.json', file=sys.stderr); sys.exit(3)"
+    spec = LaunchSpec(python(code))
+    for _ in range(2):  # the log is appended to, not replaced
+        handle = await backend.start("dies-1", spec)
+        with pytest.raises(StartFailed) as err:
+            await backend.wait_ready(handle, f"http://127.0.0.1:{free_port()}", timeout_s=30)
+        assert await backend.stop(handle, term_timeout_s=1) == 3
+    message = str(err.value)
+    assert "exited with status 3 before it was ready" in message
+    assert message.endswith(
+        "log: loading weights | boom: no config.json | loading weights | boom: no config.json"
+    )
+    assert "\n" not in message
+    assert err.value.exit_code == 3
+
+
+async def test_a_process_that_never_answers_times_out(tmp_path):
+    backend = LocalBackend(tmp_path)
+    handle = await backend.start("mute-1", LaunchSpec(python(SLEEPER)))
+    with pytest.raises(StartFailed, match=r"not ready after 0.3s \(last: ClientConnectorError\)"):
+        await backend.wait_ready(handle, f"http://127.0.0.1:{free_port()}", timeout_s=0.3, interval_s=0.05)
+    assert backend.is_alive(handle)  # the caller decides what to do with it
+    assert await backend.stop(handle, term_timeout_s=5) == -signal.SIGTERM
+
+
+async def test_is_alive_wants_the_same_pid_and_start_time(tmp_path):
+    backend = LocalBackend(tmp_path)
+    handle = await backend.start("s-1", LaunchSpec(python(SLEEPER)))
+    try:
+        assert backend.is_alive(handle)
+        assert not backend.is_alive(replace(handle, start_ticks=handle.start_ticks + 1))  # a recycled PID
+        assert LocalBackend(tmp_path).is_alive(handle)  # another backend (a restarted run) agrees
+    finally:
+        await backend.stop(handle, term_timeout_s=5)
+    assert not backend.is_alive(handle)
+    assert not LocalBackend(tmp_path).is_alive(handle)
+
+
+async def test_stop_of_a_process_that_already_exited_returns_its_status(tmp_path):
+    backend = LocalBackend(tmp_path)
+    handle = await backend.start("quick-1", LaunchSpec(python("raise SystemExit(7)")))
+    assert await wait_gone(handle.pid)
+    assert await backend.stop(handle, term_timeout_s=1) == 7
+
+
+async def test_startup_phases_are_empty_when_the_engine_has_none(tmp_path):
+    async def metrics(_):
+        return web.Response(
+            text='# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{model_name="x"} 0.0\n'
+        )
+
+    runner = web.AppRunner(web.Application())
+    runner.app.router.add_get("/metrics", metrics)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        assert await LocalBackend(tmp_path).read_startup_phases(f"http://127.0.0.1:{port}") == {}
+    finally:
+        await runner.cleanup()
+    assert await LocalBackend(tmp_path).read_startup_phases(f"http://127.0.0.1:{port}") == {}  # nobody there
+
+
+def test_free_port_can_be_bound():
+    port = free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))

@@ -1,0 +1,234 @@
+"""The local backend: engine processes on this machine, each in its own process group.
+
+A process is named by `ProcessHandle(pid, pgid, start_ticks)`: `start_ticks` is the kernel's start
+time of the process (`/proc/<pid>/stat`, field 22), so a handle read back after a restart is not
+mistaken for an unrelated process that got the same PID later. Stopping signals the whole group,
+so whatever the engine spawned goes with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from warm_pool.errors import StartFailed
+from warm_pool.launch import LaunchSpec
+
+STARTUP_PHASE_METRIC = "stoker_engine_startup_phase_seconds"
+_LOG_TAIL_LINES = 5
+
+
+@dataclass(frozen=True)
+class ProcessHandle:
+    pid: int
+    pgid: int
+    start_ticks: int  # -1 if the process was gone before it could be read
+
+
+@dataclass
+class _Child:
+    process: asyncio.subprocess.Process
+    log_path: Path
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port the OS calls free now. Another process may take it before the engine binds it; the
+    engine then exits at once and the start fails like any other."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def read_start_ticks(pid: int) -> int | None:
+    """Field 22 of /proc/<pid>/stat; None if there is no such process or it is a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    # Field 2 is the command name in parentheses and may itself hold spaces and ")": split after the
+    # last ")". What follows starts at field 3 (state), so field 22 is index 19.
+    fields = stat[stat.rindex(")") + 2 :].split()
+    if fields[0] in ("Z", "X"):
+        return None
+    return int(fields[19])
+
+
+def log_tail(path: Path, lines: int = _LOG_TAIL_LINES) -> str:
+    """The last non-empty lines of a log, joined by " | " to keep messages on one line."""
+    try:
+        with path.open("rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 8192))
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+    return " | ".join([line.strip() for line in text.splitlines() if line.strip()][-lines:])
+
+
+class LocalBackend:
+    def __init__(self, log_dir: Path, clock: Callable[[], float] = time.monotonic) -> None:
+        self.log_dir = log_dir
+        self._clock = clock
+        self._children: dict[ProcessHandle, _Child] = {}  # processes this backend started and has not reaped
+
+    def log_path(self, instance_id: str) -> Path:
+        return self.log_dir / f"{instance_id}.log"
+
+    async def start(self, instance_id: str, spec: LaunchSpec) -> ProcessHandle:
+        """Spawn `spec` in a new session (its own process group), output appended to its log."""
+        if not instance_id or "/" in instance_id or instance_id.startswith("."):
+            raise ValueError(f"instance id must be a plain file name, got {instance_id!r}")
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self.log_path(instance_id)
+        with log_path.open("ab") as log:
+            process = await asyncio.create_subprocess_exec(
+                *spec.argv,
+                env=os.environ | dict(spec.env),
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=log,
+                stderr=asyncio.subprocess.STDOUT,
+                start_new_session=True,
+            )
+        ticks = read_start_ticks(process.pid)
+        # start_new_session makes the child a session and group leader: its pgid is its pid.
+        handle = ProcessHandle(process.pid, process.pid, -1 if ticks is None else ticks)
+        self._children[handle] = _Child(process, log_path)
+        return handle
+
+    def is_alive(self, handle: ProcessHandle) -> bool:
+        """The same process (PID and start time) still runs; a recycled PID does not count."""
+        child = self._children.get(handle)
+        if child is not None and child.process.returncode is not None:
+            return False
+        return read_start_ticks(handle.pid) == handle.start_ticks
+
+    async def wait_ready(
+        self,
+        handle: ProcessHandle,
+        url: str,
+        timeout_s: float,
+        interval_s: float = 0.1,
+        *,
+        health_path: str = "/health",
+    ) -> None:
+        """Poll `url + health_path` until 200. `StartFailed` if the process exits first or time runs
+        out; the process is left as it is (the caller stops it)."""
+        deadline = self._clock() + timeout_s
+        last = "no answer yet"
+        async with aiohttp.ClientSession() as session:
+            while True:
+                if not self.is_alive(handle):
+                    code = await self._exit_code(handle)
+                    raise self._failed(handle, f"exited with status {code} before it was ready", code)
+                remaining = deadline - self._clock()
+                if remaining <= 0:
+                    raise self._failed(handle, f"not ready after {timeout_s:g}s (last: {last})", None)
+                try:
+                    timeout = aiohttp.ClientTimeout(total=min(1.0, remaining))
+                    async with session.get(url + health_path, timeout=timeout) as r:
+                        if r.status == 200:
+                            return
+                        last = f"HTTP {r.status}"
+                except (aiohttp.ClientError, TimeoutError) as exc:
+                    last = type(exc).__name__
+                await asyncio.sleep(min(interval_s, max(0.0, deadline - self._clock())))
+
+    async def stop(self, handle: ProcessHandle, term_timeout_s: float) -> int | None:
+        """SIGTERM the group, SIGKILL it after `term_timeout_s`; the exit code if this backend started
+        the process and it has not been stopped before, else None. Safe to repeat, and on the dead."""
+        child = self._children.get(handle)
+        if child is None:
+            return await self._stop_foreign(handle, term_timeout_s)
+        process = child.process
+        try:
+            if process.returncode is None:
+                _killpg(handle.pgid, signal.SIGTERM)
+                try:
+                    await asyncio.wait_for(process.wait(), term_timeout_s)
+                except TimeoutError:
+                    _killpg(handle.pgid, signal.SIGKILL)
+                    await process.wait()
+        except asyncio.CancelledError:
+            _killpg(handle.pgid, signal.SIGKILL)  # a cancelled stop still leaves nothing running
+            raise
+        # The leader is gone; anything it left in its group goes now. (A group with members left
+        # keeps its id reserved, so this cannot reach a stranger; an empty one answers ESRCH.)
+        _killpg(handle.pgid, signal.SIGKILL)
+        self._children.pop(handle, None)
+        return process.returncode
+
+    async def _stop_foreign(self, handle: ProcessHandle, term_timeout_s: float) -> None:
+        """A process another run started (from the records): not ours to reap, so poll until gone."""
+        if not self.is_alive(handle):
+            return None  # already gone, or its PID now names another process: leave that one alone
+        _killpg(handle.pgid, signal.SIGTERM)
+        if not await self._gone_within(handle, term_timeout_s):
+            _killpg(handle.pgid, signal.SIGKILL)
+            await self._gone_within(handle, 5.0)
+        _killpg(handle.pgid, signal.SIGKILL)
+        return None
+
+    async def _gone_within(self, handle: ProcessHandle, seconds: float) -> bool:
+        deadline = self._clock() + seconds
+        while self.is_alive(handle):
+            if self._clock() >= deadline:
+                return False
+            await asyncio.sleep(0.05)
+        return True
+
+    async def read_startup_phases(self, url: str) -> dict[str, float]:
+        """`{phase: seconds}` from the engine's `stoker_engine_startup_phase_seconds`; `{}` if the
+        engine has no such metric (vLLM) or cannot be read: these numbers are informative only."""
+        try:
+            async with (
+                aiohttp.ClientSession() as session,
+                session.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=5)) as r,
+            ):
+                if r.status != 200:
+                    return {}
+                text = await r.text()
+        except (aiohttp.ClientError, TimeoutError):
+            return {}
+        phases: dict[str, float] = {}
+        try:
+            for family in text_string_to_metric_families(text):
+                if family.name != STARTUP_PHASE_METRIC:
+                    continue
+                for sample in family.samples:
+                    if "phase" in sample.labels:
+                        phases[sample.labels["phase"]] = sample.value
+        except ValueError:
+            return {}
+        return phases
+
+    async def _exit_code(self, handle: ProcessHandle) -> int | None:
+        """The status of a child seen dead; the reaping may trail the death by a moment."""
+        child = self._children.get(handle)
+        if child is None:
+            return None
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(child.process.wait(), 1.0)
+        return child.process.returncode
+
+    def _failed(self, handle: ProcessHandle, what: str, code: int | None) -> StartFailed:
+        child = self._children.get(handle)
+        tail = log_tail(child.log_path) if child else ""
+        where = f" ({child.log_path})" if child else ""
+        message = f"engine pid {handle.pid} {what}{where}" + (f"; log: {tail}" if tail else "")
+        return StartFailed(message, exit_code=code, log_tail=tail)
+
+
+def _killpg(pgid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, sig)
