@@ -1,7 +1,32 @@
 """The activator: holds requests while capacity comes up, picks a ready instance, streams the answer.
 
-Nothing lives here yet. It will hold, per deployment, a bounded queue of requests with deadlines, the
-load-balancing policy (least outstanding requests) and the unbuffered streaming proxy (aiohttp). It
-imports none of Stoker's other packages: the composition root wires it to the warm pool through a
-small protocol declared here.
+Per deployment, an `Activator` holds a bounded queue of requests with deadlines, picks the ready
+instance with the fewest outstanding requests (`balancer.pick`) and relays the answer through an
+unbuffered streaming proxy (aiohttp, one shared connection pool). It imports none of Stoker's other
+packages: the composition root wires it to the warm pool through the protocols in `source.py`.
+
+    activator = Activator("smollm2", pool, ActivatorConfig(), session, ActivatorMetrics(registry))
+    await activator.serve(scope, receive, send, body, stream)   # raises ActivatorError before headers
 """
+
+from activator.activator import Activator
+from activator.balancer import pick
+from activator.config import ActivatorConfig
+from activator.errors import ActivatorError, DeadlineExceeded, NoCapacity, QueueFull, UpstreamError
+from activator.metrics import ActivatorMetrics
+from activator.source import Endpoint, InstanceSource, Load
+
+__all__ = [
+    "Activator",
+    "ActivatorConfig",
+    "ActivatorError",
+    "ActivatorMetrics",
+    "DeadlineExceeded",
+    "Endpoint",
+    "InstanceSource",
+    "Load",
+    "NoCapacity",
+    "QueueFull",
+    "UpstreamError",
+    "pick",
+]

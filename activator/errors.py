@@ -1,0 +1,64 @@
+"""The activator's errors: the only exceptions that leave the package.
+
+aiohttp's errors (and timeouts) are translated into these where they enter, in `proxy.py`; the
+gateway holds the one table from these to HTTP statuses in OpenAI's error shape.
+"""
+
+from __future__ import annotations
+
+
+class ActivatorError(Exception):
+    """Base of every error the activator raises to the gateway. Raised only before any header went
+    to the client; once a response has started, the activator ends it with an SSE error event instead.
+
+        ActivatorError                     code               gateway answers
+        ├── NoCapacity                     (retry_after_s)
+        │   ├── QueueFull                  "queue_full"       503 + Retry-After
+        │   └── DeadlineExceeded           "hold_deadline"    503 + Retry-After
+        └── UpstreamError                  "upstream_failed"  502
+
+    `code` is OpenAI's error `code` field; `str(exc)` is a one-line message for the client.
+    """
+
+    code = "activator_error"
+
+
+class NoCapacity(ActivatorError):
+    """No instance could take the request; the client may retry after `retry_after_s` seconds."""
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class QueueFull(NoCapacity):
+    """The hold queue is at its bound: refused at once, without waiting."""
+
+    code = "queue_full"
+
+    def __init__(self, retry_after_s: int, max_queued: int = 0) -> None:
+        super().__init__(
+            f"No capacity: {max_queued} requests are already waiting for an instance; retry later.",
+            retry_after_s,
+        )
+        self.max_queued = max_queued
+
+
+class DeadlineExceeded(NoCapacity):
+    """The request was held for `hold_deadline_s` and no instance became free."""
+
+    code = "hold_deadline"
+
+    def __init__(self, retry_after_s: int, held_s: float = 0.0) -> None:
+        super().__init__(f"No instance became available within {held_s:.1f} s; retry later.", retry_after_s)
+        self.held_s = held_s
+
+
+class UpstreamError(ActivatorError):
+    """The instance failed before answering, and so did the one retry on another instance."""
+
+    code = "upstream_failed"
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"The model instance failed before answering: {reason}")
+        self.reason = reason

@@ -1,0 +1,59 @@
+"""The activator's Prometheus metrics, registered on a registry the composition root hands in.
+
+One `ActivatorMetrics` per registry, shared by every deployment's `Activator` (the series are
+labelled by deployment); no module-level collectors.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# LLM latencies span five orders of magnitude: a proxied first byte from a hot instance takes
+# milliseconds, a cold start on vLLM a minute or more, a long generation several minutes.
+LATENCY_BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+)  # fmt: skip
+
+
+class ActivatorMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = Counter(
+            "stoker_requests_total",
+            "Requests answered by the activator, by deployment and HTTP status (499: the client left).",
+            ["deployment", "code"],
+            registry=registry,
+        )
+        self.ttft = Histogram(
+            "stoker_request_ttft_seconds",
+            "From arrival at the activator to the first body byte from the instance.",
+            ["deployment"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.duration = Histogram(
+            "stoker_request_duration_seconds",
+            "From arrival at the activator to the end of the response.",
+            ["deployment"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.queue_length = Gauge(
+            "stoker_queue_length",
+            "Requests held now, waiting for an instance.",
+            ["deployment"],
+            registry=registry,
+        )
+        self.queue_wait = Histogram(
+            "stoker_queue_wait_seconds",
+            "Time a request was held waiting for an instance (granted, timed out or abandoned).",
+            ["deployment"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.cold_start_first_token = Histogram(
+            "stoker_cold_start_first_token_seconds",
+            "Cold starts, first-token phase: from an instance becoming available to the first byte.",
+            ["deployment"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )

@@ -1,0 +1,238 @@
+"""The streaming proxy: one request to one instance, relayed to the client as it arrives.
+
+Nothing is buffered between the upstream read and the client's `send`: each chunk from
+`readany()` is sent, and the send awaited, before the next read, so a slow client slows the
+instance down through TCP backpressure (the habit of uvicorn's flow control). The client gets the
+response start only when the first body byte is in hand: until then nothing from this instance has
+reached the client, and a failure can still be retried on another one.
+
+aiohttp's errors and our own timeouts become `Failed` here; `Activator` turns that into a retry,
+an `UpstreamError`, or an SSE error event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+import aiohttp
+
+from activator.config import ActivatorConfig
+from activator.source import Endpoint
+
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+
+# An instance answering these is sick or overloaded, not the request: worth another instance.
+RETRYABLE = frozenset({502, 503, 504})
+# Hop-by-hop headers (RFC 9110 §7.6.1) and framing: the client-facing server re-frames the body.
+# `date` and `server` are the front server's to set; forwarding them would duplicate them.
+DROPPED = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"proxy-connection",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+        b"content-length",
+        b"date",
+        b"server",
+    }
+)
+ERROR_BODY_LIMIT = 64 * 1024  # an instance's error body, re-framed as one SSE event
+
+
+class Failed(Exception):
+    """The instance failed before any of its bytes reached the client (one line: why)."""
+
+
+def sse_event(data: dict | str) -> bytes:
+    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    return f"data: {payload}\n\n".encode()
+
+
+def error_event(message: str, type: str, code: str) -> bytes:
+    """OpenAI's error object as an SSE event, then the end marker clients wait for."""
+    body = {"error": {"message": message, "type": type, "param": None, "code": code}}
+    return sse_event(body) + sse_event("[DONE]")
+
+
+class Reply:
+    """What has gone to the client so far, and the only ways to add to it."""
+
+    __slots__ = ("_send", "sse", "started", "status")
+
+    def __init__(self, send: Send) -> None:
+        self._send = send
+        self.started = False  # the response start (status and headers) went out
+        self.sse = False  # ... and it announced an event stream
+        self.status = 0
+
+    async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        self.started, self.status = True, status
+        self.sse = any(n == b"content-type" and v.startswith(b"text/event-stream") for n, v in headers)
+        await self._send({"type": "http.response.start", "status": status, "headers": headers})
+
+    async def body(self, chunk: bytes) -> None:
+        await self._send({"type": "http.response.body", "body": chunk, "more_body": True})
+
+    async def end(self, chunk: bytes = b"") -> None:
+        await self._send({"type": "http.response.body", "body": chunk, "more_body": False})
+
+    async def keepalive(self, cold: bool) -> None:
+        """An SSE comment for a held stream, after a 200 event-stream start if none went out yet."""
+        if not self.started:
+            await self.start(200, held_headers(cold))
+        await self.body(b": waiting for capacity\n\n")
+
+
+def held_headers(cold: bool) -> list[tuple[bytes, bytes]]:
+    return [
+        (b"content-type", b"text/event-stream; charset=utf-8"),
+        (b"cache-control", b"no-cache"),
+        (b"x-accel-buffering", b"no"),  # tells nginx-style proxies in front not to buffer
+        (b"x-stoker-cold-start", b"true" if cold else b"false"),
+    ]
+
+
+def relayed_headers(resp: aiohttp.ClientResponse, endpoint_id: str, cold: bool) -> list[tuple[bytes, bytes]]:
+    named = {
+        token.strip().lower().encode()
+        for value in resp.headers.getall("connection", ())
+        for token in value.split(",")
+    }
+    headers = [
+        (name.lower(), value)
+        for name, value in resp.raw_headers
+        if name.lower() not in DROPPED and name.lower() not in named
+    ]
+    headers.append((b"x-stoker-instance", endpoint_id.encode()))
+    headers.append((b"x-stoker-cold-start", b"true" if cold else b"false"))
+    return headers
+
+
+async def forward(
+    session: aiohttp.ClientSession,
+    endpoint: Endpoint,
+    path: str,
+    body: bytes,
+    content_type: bytes | None,
+    reply: Reply,
+    config: ActivatorConfig,
+    *,
+    last: bool,
+    cold: bool,
+    on_first_byte: Callable[[int], None],
+) -> int:
+    """POST `body` to `endpoint` and relay the answer through `reply`; the status to count.
+
+    Raises `Failed` while nothing of this instance's answer reached the client: connection
+    refused or reset, no headers within `first_byte_timeout_s`, a 502/503/504 (unless `last`:
+    then it is passed through), or the body failing before its first byte. After that, a failure
+    ends the response (an SSE error event for event streams) and counts as 502.
+    """
+    headers = {"accept-encoding": "identity"}  # relay bytes as they are, never decompress
+    if content_type:
+        headers["content-type"] = content_type.decode("latin-1")
+    # No total timeout (long generations are normal); connect, headers and gaps are bounded.
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=config.connect_timeout_s)
+    try:
+        async with asyncio.timeout(config.first_byte_timeout_s):
+            resp = await session.post(endpoint.url + path, data=body, headers=headers, timeout=timeout)
+    except aiohttp.ClientError as exc:  # first: aiohttp's connect timeout is a TimeoutError too
+        raise Failed(f"{endpoint.id}: {_describe(exc)}") from None
+    except TimeoutError:
+        raise Failed(
+            f"no response headers from {endpoint.id} within {config.first_byte_timeout_s:g} s"
+        ) from None
+    except OSError as exc:
+        raise Failed(f"{endpoint.id}: {_describe(exc)}") from None
+
+    async with resp:
+        try:
+            if resp.status in RETRYABLE and not last:
+                raise Failed(f"{endpoint.id} answered {resp.status}")
+            first = await _read(resp, config.chunk_gap_timeout_s, endpoint.id)
+            on_first_byte(resp.status)
+            if not reply.started:
+                await reply.start(resp.status, relayed_headers(resp, endpoint.id, cold))
+            elif resp.status != 200:  # a held stream: its 200 and keep-alives already went out
+                return await _status_into_stream(resp, first, reply, config.chunk_gap_timeout_s, endpoint.id)
+            return await _relay(resp, first, reply, config.chunk_gap_timeout_s, endpoint.id)
+        except BaseException:
+            resp.close()  # drop the connection: the instance sees it and stops generating
+            raise
+
+
+async def _relay(
+    resp: aiohttp.ClientResponse, first: bytes, reply: Reply, gap_s: float, endpoint_id: str
+) -> int:
+    """Each chunk to the client as it arrives; a failure from here on ends the response."""
+    chunk = first
+    while chunk:
+        await reply.body(chunk)
+        try:
+            chunk = await _read(resp, gap_s, endpoint_id)
+        except Failed as exc:
+            resp.close()
+            await reply.end(_failure_event(str(exc)) if reply.sse else b"")
+            return 502
+    await reply.end()
+    return resp.status
+
+
+async def _status_into_stream(
+    resp: aiohttp.ClientResponse, first: bytes, reply: Reply, gap_s: float, endpoint_id: str
+) -> int:
+    """An error status for a stream whose 200 went out while it was held can no longer be a
+    status: its body (OpenAI's error object, from an engine) travels as an SSE error event."""
+    parts, size, chunk = [], 0, first
+    try:
+        while chunk and size < ERROR_BODY_LIMIT:
+            parts.append(chunk)
+            size += len(chunk)
+            chunk = await _read(resp, gap_s, endpoint_id)
+    except Failed:
+        pass
+    await reply.end(_status_event(resp.status, b"".join(parts)))
+    return resp.status
+
+
+async def _read(resp: aiohttp.ClientResponse, gap_s: float, endpoint_id: str) -> bytes:
+    """The next chunk as it arrives (b"" at the end), within `gap_s` of silence."""
+    try:
+        async with asyncio.timeout(gap_s):
+            return await resp.content.readany()
+    except TimeoutError:
+        raise Failed(f"{endpoint_id} sent nothing for {gap_s:g} s") from None
+    except (aiohttp.ClientError, OSError) as exc:
+        raise Failed(f"{endpoint_id}: {_describe(exc)}") from None
+
+
+def _failure_event(reason: str) -> bytes:
+    return error_event(f"The model instance failed mid-response: {reason}", "server_error", "upstream_failed")
+
+
+def _status_event(status: int, body: bytes) -> bytes:
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        parsed = None
+    if isinstance(parsed, dict) and isinstance(parsed.get("error"), dict):
+        return sse_event(parsed) + sse_event("[DONE]")
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return error_event(f"The model instance answered {status}.", kind, f"upstream_{status}")
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return f"cannot connect ({exc.os_error.strerror or exc.os_error})"
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return "connection closed by the instance"
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

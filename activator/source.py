@@ -1,0 +1,49 @@
+"""What the activator needs from a source of instances, and what it reports about load.
+
+The composition root hands each deployment's `Activator` an `InstanceSource` (the warm pool, in
+production; a small in-memory one in tests). The activator never imports the pool: these two
+protocols and the `Load` value are the whole contract between them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+class Endpoint(Protocol):
+    """A READY instance the activator may send requests to."""
+
+    @property
+    def id(self) -> str: ...  # instance id, echoed in `x-stoker-instance`
+
+    @property
+    def url(self) -> str: ...  # base URL, e.g. "http://127.0.0.1:41234"
+
+    @property
+    def max_concurrency(self) -> int: ...  # requests it takes at once; more wait in the activator
+
+
+class InstanceSource(Protocol):
+    def endpoints(self) -> Sequence[Endpoint]:
+        """The instances that may take new requests now (READY, not draining)."""
+        ...
+
+    def poke(self) -> None:
+        """Demand is waiting with no capacity for it: decide now, not at the next tick."""
+        ...
+
+    def report_failure(self, endpoint_id: str) -> None:
+        """An instance failed a request before answering (connection refused or reset)."""
+        ...
+
+
+@dataclass(frozen=True)
+class Load:
+    """What the activator saw, for the scaler: requests in flight upstream and held here."""
+
+    in_flight: int
+    queued: int
+    last_arrival: float | None  # the activator's clock at the most recent request, None if none yet
+    outstanding: Mapping[str, int] = field(default_factory=dict)  # in flight per endpoint id

@@ -1,0 +1,164 @@
+"""Holding: a request with no instance free waits (bounded, with a deadline), pokes the pool at once,
+and is served in order when capacity appears; a held stream is kept alive with SSE comments."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+from tests.activator.conftest import COMPLETION, Ep, MemorySource, Rig, eventually
+
+PLAIN = {"model": "m", "prompt": "hi"}
+STREAM = {"model": "m", "prompt": "hi", "stream": True}
+
+
+async def test_request_at_zero_is_held_then_served_as_a_cold_start(rig: Rig) -> None:
+    now = [100.0]
+    source = MemorySource()
+    activator = rig.activator(source, clock=lambda: now[0])
+    rig.a.before_headers = asyncio.Event()
+    call = asyncio.ensure_future(rig.client.post("/v1/completions", json=PLAIN))
+
+    await eventually(lambda: activator.load().queued == 1)
+    assert source.pokes == 1  # at once, on arrival
+    assert activator.load().last_arrival == 100.0 and activator.load().in_flight == 0
+    assert rig.sample("stoker_queue_length") == 1
+    now[0] = 107.0  # the instance is READY 7 s later
+    source.eps.append(Ep("a", rig.a_url))
+    activator.capacity_changed()
+    await eventually(lambda: len(rig.a.requests) == 1)
+    assert activator.load().outstanding == {"a": 1}
+    now[0] = 107.5  # its first byte, half a second later
+    rig.a.before_headers.set()
+    response = await call
+
+    assert response.status_code == 200 and response.json() == COMPLETION
+    assert response.headers["x-stoker-cold-start"] == "true"
+    assert response.headers["x-stoker-instance"] == "a"
+    assert response.headers["x-upstream"] == "yes"
+    # The activator finishes its books just after the last byte went out.
+    await eventually(lambda: rig.sample("stoker_requests_total", code="200") == 1)
+    assert activator.load().outstanding == {}
+    assert rig.sample("stoker_queue_wait_seconds_sum") == 7.0
+    assert rig.sample("stoker_request_ttft_seconds_sum") == 7.5
+    assert rig.sample("stoker_cold_start_first_token_seconds_sum") == 0.5
+    assert rig.sample("stoker_request_duration_seconds_sum") == 7.5
+    assert rig.sample("stoker_queue_length") == 0
+
+    warm = await rig.client.post("/v1/completions", json=PLAIN)
+    assert warm.headers["x-stoker-cold-start"] == "false"
+    assert source.pokes == 1  # an instance was ready: nothing to ask of the pool
+    await eventually(lambda: rig.sample("stoker_requests_total", code="200") == 2)
+    assert rig.sample("stoker_cold_start_first_token_seconds_count") == 1
+
+
+async def test_queue_full_is_refused_at_once(rig: Rig) -> None:
+    source = MemorySource()
+    activator = rig.activator(source, max_queued=1, hold_deadline_s=30)
+    held = asyncio.ensure_future(rig.client.post("/v1/completions", json=PLAIN))
+    await eventually(lambda: activator.load().queued == 1)
+
+    started = time.monotonic()
+    refused = await rig.client.post("/v1/completions", json=PLAIN)
+    assert time.monotonic() - started < 1.0
+    assert refused.status_code == 503 and refused.headers["retry-after"] == "2"
+    assert refused.json()["error"]["code"] == "queue_full"
+    assert rig.sample("stoker_requests_total", code="503") == 1
+
+    source.eps.append(Ep("a", rig.a_url))
+    activator.capacity_changed()
+    assert (await held).status_code == 200
+
+
+async def test_a_zero_queue_refuses_but_still_pokes_the_pool(rig: Rig) -> None:
+    source = MemorySource()
+    rig.activator(source, max_queued=0, retry_after_s=7)
+    refused = await rig.client.post("/v1/completions", json=PLAIN)
+    assert refused.status_code == 503 and refused.headers["retry-after"] == "7"
+    assert source.pokes == 1
+
+
+async def test_held_past_the_deadline_is_refused(rig: Rig) -> None:
+    source = MemorySource()
+    activator = rig.activator(source, hold_deadline_s=0.2)
+    started = time.monotonic()
+    response = await rig.client.post("/v1/completions", json=PLAIN)
+    assert 0.2 <= time.monotonic() - started < 2.0
+    assert response.status_code == 503 and response.headers["retry-after"] == "2"
+    assert response.json()["error"]["code"] == "hold_deadline"
+    assert activator.load().queued == 0 and rig.sample("stoker_queue_length") == 0
+    assert rig.sample("stoker_queue_wait_seconds_count") == 1
+    assert rig.sample("stoker_request_duration_seconds_count") == 0  # the gateway answered it
+
+
+async def test_held_stream_gets_keepalives_then_the_answer(rig: Rig) -> None:
+    source = MemorySource()
+    activator = rig.activator(source, keepalive_interval_s=0.05)
+    async with rig.client.stream("POST", "/v1/completions", json=STREAM) as response:
+        # The 200 cannot wait for the instance: it goes out with the first keep-alive.
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        assert response.headers["x-stoker-cold-start"] == "true"
+        assert response.headers["cache-control"] == "no-cache"
+        assert response.headers["x-accel-buffering"] == "no"
+        received = b""
+        chunks = response.aiter_raw()
+        while received.count(b": waiting for capacity\n\n") < 2:
+            received += await anext(chunks)
+        assert activator.load().queued == 1
+        source.eps.append(Ep("a", rig.a_url))
+        activator.capacity_changed()
+        async for chunk in chunks:
+            received += chunk
+    events = [e for e in received.decode().split("\n\n") if e.startswith("data: ")]
+    assert len(events) == 21 and events[-1] == "data: [DONE]"
+    assert json.loads(events[0][6:])["choices"][0]["text"] == "t0 "
+    await eventually(lambda: rig.sample("stoker_requests_total", code="200") == 1)
+
+
+async def test_held_stream_past_its_deadline_ends_with_an_error_event(rig: Rig) -> None:
+    source = MemorySource()
+    rig.activator(source, keepalive_interval_s=0.05, hold_deadline_s=0.2)
+    response = await rig.client.post("/v1/completions", json=STREAM)
+    assert response.status_code == 200  # headers went out with the keep-alives
+    events = response.text.split("\n\n")
+    assert events[0] == ": waiting for capacity"
+    error = json.loads(events[-3].removeprefix("data: "))["error"]
+    assert error["type"] == "service_unavailable_error" and error["code"] == "hold_deadline"
+    assert error["param"] is None and error["message"]
+    assert events[-2:] == ["data: [DONE]", ""]
+    await eventually(lambda: rig.sample("stoker_requests_total", code="503") == 1)
+
+
+async def test_client_that_leaves_while_held_leaves_the_queue(rig: Rig) -> None:
+    source = MemorySource()
+    activator = rig.activator(source, hold_deadline_s=30)
+    call = asyncio.ensure_future(rig.client.post("/v1/completions", json=PLAIN))
+    await eventually(lambda: activator.load().queued == 1)
+    call.cancel()  # httpx drops the connection
+    await eventually(lambda: activator.load().queued == 0)
+    assert rig.sample("stoker_queue_length") == 0
+    await eventually(lambda: rig.sample("stoker_requests_total", code="499") == 1)
+    source.eps.append(Ep("a", rig.a_url))
+    activator.capacity_changed()
+    assert activator.load().outstanding == {} and rig.a.requests == []
+
+
+async def test_held_stream_answered_with_an_error_status_gets_it_as_an_event(rig: Rig) -> None:
+    source = MemorySource()
+    activator = rig.activator(source, keepalive_interval_s=0.05)
+    rig.a.status = 400
+    async with rig.client.stream("POST", "/v1/completions", json=STREAM) as response:
+        chunks = response.aiter_raw()
+        received = await anext(chunks)
+        assert received == b": waiting for capacity\n\n"
+        source.eps.append(Ep("a", rig.a_url))
+        activator.capacity_changed()
+        async for chunk in chunks:
+            received += chunk
+    events = received.decode().split("\n\n")
+    error = json.loads(events[-3].removeprefix("data: "))
+    assert error == {"error": {"message": "nope", "type": "x", "param": None, "code": "c"}}
+    assert events[-2:] == ["data: [DONE]", ""]
+    await eventually(lambda: rig.sample("stoker_requests_total", code="400") == 1)
