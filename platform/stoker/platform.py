@@ -1,0 +1,230 @@
+"""The composition root: builds each deployment's activator and warm pool and wires them together.
+
+    registry (SQLite) ──▶ Platform ──▶ per deployment: Activator ◀──▶ Pool ──▶ LocalBackend
+                                         (InstanceSource / Demand)        (engine processes)
+
+The activator and the pool never import each other: the activator sees the pool as its
+`InstanceSource`, the pool sees the activator as its `Demand`. Everything is built here, once, and
+handed down; nothing is looked up in globals.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import aiohttp
+from prometheus_client import CollectorRegistry
+
+from activator import Activator, ActivatorConfig, ActivatorMetrics
+from snapshots import (
+    SnapshotError,
+    SnapshotNotFound,
+    SnapshotRecord,
+    SnapshotStore,
+    import_gguf,
+    import_hf_dir,
+)
+from stoker.openai_errors import APIError, invalid
+from stoker.registry import DeploymentSpec, Registry, not_found, validate
+from warm_pool.launch import GpuInventory
+from warm_pool.local import LocalBackend
+from warm_pool.metrics import PoolMetrics
+from warm_pool.policy import ScalingConfig
+from warm_pool.pool import Pool, PoolSpec
+from warm_pool.records import InstanceRecords, reap_orphans
+
+log = logging.getLogger("stoker.platform")
+
+
+@dataclass
+class Deployment:
+    spec: DeploymentSpec
+    pool: Pool
+    activator: Activator
+    loop: asyncio.Task
+
+
+class Platform:
+    def __init__(
+        self,
+        data_dir: Path,
+        *,
+        activator_config: ActivatorConfig | None = None,
+        stable_window_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.data_dir = data_dir
+        self.registry = Registry(data_dir / "stoker.db")
+        self.store = SnapshotStore(data_dir / "snapshots")
+        self.records = InstanceRecords(data_dir / "instances")
+        self.backend = LocalBackend(data_dir / "logs", clock=clock)
+        self.gpus = GpuInventory.from_env()
+        self.metrics_registry = CollectorRegistry()
+        self._activator_metrics = ActivatorMetrics(self.metrics_registry)
+        self._pool_metrics = PoolMetrics(self.metrics_registry)
+        self._activator_config = activator_config or ActivatorConfig()
+        self._stable_window_s = stable_window_s
+        self._clock = clock
+        self._session: aiohttp.ClientSession | None = None
+        self._deployments: dict[str, Deployment] = {}
+        self._lock = asyncio.Lock()  # deploys and removals one at a time
+
+    # ---- lifecycle ---------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        # One connection pool for every upstream request; no total timeout (long generations are
+        # normal), the activator sets connect, first-byte and between-chunk deadlines itself.
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30)
+        self._session = aiohttp.ClientSession(
+            connector=connector, timeout=aiohttp.ClientTimeout(total=None), auto_decompress=False
+        )
+        stopped = await reap_orphans(self.records, self.backend)
+        if stopped:
+            log.warning(
+                "stopped %d engine process(es) left by a previous run: %s", len(stopped), ", ".join(stopped)
+            )
+        for spec in self.registry.all():
+            try:
+                self._run(spec, self._snapshot_path(spec.snapshot_id))
+            except SnapshotError as exc:
+                log.error("deployment %s not restored: %s", spec.name, exc)
+
+    async def shutdown(self) -> None:
+        """Drain every deployment's instances (each within its grace period) and stop them."""
+        await asyncio.gather(
+            *(self._stop(d) for d in list(self._deployments.values())), return_exceptions=True
+        )
+        self._deployments.clear()
+        if self._session is not None:
+            await self._session.close()
+        self.registry.close()
+
+    # ---- deployments -------------------------------------------------------------------------------
+
+    def get(self, name: str) -> Deployment | None:
+        return self._deployments.get(name)
+
+    def list(self) -> list[Deployment]:
+        return list(self._deployments.values())
+
+    async def deploy(self, body: object) -> tuple[DeploymentSpec, bool]:
+        """Create or update a deployment; returns its spec and whether it was created."""
+        fields = validate(body)
+        if fields["engine"] == "vllm":
+            self._check_vllm()
+        async with self._lock:
+            record = await self._resolve_model(fields["model"])
+            spec = DeploymentSpec(snapshot_id=record.id, **fields)
+            current = self._deployments.get(spec.name)
+            if current is not None and (current.spec.snapshot_id, current.spec.engine) != (
+                spec.snapshot_id,
+                spec.engine,
+            ):
+                raise APIError(
+                    409,
+                    f"Deployment {spec.name!r} serves another model or engine; `stoker rm {spec.name}` first.",
+                    param="model",
+                    code="deployment_exists",
+                )
+            self.registry.put(spec)
+            if current is None:
+                self._run(spec, record.path)
+                return spec, True
+            current.spec = spec
+            current.pool.update_scaling(self._scaling(spec))
+            current.pool.spec = replace(current.pool.spec, grace_period_s=spec.grace_period_s)
+            return spec, False
+
+    async def remove(self, name: str) -> DeploymentSpec:
+        """Drain the deployment's instances, then forget it."""
+        async with self._lock:
+            deployment = self._deployments.get(name)
+            if deployment is None:
+                raise not_found(name)
+            await self._stop(deployment)
+            self.registry.delete(name)
+            del self._deployments[name]
+            return deployment.spec
+
+    def _run(self, spec: DeploymentSpec, snapshot_dir: Path) -> None:
+        pool = Pool(
+            PoolSpec(
+                deployment=spec.name,
+                snapshot_dir=snapshot_dir,
+                engine=spec.engine,
+                scaling=self._scaling(spec),
+                grace_period_s=spec.grace_period_s,
+            ),
+            self.backend,
+            self.records,
+            self._pool_metrics,
+            gpus=self.gpus,
+            clock=self._clock,
+        )
+        activator = Activator(
+            spec.name, pool, self._activator_config, self._session, self._activator_metrics, clock=self._clock
+        )
+        pool.attach(activator)
+        loop = asyncio.create_task(pool.run(), name=f"pool-{spec.name}")
+        self._deployments[spec.name] = Deployment(spec, pool, activator, loop)
+
+    async def _stop(self, deployment: Deployment) -> None:
+        await deployment.pool.close(drain=True)
+        await deployment.loop
+
+    def _scaling(self, spec: DeploymentSpec) -> ScalingConfig:
+        return ScalingConfig(
+            min_warm=spec.min_warm,
+            max=spec.max,
+            target_concurrency=spec.target_concurrency,
+            idle_timeout_s=spec.idle_timeout_s,
+            stable_window_s=min(self._stable_window_s, spec.idle_timeout_s),
+        )
+
+    # ---- models ------------------------------------------------------------------------------------
+
+    async def _resolve_model(self, model: str) -> SnapshotRecord:
+        """A snapshot already in the store, or a local directory or GGUF file imported now."""
+        try:
+            return self.store.resolve(model)
+        except SnapshotNotFound:
+            pass
+        except SnapshotError as exc:
+            raise invalid(str(exc), "model") from None
+        if model.startswith("s3://"):
+            raise invalid("Models in object storage (s3://) are not supported yet.", "model")
+        try:
+            record = await asyncio.to_thread(self._import_local, model)
+        except SnapshotError as exc:
+            raise invalid(str(exc), "model") from None
+        if record is None:
+            raise invalid(
+                f"Model {model!r} is neither a snapshot in the store nor a local model directory or .gguf file.",
+                "model",
+            )
+        return record
+
+    def _import_local(self, model: str) -> SnapshotRecord | None:
+        path = Path(model).expanduser()
+        if path.is_dir():
+            return import_hf_dir(path, self.store)
+        if path.is_file() and path.suffix == ".gguf":
+            return import_gguf(path, self.store)
+        return None
+
+    def _snapshot_path(self, snapshot_id: str) -> Path:
+        return self.store.resolve(snapshot_id).path
+
+    def _check_vllm(self) -> None:
+        if shutil.which("vllm") is None:
+            raise invalid("The vllm engine needs `vllm` on PATH (pip install 'stoker[gpu]').", "engine")
+        if not self.gpus.gpus:
+            raise invalid(
+                "The vllm engine needs GPUs: none found (set STOKER_GPUS or CUDA_VISIBLE_DEVICES).", "engine"
+            )

@@ -1,0 +1,154 @@
+"""`stoker up`, `stoker deploy`, `stoker ls`, `stoker rm`: run the platform, and manage deployments.
+
+`up` runs the gateway in the foreground. The others talk to a running platform's admin API at
+`$STOKER_URL` (default http://127.0.0.1:8080) and print one line on any error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import urllib.error
+import urllib.request
+
+from stoker.errors import CLIError
+
+DEFAULT_URL = "http://127.0.0.1:8080"
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    up = sub.add_parser("up", help="run the platform (gateway, activators, warm pools) in the foreground")
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--port", type=int, default=8080)
+    up.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    up.add_argument(
+        "--stable-window", type=float, default=60.0, help="seconds a scale-down waits (default 60)"
+    )
+    up.add_argument(
+        "--hold-deadline", type=float, default=120.0, help="seconds a request may wait for capacity"
+    )
+    up.add_argument("--max-queued", type=int, default=100, help="requests held per deployment at once")
+    up.set_defaults(func=cmd_up)
+
+    deploy = sub.add_parser("deploy", help="create or update a deployment")
+    deploy.add_argument("name")
+    deploy.add_argument(
+        "--model", required=True, help="snapshot name or id, or a local model dir or .gguf file"
+    )
+    deploy.add_argument("--engine", choices=["cpu", "vllm"], default="cpu")
+    deploy.add_argument("--min-warm", type=int, default=0, help="instances kept READY even when idle")
+    deploy.add_argument("--max", type=int, default=1, help="instances at most")
+    deploy.add_argument(
+        "--idle-timeout", type=float, default=300.0, help="seconds without requests before zero"
+    )
+    deploy.add_argument("--target-concurrency", type=int, default=4, help="in-flight requests per instance")
+    deploy.add_argument(
+        "--grace-period", type=float, default=30.0, help="seconds draining requests may finish"
+    )
+    deploy.add_argument("--json", action="store_true")
+    deploy.set_defaults(func=cmd_deploy)
+
+    ls = sub.add_parser("ls", help="list deployments and their instances")
+    ls.add_argument("--json", action="store_true")
+    ls.set_defaults(func=cmd_ls)
+
+    rm = sub.add_parser("rm", help="drain and remove a deployment")
+    rm.add_argument("name")
+    rm.set_defaults(func=cmd_rm)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    import logging
+
+    import uvicorn
+
+    from activator import ActivatorConfig
+    from stoker.gateway import build_gateway
+    from stoker.paths import data_dir
+    from stoker.platform import Platform
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        activator_config = ActivatorConfig(max_queued=args.max_queued, hold_deadline_s=args.hold_deadline)
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
+    platform = Platform(data_dir(), activator_config=activator_config, stable_window_s=args.stable_window)
+    app = build_gateway(platform)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        access_log=False,
+        timeout_graceful_shutdown=60,
+    )
+    server = uvicorn.Server(config)
+    # As in the engine: a drained SIGTERM (instances stopped, see Platform.shutdown) exits 0.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    server.run()
+    return 0 if server.started else 1
+
+
+def cmd_deploy(args: argparse.Namespace) -> int:
+    body = {
+        "name": args.name,
+        "model": args.model,
+        "engine": args.engine,
+        "min_warm": args.min_warm,
+        "max": args.max,
+        "idle_timeout_s": args.idle_timeout,
+        "target_concurrency": args.target_concurrency,
+        "grace_period_s": args.grace_period,
+    }
+    out = _call("POST", "/admin/v1/deployments", body)
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(
+            f"deployed {out['name']}: model {out['model']} (snapshot {out['snapshot_id'][:12]}), engine {out['engine']}"
+        )
+    return 0
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    data = _call("GET", "/admin/v1/deployments")["data"]
+    if args.json:
+        print(json.dumps(data))
+        return 0
+    print(f"{'NAME':<20} {'MODEL':<24} {'ENGINE':<6} {'MIN':>3} {'MAX':>3}  INSTANCES")
+    for d in data:
+        counts = ", ".join(f"{n} {state}" for state, n in d["instances"].items() if n) or "none"
+        print(
+            f"{d['name']:<20} {d['model'][:24]:<24} {d['engine']:<6} {d['min_warm']:>3} {d['max']:>3}  {counts}"
+        )
+    return 0
+
+
+def cmd_rm(args: argparse.Namespace) -> int:
+    _call("DELETE", f"/admin/v1/deployments/{args.name}")
+    print(f"removed {args.name}")
+    return 0
+
+
+def _call(method: str, path: str, body: dict | None = None) -> dict:
+    base = os.environ.get("STOKER_URL", DEFAULT_URL).rstrip("/")
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(
+        base + path, data=data, method=method, headers={"content-type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=600) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        try:
+            message = json.loads(exc.read())["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = f"HTTP {exc.code}"
+        raise CLIError(message) from None
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise CLIError(f"cannot reach the platform at {base} ({reason}); is `stoker up` running?") from None

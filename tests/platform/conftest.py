@@ -1,0 +1,141 @@
+"""`stoker up` processes for the tests: the real platform on a free loopback port, its own data dir."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import STOKER
+from tests.engine.conftest import free_port
+
+
+@dataclass
+class PlatformProcess:
+    home: Path
+    port: int
+    args: tuple[str, ...] = ()
+    proc: subprocess.Popen | None = None
+    log: Path | None = None
+    env: dict = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> PlatformProcess:
+        self.env = {
+            **os.environ,
+            "STOKER_HOME": str(self.home),
+            "STOKER_URL": self.url,
+            "HF_HUB_OFFLINE": "1",
+        }
+        self.log = self.home / f"up-{time.monotonic_ns()}.log"
+        self.home.mkdir(parents=True, exist_ok=True)
+        with self.log.open("wb") as out:
+            cmd = [STOKER, "up", "--port", str(self.port), *self.args]
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=self.env)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"stoker up exited {self.proc.returncode}:\n{self.log.read_text()[-3000:]}"
+                )
+            try:
+                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        raise TimeoutError(self.log.read_text()[-3000:])
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else 0
+        self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+    def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [STOKER, *args], env=self.env, capture_output=True, text=True, check=check, timeout=600
+        )
+
+    def deploy(self, name: str, model: Path | str, *flags: str) -> dict:
+        return json.loads(self.cli("deploy", name, "--model", str(model), "--json", *flags).stdout)
+
+    def deployments(self) -> dict[str, dict]:
+        return {d["name"]: d for d in json.loads(self.cli("ls", "--json").stdout)}
+
+    def engine_pids(self) -> dict[str, int]:
+        """Instance id -> engine pid, from the records the pool keeps for crash recovery."""
+        records = self.home / "instances"
+        return (
+            {p.stem: json.loads(p.read_text())["pid"] for p in records.glob("*.json")}
+            if records.is_dir()
+            else {}
+        )
+
+    def metric(self, name: str, **labels: str) -> float:
+        total = 0.0
+        for line in httpx.get(f"{self.url}/metrics").text.splitlines():
+            if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+                total += float(line.split()[-1])
+        return total
+
+    def wait_for(self, condition, timeout: float = 60, what: str = "condition") -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if condition():
+                return
+            time.sleep(0.1)
+        raise TimeoutError(f"{what} not reached in {timeout}s:\n{self.log.read_text()[-3000:]}")
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers kill(0); it is gone as far as serving goes.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.fixture
+def platform_factory(tmp_path: Path):
+    started: list[PlatformProcess] = []
+
+    def make(*args: str, home: Path | None = None) -> PlatformProcess:
+        p = PlatformProcess(home or tmp_path / f"home{len(started)}", free_port(), args).start()
+        started.append(p)
+        return p
+
+    yield make
+    for p in started:
+        p.stop()
+
+
+@pytest.fixture(scope="module")
+def shared_platform(tmp_path_factory, tiny_model_dir):
+    """One platform with the tiny model deployed at zero, for the tests that only send requests."""
+    p = PlatformProcess(
+        tmp_path_factory.mktemp("platform") / "home", free_port(), ("--stable-window", "2")
+    ).start()
+    try:
+        p.deploy("tiny", tiny_model_dir, "--max", "2", "--idle-timeout", "600")
+        yield p
+    finally:
+        p.stop()
