@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import threading
 import time
 from pathlib import Path
@@ -61,11 +60,11 @@ def run(args: argparse.Namespace) -> int:
     name = args.served_model_name or snapshot_dir.name
 
     import torch
-    import uvicorn
 
     from stoker.engine.app import build_app
     from stoker.engine.core import Engine, EngineConfig
     from stoker.engine.metrics import EngineMetrics
+    from stoker.http import make_server, run_server
 
     imports_s = time.monotonic() - t0
     if args.threads:
@@ -85,7 +84,6 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(str(exc)) from None
     engine = Engine(config, EngineMetrics(name))
     engine.phases["imports"] = imports_s
-    server: uvicorn.Server | None = None
 
     def load() -> None:
         try:
@@ -112,21 +110,11 @@ def run(args: argparse.Namespace) -> int:
         on_startup=lambda: threading.Thread(target=load, name="engine-load", daemon=True).start(),
         on_shutdown=engine.shutdown,
     )
-    config = uvicorn.Config(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        access_log=False,
-        timeout_graceful_shutdown=args.grace_period,
-        timeout_keep_alive=30,
+    server = make_server(
+        app, host=args.host, port=args.port, log_level=args.log_level, grace_period_s=args.grace_period
     )
-    server = uvicorn.Server(config)
-    # uvicorn drains on SIGTERM, then re-raises the signal under the handler it found at start, so
-    # the process would die by the signal. Finding SIGTERM ignored makes a drained stop exit 0.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    server.run()
-    return 1 if engine.state == "failed" else 0
+    started = run_server(server)
+    return 1 if engine.state == "failed" or not started else 0
 
 
 def resolve_snapshot(ref: str) -> Path:

@@ -9,23 +9,19 @@ the one table from the activator's errors to HTTP statuses.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 from collections.abc import Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from activator import ActivatorError, DeadlineExceeded, QueueFull, UpstreamError
-from stoker.http import ClientGone, read_body
+from stoker.http import ClientGone, openai_exception_handlers, parse_json_object, read_body
 from stoker.openai_errors import (
-    INVALID_REQUEST,
-    NOT_FOUND,
     SERVER_ERROR,
     UNAVAILABLE,
     APIError,
@@ -81,12 +77,7 @@ class InferenceEndpoint:
 
 
 def _route_fields(body: bytes) -> tuple[str, bool]:
-    try:
-        parsed = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise invalid(f"The request body is not valid JSON: {exc}", code="invalid_json") from None
-    if not isinstance(parsed, dict):
-        raise invalid("The request body must be a JSON object.", code="invalid_json")
+    parsed = parse_json_object(body)
     model = parsed.get("model")
     if not isinstance(model, str) or not model:
         raise invalid("'model' is required and must be a non-empty string.", param="model")
@@ -123,10 +114,7 @@ def build_gateway(platform: Platform, *, on_shutdown: Callable[[], object] | Non
         return JSONResponse({"object": "list", "data": [describe(d) for d in platform.list()]})
 
     async def create_deployment(request: Request) -> Response:
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            return error_response(invalid(f"The request body is not valid JSON: {exc}", code="invalid_json"))
+        body = parse_json_object(await read_body(request.receive, request.scope, MAX_BODY_BYTES))
         spec, created = await platform.deploy(body)
         return JSONResponse(describe(platform.get(spec.name)), status_code=201 if created else 200)
 
@@ -139,19 +127,6 @@ def build_gateway(platform: Platform, *, on_shutdown: Callable[[], object] | Non
     async def delete_deployment(request: Request) -> Response:
         spec = await platform.remove(request.path_params["name"])
         return JSONResponse({"name": spec.name, "deleted": True})
-
-    async def api_error_handler(request: Request, exc: APIError) -> Response:
-        return error_response(exc)
-
-    async def http_error(request: Request, exc: HTTPException) -> Response:
-        kind = NOT_FOUND if exc.status_code == 404 else INVALID_REQUEST
-        return error_response(
-            APIError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}", type=kind)
-        )
-
-    async def server_error(request: Request, exc: Exception) -> Response:
-        log.exception("unhandled error on %s", request.url.path)
-        return error_response(APIError(500, "Internal error in the gateway.", type=SERVER_ERROR))
 
     inference = InferenceEndpoint(platform)
     routes = [
@@ -176,6 +151,6 @@ def build_gateway(platform: Platform, *, on_shutdown: Callable[[], object] | Non
 
     return Starlette(
         routes=routes,
-        exception_handlers={APIError: api_error_handler, HTTPException: http_error, Exception: server_error},
+        exception_handlers=openai_exception_handlers("gateway"),
         lifespan=lifespan,
     )

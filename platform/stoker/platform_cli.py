@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import urllib.error
 import urllib.request
 
@@ -62,10 +61,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 def cmd_up(args: argparse.Namespace) -> int:
     import logging
 
-    import uvicorn
-
     from activator import ActivatorConfig
     from stoker.gateway import build_gateway
+    from stoker.http import make_server, run_server
     from stoker.paths import data_dir
     from stoker.platform import Platform
 
@@ -78,19 +76,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         raise CLIError(str(exc)) from None
     platform = Platform(data_dir(), activator_config=activator_config, stable_window_s=args.stable_window)
     app = build_gateway(platform)
-    config = uvicorn.Config(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        access_log=False,
-        timeout_graceful_shutdown=60,
-    )
-    server = uvicorn.Server(config)
-    # As in the engine: a drained SIGTERM (instances stopped, see Platform.shutdown) exits 0.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    server.run()
-    return 0 if server.started else 1
+    server = make_server(app, host=args.host, port=args.port, log_level=args.log_level, grace_period_s=60)
+    return 0 if run_server(server) else 1
 
 
 def cmd_deploy(args: argparse.Namespace) -> int:

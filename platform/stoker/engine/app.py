@@ -15,16 +15,15 @@ from collections.abc import Awaitable, Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from stoker.engine.core import Engine, Generation
-from stoker.engine.protocol import Kind, ResponseShape, ensure_served, parse_body, parse_request, sse
-from stoker.http import ClientGone, read_body
-from stoker.openai_errors import INVALID_REQUEST, NOT_FOUND, SERVER_ERROR, APIError, error_response, invalid
+from stoker.engine.protocol import Kind, ResponseShape, ensure_served, parse_request, sse
+from stoker.http import ClientGone, openai_exception_handlers, parse_json_object, read_body
+from stoker.openai_errors import APIError, error_response, invalid
 
 log = logging.getLogger("stoker.engine")
 
@@ -67,7 +66,7 @@ class CompletionsEndpoint:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         engine = self.engine
         try:
-            body = parse_body(await read_body(receive, scope, self.max_body_bytes))
+            body = parse_json_object(await read_body(receive, scope, self.max_body_bytes))
             req = parse_request(self.kind, body)
             ensure_served(req.model, engine.config.served_model_name)
             engine.check_serving()
@@ -175,16 +174,6 @@ def build_app(
     async def is_sleeping(request: Request) -> Response:
         return JSONResponse({"is_sleeping": engine.state == "sleeping"})
 
-    async def http_error(request: Request, exc: HTTPException) -> Response:
-        kind = NOT_FOUND if exc.status_code == 404 else INVALID_REQUEST
-        return error_response(
-            APIError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}", type=kind)
-        )
-
-    async def server_error(request: Request, exc: Exception) -> Response:
-        log.exception("unhandled error on %s", request.url.path)
-        return error_response(APIError(500, "Internal error in the engine.", type=SERVER_ERROR))
-
     routes = [
         Route("/v1/chat/completions", CompletionsEndpoint(engine, "chat", max_body_bytes), methods=["POST"]),
         Route("/v1/completions", CompletionsEndpoint(engine, "completion", max_body_bytes), methods=["POST"]),
@@ -204,6 +193,6 @@ def build_app(
 
     return Starlette(
         routes=routes,
-        exception_handlers={HTTPException: http_error, Exception: server_error},
+        exception_handlers=openai_exception_handlers("engine"),
         lifespan=lifespan,
     )

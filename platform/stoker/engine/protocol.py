@@ -41,16 +41,6 @@ class GenerationRequest:
     include_usage: bool
 
 
-def parse_body(raw: bytes) -> dict:
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise invalid(f"The request body is not valid JSON: {exc}", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise invalid("The request body must be a JSON object.", code="invalid_json")
-    return body
-
-
 def parse_request(kind: Kind, body: dict) -> GenerationRequest:
     model = body.get("model")
     if not isinstance(model, str) or not model:
