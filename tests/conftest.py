@@ -29,7 +29,7 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tiny_model(out: Path, *, max_positions: int = 256, seed: int = 0) -> Path:
+def build_tiny_model(out: Path, *, max_positions: int = 2048, seed: int = 0) -> Path:
     """Write a tiny random Llama in Hugging Face layout (safetensors) to `out`."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

@@ -70,6 +70,12 @@ def test_completions_whole_and_stream(client):
     assert chunks[-1].usage is None  # only with stream_options.include_usage
 
 
+def test_ignore_eos_generates_exactly_max_tokens(client):
+    r = client.completions.create(model="tiny", prompt="x", max_tokens=60, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 60
+    assert r.choices[0].finish_reason == "length"
+
+
 def test_completion_from_token_ids(client):
     r = client.completions.create(model="tiny", prompt=[5, 6, 7, 8], max_tokens=3, temperature=0)
     assert r.usage.prompt_tokens == 4

@@ -58,7 +58,9 @@ def test_sleep_refuses_then_wake_serves_the_same_weights(fresh_engine):
 
 def test_full_queue_answers_503_with_retry_after(fresh_engine):
     e = fresh_engine("--max-num-seqs", "1", "--max-waiting", "0")
-    client, long = stream_lines(e.url, {"model": "tiny", "prompt": "x", "max_tokens": 200, "temperature": 1})
+    client, long = stream_lines(
+        e.url, {"model": "tiny", "prompt": "x", "max_tokens": 400, "ignore_eos": True}
+    )
     try:
         assert long.status_code == 200
         lines = long.iter_lines()
@@ -98,7 +100,7 @@ def test_waiting_request_is_served_when_a_slot_frees(fresh_engine):
 def test_client_disconnect_cancels_generation(engine):
     aborted = metric(engine.url, "vllm:request_success_total", finished_reason="abort")
     client, resp = stream_lines(
-        engine.url, {"model": "tiny", "prompt": "x", "max_tokens": 240, "temperature": 1}
+        engine.url, {"model": "tiny", "prompt": "x", "max_tokens": 2000, "ignore_eos": True}
     )
     lines = resp.iter_lines()
     next(line for line in lines if line.startswith("data:"))
@@ -118,7 +120,9 @@ def test_client_disconnect_cancels_generation(engine):
 
 def test_sigterm_lets_the_stream_in_flight_finish(fresh_engine):
     e = fresh_engine("--grace-period", "60")
-    client, resp = stream_lines(e.url, {"model": "tiny", "prompt": "x", "max_tokens": 120, "temperature": 0})
+    client, resp = stream_lines(
+        e.url, {"model": "tiny", "prompt": "x", "max_tokens": 200, "ignore_eos": True}
+    )
     lines = resp.iter_lines()
     first = next(line for line in lines if line.startswith("data:"))
     e.proc.send_signal(signal.SIGTERM)

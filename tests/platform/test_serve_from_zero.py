@@ -85,7 +85,14 @@ def test_removing_a_deployment_drains_the_stream_in_flight(platform_factory, tin
     p = platform_factory()
     p.deploy("tiny", tiny_model_dir, "--grace-period", "60")
     client(p).completions.create(model="tiny", prompt="warm up", max_tokens=1)
-    body = {"model": "tiny", "prompt": "x", "max_tokens": 150, "temperature": 0, "stream": True}
+    body = {
+        "model": "tiny",
+        "prompt": "x",
+        "max_tokens": 300,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     with httpx.stream("POST", f"{p.url}/v1/completions", json=body, timeout=120) as r:
         lines = r.iter_lines()
         first = next(line for line in lines if line.startswith("data:"))
@@ -96,8 +103,9 @@ def test_removing_a_deployment_drains_the_stream_in_flight(platform_factory, tin
     removal.join(timeout=90)
     events = [json.loads(line[6:]) for line in [first, *rest[:-1]]]
     assert rest[-1] == "data: [DONE]"
-    assert "error" not in events[-1]
-    assert events[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    assert all("error" not in e for e in events)
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+    assert events[-1]["usage"]["completion_tokens"] == 300  # every token of the stream arrived
     assert "tiny" not in p.deployments()
     assert not p.engine_pids()
 

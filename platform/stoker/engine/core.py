@@ -369,6 +369,7 @@ class Generation:
             streaming=True,
             temperature=draw_mod.GREEDY_TEMPERATURE if greedy else max(params.temperature, 1e-3),
             top_p=params.top_p,
+            eos_token_id=-1 if params.ignore_eos else None,  # -1: no EOS for this request
         )
         if accepted is None:
             raise APIError(500, "The engine's generation loop is not running.", type=SERVER_ERROR)
@@ -396,7 +397,8 @@ class Generation:
             if tracker.stopped:
                 self._finish("stop")
             elif out.is_finished():
-                self._finish("stop" if tokens and tokens[-1] in engine._eos else "length")
+                eos = tokens and tokens[-1] in engine._eos and not self._params.ignore_eos
+                self._finish("stop" if eos else "length")
                 text += tracker.flush()
             if text or self.finish_reason:
                 yield Delta(text, self.completion_tokens, self.finish_reason)

@@ -28,6 +28,7 @@ class SamplingParams:
     top_p: float
     stop: tuple[str, ...]
     seed: int | None
+    ignore_eos: bool = False  # vLLM's extension: generate to max_tokens even past EOS (benchmarks, tests)
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,7 @@ def parse_request(kind: Kind, body: dict) -> GenerationRequest:
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, open_low=True),
         stop=_stop(body.get("stop")),
         seed=_seed(body.get("seed")),
+        ignore_eos=_bool(body, "ignore_eos", False),
     )
     return GenerationRequest(kind, model, messages, prompt, params, stream, include_usage)
 
