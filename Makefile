@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 8080
 
-.PHONY: run test lint bench clean
+.PHONY: run test bench bench-engine bench-proxy bench-scale bench-deps clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -42,8 +42,22 @@ test: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest
 
-bench: $(STAMP)
+bench: bench-engine bench-proxy bench-scale
+
+bench-engine: $(STAMP)
 	$(PY) bench/engine_bench.py
+
+bench-proxy: $(STAMP)
+	$(PY) bench/proxy_bench.py
+
+bench-scale: $(STAMP)
+	$(PY) bench/scale_bench.py
+
+# The proxy benchmark's baselines: nginx and wrk from Debian, vLLM's Rust router in its own venv.
+bench-deps:
+	apt-get update && apt-get install -y nginx wrk
+	python3 -m venv $(HOME)/.cache/stoker-bench/router-venv
+	$(HOME)/.cache/stoker-bench/router-venv/bin/pip install --quiet vllm-router
 
 clean:
 	rm -rf $(VENV)

@@ -87,7 +87,7 @@ class Activator:
         self._duration = metrics.duration.labels(deployment)
         self._queue_length = metrics.queue_length.labels(deployment)
         self._queue_wait = metrics.queue_wait.labels(deployment)
-        self._cold_first_token = metrics.cold_start_first_token.labels(deployment)
+        self._cold_first_byte = metrics.cold_start_first_byte.labels(deployment)
 
     # -- what the pool and the scaler see ------------------------------------------------------
 
@@ -231,7 +231,7 @@ class Activator:
         now = self._clock()
         self._ttft.observe(now - ex.arrival)
         if ex.cold and ex.granted is not None:
-            self._cold_first_token.observe(now - ex.granted)
+            self._cold_first_byte.observe(now - ex.granted)
 
     def _count(self, ex: _Exchange) -> None:
         code = ex.code

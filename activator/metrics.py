@@ -50,9 +50,9 @@ class ActivatorMetrics:
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )
-        self.cold_start_first_token = Histogram(
-            "stoker_cold_start_first_token_seconds",
-            "Cold starts, first-token phase: from an instance becoming available to the first byte.",
+        self.cold_start_first_byte = Histogram(
+            "stoker_cold_start_first_byte_seconds",
+            "Cold starts, last phase: from the held request getting its instance to the first byte of the answer (a stream's first SSE event, which may precede the first token).",
             ["deployment"],
             buckets=LATENCY_BUCKETS,
             registry=registry,

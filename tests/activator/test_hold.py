@@ -42,7 +42,7 @@ async def test_request_at_zero_is_held_then_served_as_a_cold_start(rig: Rig) -> 
     assert activator.load().outstanding == {}
     assert rig.sample("stoker_queue_wait_seconds_sum") == 7.0
     assert rig.sample("stoker_request_ttft_seconds_sum") == 7.5
-    assert rig.sample("stoker_cold_start_first_token_seconds_sum") == 0.5
+    assert rig.sample("stoker_cold_start_first_byte_seconds_sum") == 0.5
     assert rig.sample("stoker_request_duration_seconds_sum") == 7.5
     assert rig.sample("stoker_queue_length") == 0
 
@@ -50,7 +50,7 @@ async def test_request_at_zero_is_held_then_served_as_a_cold_start(rig: Rig) -> 
     assert warm.headers["x-stoker-cold-start"] == "false"
     assert source.pokes == 1  # an instance was ready: nothing to ask of the pool
     await eventually(lambda: rig.sample("stoker_requests_total", code="200") == 2)
-    assert rig.sample("stoker_cold_start_first_token_seconds_count") == 1
+    assert rig.sample("stoker_cold_start_first_byte_seconds_count") == 1
 
 
 async def test_queue_full_is_refused_at_once(rig: Rig) -> None:
