@@ -1,0 +1,22 @@
+"""Copy the benchmark tables from bench/results/*.md into README.md, between their markers."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def main() -> None:
+    readme = ROOT / "README.md"
+    text = readme.read_text()
+    for name in ("engine", "proxy", "scale"):
+        table = (ROOT / "bench" / "results" / f"{name}.md").read_text().strip()
+        pattern = re.compile(rf"(<!-- bench:{name} -->\n).*?(<!-- /bench:{name} -->)", re.S)
+        text = pattern.sub(lambda m, t=table: m.group(1) + t + "\n" + m.group(2), text)
+    readme.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
