@@ -25,30 +25,40 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ctypes
 import json
 import os
-import platform
 import re
 import shlex
 import shutil
 import signal
-import socket
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import uuid
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 
 import httpx
+from common import (
+    CLK_TCK,
+    HOST,
+    REPO,
+    Processes,
+    _interrupt,
+    fmt_s,
+    fmt_x,
+    free_port,
+    machine_info,
+    med,
+    ratio,
+    run_json,
+    say,
+    stoker_command,
+    write_results,
+)
 
-REPO = Path(__file__).resolve().parent.parent
 MODEL = "smollm2"
-HOST = "127.0.0.1"
 THREADS = 2
 PAGE = 4096
 TTFT_PROMPT_TOKENS = 200
@@ -71,51 +81,6 @@ QUICK = Plan(starts=2, load_reps=2, wake_reps=2, ttft_reps=3, decode_reps=1, dec
 
 
 # ---- processes ---------------------------------------------------------------------------------------
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: get SIGTERM if this benchmark dies without cleaning up."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-class Processes:
-    """Every process this benchmark starts, each in its own session, so all can be stopped."""
-
-    def __init__(self) -> None:
-        self._live: list[subprocess.Popen] = []
-
-    def spawn(self, cmd: list[str], **kwargs) -> subprocess.Popen:
-        proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent, **kwargs)
-        self._live.append(proc)
-        return proc
-
-    def stop(self, proc: subprocess.Popen, timeout: float = 15.0) -> None:
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        for stream in (proc.stdin, proc.stdout, proc.stderr):
-            if stream is not None:
-                with contextlib.suppress(OSError):
-                    stream.close()
-        if proc in self._live:
-            self._live.remove(proc)
-
-    def live(self) -> list[subprocess.Popen]:
-        return [p for p in self._live if p.poll() is None]
-
-    def stop_all(self) -> None:
-        for proc in list(self._live):
-            self.stop(proc, timeout=10.0)
-
-
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 class Conditions:
@@ -157,17 +122,6 @@ class Conditions:
                 "steal_cores": (steal1 - steal0) / wall,
                 "loadavg_1m_end": os.getloadavg()[0],
             }
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
-
-
-def stoker_command() -> list[str]:
-    script = Path(sys.executable).parent / "stoker"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "stoker.cli"]
 
 
 def proc_memory(pid: int) -> dict[str, float]:
@@ -419,39 +373,6 @@ def probe_body() -> dict:
         "max_tokens": 2,
         "temperature": 0,
     }
-
-
-# ---- helpers -----------------------------------------------------------------------------------------
-
-
-def med(xs: list[float]) -> float | None:
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else None
-
-
-def ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
-
-
-def rnd(obj, digits: int = 4):
-    if isinstance(obj, float):
-        return round(obj, digits)
-    if isinstance(obj, dict):
-        return {k: rnd(v, digits) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [rnd(v, digits) for v in obj]
-    return obj
-
-
-def say(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def run_json(cmd: list[str], env: dict[str, str], timeout: float = 600) -> dict:
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    if out.returncode != 0:
-        raise RuntimeError(f"{shlex.join(cmd)} failed ({out.returncode}):\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 # ---- 1. start to ready ------------------------------------------------------------------------------
@@ -949,58 +870,6 @@ async def bench_serving(
 # ---- report ------------------------------------------------------------------------------------------
 
 
-def machine_info() -> dict:
-    cpu = next(
-        (
-            ln.split(":", 1)[1].strip()
-            for ln in Path("/proc/cpuinfo").read_text().splitlines()
-            if ln.startswith("model name")
-        ),
-        platform.processor(),
-    )
-    mem = next(
-        (
-            int(ln.split()[1])
-            for ln in Path("/proc/meminfo").read_text().splitlines()
-            if ln.startswith("MemTotal")
-        ),
-        0,
-    )
-
-    def version(dist: str) -> str | None:
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            return None
-
-    git = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True)
-    dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain"], capture_output=True, text=True)
-    return {
-        "nproc": os.cpu_count(),
-        "usable_cpus": len(os.sched_getaffinity(0)),
-        "cpu_model": cpu,
-        "mem_total_gib": round(mem / 2**20, 1),
-        "kernel": platform.release(),
-        "python": platform.python_version(),
-        "torch": version("torch"),
-        "transformers": version("transformers"),
-        "safetensors": version("safetensors"),
-        "git_commit": git.stdout.strip() or None,
-        "git_dirty": bool(dirty.stdout.strip()) if dirty.returncode == 0 else None,
-        "loadavg_start": os.getloadavg(),
-    }
-
-
-def fmt_s(x: float | None) -> str:
-    if x is None:
-        return "–"
-    return f"{x * 1000:.0f} ms" if x < 1 else f"{x:.2f} s"
-
-
-def fmt_x(x: float | None) -> str:
-    return "–" if x is None else f"{x:.2f}×"
-
-
 def table(res: dict) -> str:
     st, wl, sw, tt, dc = (res[k] for k in ("startup", "weight_load", "sleep_wake", "ttft", "decode"))
     sm, wm, gb, wr = st["median"], wl["median"], wl["gb_per_s"], wl["ratios"]
@@ -1113,10 +982,6 @@ def import_snapshot(home: Path, env: dict) -> Path:
     return Path(record["path"])
 
 
-def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer repetitions (about 2 minutes)")
@@ -1134,7 +999,7 @@ def main(argv: list[str] | None = None) -> int:
     cond = Conditions(procs)
     t_start = time.perf_counter()
     results: dict = {
-        "machine": machine_info(),
+        "machine": machine_info(("torch", "transformers", "safetensors"), mem_total=True),
         "command": shlex.join([sys.executable, *sys.argv]) if argv is None else shlex.join(argv),
         "plan": plan.__dict__,
     }
@@ -1192,12 +1057,7 @@ def main(argv: list[str] | None = None) -> int:
         "decode",
     ]
     results = {k: results[k] for k in order} | {k: v for k, v in results.items() if k not in order}
-    md = table(results)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(rnd(results), indent=2) + "\n")
-    args.out.with_suffix(".md").write_text(md + "\n")
-    print(md)
-    say(f"done in {results['elapsed_s']:.0f} s; wrote {args.out} and {args.out.with_suffix('.md')}")
+    write_results(args.out, results, table(results))
     return 0
 
 

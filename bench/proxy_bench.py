@@ -34,29 +34,24 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import json
 import os
-import platform
 import re
 import shlex
 import shutil
 import signal
-import socket
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 from types import SimpleNamespace
 
+import common
 import httpx
+from common import CLK_TCK, HOST, REPO, _interrupt, free_port, machine_info, med, say, write_results
 
-REPO = Path(__file__).resolve().parent.parent
-HOST = "127.0.0.1"
 MODEL = "bench"
 PATH = "/v1/chat/completions"
 CHUNKS = 20
@@ -284,22 +279,8 @@ def serve_stoker(port: int, upstream: str) -> None:
 # ---- processes ---------------------------------------------------------------------------------------
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: get SIGTERM if this benchmark dies without cleaning up."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-class Processes:
-    """Every process this benchmark starts, each in its own session, so all can be stopped."""
-
-    def __init__(self) -> None:
-        self._live: list[subprocess.Popen] = []
-
-    def spawn(self, cmd: list[str], **kwargs) -> subprocess.Popen:
-        proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent, **kwargs)
-        self._live.append(proc)
-        return proc
+class Processes(common.Processes):
+    """common.Processes, but stop() always signals the whole group, even after its leader exited."""
 
     def stop(self, proc: subprocess.Popen, timeout: float = 10.0) -> None:
         # The whole group: nginx's master forks its worker, which must go too.
@@ -315,20 +296,6 @@ class Processes:
             proc.wait(5)
         if proc in self._live:
             self._live.remove(proc)
-
-    def stop_all(self) -> None:
-        for proc in list(self._live):
-            self.stop(proc)
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
-
-
-def say(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def body(stream: bool) -> dict:
@@ -567,8 +534,6 @@ def wrk(base: str, script: Path, conc: int, duration_s: int) -> dict:
 
 # ---- CPU time ----------------------------------------------------------------------------------------
 
-CLK_TCK = os.sysconf("SC_CLK_TCK")
-
 
 def group_cpu_s(pgid: int) -> float:
     """User + system CPU seconds of every live process in process group `pgid` (all threads)."""
@@ -582,21 +547,6 @@ def group_cpu_s(pgid: int) -> float:
 
 
 # ---- the run -----------------------------------------------------------------------------------------
-
-
-def med(xs: list) -> float | None:
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else None
-
-
-def rnd(obj, digits: int = 7):
-    if isinstance(obj, float):
-        return round(obj, digits)
-    if isinstance(obj, dict):
-        return {k: rnd(v, digits) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [rnd(v, digits) for v in obj]
-    return obj
 
 
 def cell_key(mode: str, conc: int) -> str:
@@ -735,45 +685,6 @@ def table(res: dict) -> str:
     return "\n".join(lines)
 
 
-def machine_info() -> dict:
-    cpu = next(
-        (
-            ln.split(":", 1)[1].strip()
-            for ln in Path("/proc/cpuinfo").read_text().splitlines()
-            if ln.startswith("model name")
-        ),
-        platform.processor(),
-    )
-
-    def version(dist: str) -> str | None:
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            return None
-
-    git = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True)
-    dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain"], capture_output=True, text=True)
-    return {
-        "nproc": os.cpu_count(),
-        "usable_cpus": len(os.sched_getaffinity(0)),
-        "cpu_model": cpu,
-        "kernel": platform.release(),
-        "python": platform.python_version(),
-        **{
-            d: version(d)
-            for d in ("uvicorn", "httptools", "uvloop", "starlette", "aiohttp", "prometheus-client")
-        },
-        "wrk": tool_version(["wrk", "-v"]),
-        "git_commit": git.stdout.strip() or None,
-        "git_dirty": bool(dirty.stdout.strip()) if dirty.returncode == 0 else None,
-        "loadavg_start": os.getloadavg(),
-    }
-
-
-def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
-
-
 def run(args: argparse.Namespace) -> int:
     plan = QUICK if args.quick else FULL
     if shutil.which("wrk") is None:
@@ -784,7 +695,10 @@ def run(args: argparse.Namespace) -> int:
     procs = Processes()
     t_start = time.perf_counter()
     results: dict = {
-        "machine": machine_info(),
+        "machine": machine_info(
+            ("uvicorn", "httptools", "uvloop", "starlette", "aiohttp", "prometheus-client"),
+            wrk=tool_version(["wrk", "-v"]),
+        ),
         "command": shlex.join([sys.executable, *sys.argv]),
         "plan": plan.__dict__,
         "what": (
@@ -859,12 +773,7 @@ def run(args: argparse.Namespace) -> int:
 
     results["machine"]["loadavg_end"] = os.getloadavg()
     results["elapsed_s"] = time.perf_counter() - t_start
-    md = table(results)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(rnd(results), indent=2) + "\n")
-    args.out.with_suffix(".md").write_text(md + "\n")
-    print(md)
-    say(f"done in {results['elapsed_s']:.0f} s; wrote {args.out} and {args.out.with_suffix('.md')}")
+    write_results(args.out, results, table(results), 7)
     return 0
 
 

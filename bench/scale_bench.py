@@ -29,29 +29,38 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ctypes
 import json
 import os
-import platform
 import re
 import shlex
 import signal
-import socket
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import uuid
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 
 import httpx
+from common import (
+    HOST,
+    REPO,
+    Processes,
+    _interrupt,
+    fmt_s,
+    fmt_x,
+    free_port,
+    machine_info,
+    med,
+    ratio,
+    run_json,
+    say,
+    stoker_command,
+    write_results,
+)
 
-REPO = Path(__file__).resolve().parent.parent
 MODEL = "smollm2"
-HOST = "127.0.0.1"
 IDLE_TIMEOUT_S = 3
 MAX_TOKENS = 16
 PHASES = ("snapshot_local", "process_start", "model_load", "total_to_ready")
@@ -67,63 +76,6 @@ QUICK = Plan(reps=2)
 
 
 # ---- processes ---------------------------------------------------------------------------------------
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: get SIGTERM if this benchmark dies without cleaning up."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-class Processes:
-    """Every process this benchmark starts, each in its own session, so all can be stopped."""
-
-    def __init__(self) -> None:
-        self._live: list[subprocess.Popen] = []
-
-    def spawn(self, cmd: list[str], **kwargs) -> subprocess.Popen:
-        proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent, **kwargs)
-        self._live.append(proc)
-        return proc
-
-    def stop(self, proc: subprocess.Popen, timeout: float = 15.0) -> None:
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        if proc in self._live:
-            self._live.remove(proc)
-
-    def stop_all(self) -> None:
-        for proc in list(self._live):
-            self.stop(proc, timeout=60.0)
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
-
-
-def stoker_command() -> list[str]:
-    script = Path(sys.executable).parent / "stoker"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "stoker.cli"]
-
-
-def say(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def run_json(cmd: list[str], env: dict[str, str], timeout: float = 600):
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    if out.returncode != 0:
-        raise RuntimeError(f"{shlex.join(cmd)} failed ({out.returncode}):\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def pid_start_ticks(pid: int) -> int | None:
@@ -486,35 +438,6 @@ async def bench_asleep(plan: Plan, procs: Processes, snapshot: Path, env: dict, 
 # ---- report ------------------------------------------------------------------------------------------
 
 
-def med(xs: list) -> float | None:
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else None
-
-
-def ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
-
-
-def rnd(obj, digits: int = 4):
-    if isinstance(obj, float):
-        return round(obj, digits)
-    if isinstance(obj, dict):
-        return {k: rnd(v, digits) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [rnd(v, digits) for v in obj]
-    return obj
-
-
-def fmt_s(x: float | None) -> str:
-    if x is None:
-        return "–"
-    return f"{x * 1000:.0f} ms" if abs(x) < 1 else f"{x:.2f} s"
-
-
-def fmt_x(x: float | None) -> str:
-    return "–" if x is None else f"{x:.1f}×"
-
-
 def table(res: dict) -> str:
     cold, asleep = res["cold"], res["asleep"]
     m, n = cold["median"], cold["n"]
@@ -539,7 +462,7 @@ def table(res: dict) -> str:
             f"warm, instance READY, through `stoker up` (n={n})",
             fmt_s(cold["warm"]["median"]["ttft_s"]),
             f"end of stream {fmt_s(cold['warm']['median']['end_s'])}",
-            f"cold/warm {fmt_x(ratio(ttft, cold['warm']['median']['ttft_s']))}",
+            f"cold/warm {fmt_x(ratio(ttft, cold['warm']['median']['ttft_s']), 1)}",
         ),
     ]
     for level, what in ((1, "weights dropped, page cache kept"), (2, "page cache dropped too")):
@@ -549,7 +472,7 @@ def table(res: dict) -> str:
                 f"asleep level {level} ({what}): /wake_up + request → first token, engine level (n={asleep['n']})",
                 fmt_s(lv["wake_to_ttft_s"]),
                 f"/wake_up {fmt_s(lv['wake_up_s'])} · request {fmt_s(lv['request_ttft_s'])}",
-                f"cold/asleep {fmt_x(ratio(ttft, lv['wake_to_ttft_s']))}",
+                f"cold/asleep {fmt_x(ratio(ttft, lv['wake_to_ttft_s']), 1)}",
             )
         )
     rows.append(
@@ -572,42 +495,6 @@ def table(res: dict) -> str:
     return "\n".join(lines)
 
 
-def machine_info() -> dict:
-    cpu = next(
-        (
-            ln.split(":", 1)[1].strip()
-            for ln in Path("/proc/cpuinfo").read_text().splitlines()
-            if ln.startswith("model name")
-        ),
-        platform.processor(),
-    )
-
-    def version(dist: str) -> str | None:
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            return None
-
-    git = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True)
-    dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain"], capture_output=True, text=True)
-    return {
-        "nproc": os.cpu_count(),
-        "usable_cpus": len(os.sched_getaffinity(0)),
-        "cpu_model": cpu,
-        "kernel": platform.release(),
-        "python": platform.python_version(),
-        "torch": version("torch"),
-        "transformers": version("transformers"),
-        "git_commit": git.stdout.strip() or None,
-        "git_dirty": bool(dirty.stdout.strip()) if dirty.returncode == 0 else None,
-        "loadavg_start": os.getloadavg(),
-    }
-
-
-def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="2 repetitions instead of 3")
@@ -622,11 +509,11 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started with SIGINT ignored
     env = {**os.environ, "STOKER_HOME": str(args.home)}
     args.home.mkdir(parents=True, exist_ok=True)
-    procs = Processes()
+    procs = Processes(stop_all_timeout=60.0)
     watch = InstanceWatch(args.home)
     t_start = time.perf_counter()
     results: dict = {
-        "machine": machine_info(),
+        "machine": machine_info(("torch", "transformers")),
         "command": shlex.join([sys.executable, *sys.argv]) if argv is None else shlex.join(argv),
         "plan": plan.__dict__,
     }
@@ -687,12 +574,7 @@ def main(argv: list[str] | None = None) -> int:
         "cold_over_asleep_level1": ratio(c, a["level1"]["median"]["wake_to_ttft_s"]),
         "cold_over_asleep_level2": ratio(c, a["level2"]["median"]["wake_to_ttft_s"]),
     }
-    md = table(results)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(rnd(results), indent=2) + "\n")
-    args.out.with_suffix(".md").write_text(md + "\n")
-    print(md)
-    say(f"done in {results['elapsed_s']:.0f} s; wrote {args.out} and {args.out.with_suffix('.md')}")
+    write_results(args.out, results, table(results))
     return 0
 
 
