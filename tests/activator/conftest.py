@@ -20,7 +20,9 @@ import pytest
 import uvicorn
 from prometheus_client import CollectorRegistry
 
-from activator import Activator, ActivatorConfig, ActivatorError, ActivatorMetrics, NoCapacity
+from activator import Activator, ActivatorConfig, ActivatorError, ActivatorMetrics
+from stoker.gateway import api_error
+from stoker.openai_errors import error_response
 
 COMPLETION = {
     "id": "cmpl-1",
@@ -78,13 +80,7 @@ class Upstream:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return
-        body = b""
-        while True:
-            message = await receive()
-            body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
-        request = json.loads(body)
+        request = json.loads(await read_all(receive))
         self.requests.append(request)
         self.headers.append(dict(scope["headers"]))
         if self.before_headers is not None:
@@ -161,8 +157,18 @@ async def first_of(*aws) -> None:
             t.cancel()
 
 
+async def read_all(receive) -> bytes:
+    body = b""
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if not message.get("more_body"):
+            return body
+
+
 class Front:
-    """The smallest gateway: read the body, call the activator, map its errors as the real one will."""
+    """The smallest gateway: read the body, call the activator, answer its errors with the real
+    gateway's table (`stoker.gateway.api_error`), so these tests see what clients will."""
 
     def __init__(self) -> None:
         self.activator: Activator | None = None
@@ -170,22 +176,11 @@ class Front:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return
-        body = b""
-        while True:
-            message = await receive()
-            body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
+        body = await read_all(receive)
         try:
             await self.activator.serve(scope, receive, send, body, bool(json.loads(body).get("stream")))
         except ActivatorError as exc:
-            status = 503 if isinstance(exc, NoCapacity) else 502
-            headers = [(b"content-type", b"application/json")]
-            if isinstance(exc, NoCapacity):
-                headers.append((b"retry-after", str(exc.retry_after_s).encode()))
-            error = {"error": {"message": str(exc), "type": "t", "param": None, "code": exc.code}}
-            await send({"type": "http.response.start", "status": status, "headers": headers})
-            await send({"type": "http.response.body", "body": json.dumps(error).encode()})
+            await error_response(api_error(exc))(scope, receive, send)
 
 
 class QuietServer(uvicorn.Server):

@@ -56,6 +56,9 @@ class EngineConfig:
     queue_timeout_s: float = 60.0
     kv_cache_tokens: int | None = None  # default: 2 × max_model_len
     max_prefill_tokens: int = 512  # tokens per forward step; long prompts are chunked
+    # Longest silence between two outputs of one request (a long prefill behind a full batch is
+    # seconds on this CPU); past it the request fails rather than waiting forever.
+    stall_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -65,8 +68,9 @@ class EngineConfig:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.max_waiting < 0:
             raise ValueError(f"max_waiting must be at least 0, got {self.max_waiting}")
-        if self.queue_timeout_s <= 0:
-            raise ValueError(f"queue_timeout_s must be positive, got {self.queue_timeout_s}")
+        for name in ("queue_timeout_s", "stall_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)
@@ -423,7 +427,9 @@ class Generation:
         self._engine.metrics.finished(reason)
 
     async def _next_output(self):
-        """The next output, failing instead of hanging if the generation thread died."""
+        """The next output; fails instead of hanging if the generation thread died or stalled."""
+        stall_s = self._engine.config.stall_timeout_s
+        deadline = self._engine.clock() + stall_s
         while True:
             try:
                 async with asyncio.timeout(1.0):
@@ -431,6 +437,12 @@ class Generation:
             except TimeoutError:
                 if not self._manager.is_running():
                     raise APIError(500, "The engine's generation loop stopped.", type=SERVER_ERROR) from None
+                if self._engine.clock() >= deadline:
+                    raise APIError(
+                        500,
+                        f"No token for {stall_s:g} s: the engine's generation loop is stalled.",
+                        type=SERVER_ERROR,
+                    ) from None
 
     async def close(self) -> None:
         if self._closed:
