@@ -1,12 +1,15 @@
 """Benchmark the CPU engine on the embedded model (SmolLM2-135M-Instruct, fp32), beside its baselines.
 
-    python bench/engine_bench.py [--quick] [--out bench/results/engine.json] [--home DIR]
+    python bench/engine_bench.py [--quick] [--only SECTIONS] [--out bench/results/engine.json] [--home DIR]
 
 Starts real `stoker engine` processes on free 127.0.0.1 ports (`--threads 2`) and measures:
 
 1. start to ready (spawn → `/health` 200), split into the engine's own phases from `/metrics`;
 2. weight load from the snapshot's safetensors, page cache warm and cold, against `dd bs=16M`
    reading the same file, and transformers' `from_pretrained` as the default-path reference;
+   then the engine's own first load (`stoker.engine.weights.load_model`: memory-mapped into a model
+   built without weights) against `from_pretrained`, warm and cold, and `stoker snapshot warm`'s
+   read speed (`snapshots.pagecache.warm`) from cold disk against `dd`;
 3. sleep and wake (levels 1 and 2) against a fresh start, with the engine's RSS;
 4. time to first token for a ~200-token chat prompt;
 5. decode tokens/s at 1 and at 8 concurrent streams.
@@ -58,6 +61,8 @@ from common import (
     write_results,
 )
 
+from snapshots import pagecache
+
 MODEL = "smollm2"
 THREADS = 2
 PAGE = 4096
@@ -73,11 +78,31 @@ class Plan:
     decode_reps: int  # per concurrency level
     decode_tokens: int  # max_tokens per decode stream
     fp_reps: int  # from_pretrained runs (fresh interpreters)
+    first_load_reps: int  # engine first loads per path and cache state (fresh interpreters)
     streams: int = 8
 
 
-FULL = Plan(starts=3, load_reps=3, wake_reps=3, ttft_reps=5, decode_reps=3, decode_tokens=64, fp_reps=3)
-QUICK = Plan(starts=2, load_reps=2, wake_reps=2, ttft_reps=3, decode_reps=1, decode_tokens=32, fp_reps=1)
+FULL = Plan(
+    starts=3,
+    load_reps=3,
+    wake_reps=3,
+    ttft_reps=5,
+    decode_reps=3,
+    decode_tokens=64,
+    fp_reps=3,
+    first_load_reps=3,
+)
+QUICK = Plan(
+    starts=2,
+    load_reps=2,
+    wake_reps=2,
+    ttft_reps=3,
+    decode_reps=1,
+    decode_tokens=32,
+    fp_reps=1,
+    first_load_reps=2,
+)
+SECTIONS = ("startup", "weight_load", "first_load", "serving")
 
 
 # ---- processes ---------------------------------------------------------------------------------------
@@ -575,6 +600,160 @@ def bench_weight_load(plan: Plan, procs: Processes, snapshot: Path, env: dict) -
     }
 
 
+# ---- 2b. the engine's first load --------------------------------------------------------------------
+
+FIRST_LOAD_CHILD = r"""
+import gc, json, sys, time
+from pathlib import Path
+import torch
+torch.set_num_threads(int(sys.argv[2]))
+import transformers.models.llama.modeling_llama  # the model's code: imported before the clock
+from stoker.engine import weights
+snapshot, path = Path(sys.argv[1]), sys.argv[3]
+
+def load():
+    if path == "mmap":  # what Engine.load calls
+        model, source = weights.load_model(snapshot, torch.float32)
+        assert source == weights.MMAP, source
+        return model
+    return weights.from_pretrained(snapshot, torch.float32)
+
+def touch(model):  # one element per 4 KiB page of every weight: every page is faulted in
+    acc = 0.0
+    for p in model.parameters():
+        flat = p.detach().reshape(-1)
+        acc += float(flat[:: max(1, 4096 // flat.element_size())].sum())
+    return acc
+
+def memory():
+    out = {}
+    for line in open("/proc/self/status"):
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "RssAnon", "RssFile"):
+            out[key] = round(int(value.split()[0]) / 1024, 1)
+    return out
+
+print("ready", flush=True)
+sys.stdin.readline()
+t0 = time.perf_counter(); model = load(); t1 = time.perf_counter(); touch(model); t2 = time.perf_counter()
+rss = memory()
+del model
+gc.collect()
+t3 = time.perf_counter(); model = load(); t4 = time.perf_counter(); touch(model); t5 = time.perf_counter()
+print(json.dumps({"load_s": t1 - t0, "touch_s": t2 - t1, "load_touch_s": t2 - t0, "rss_mib": rss,
+                  "second_load_s": t4 - t3, "second_load_touch_s": t5 - t3}), flush=True)
+"""
+
+LOAD_PATHS = ("mmap", "from_pretrained")
+
+
+def timed_first_load(procs: Processes, snapshot: Path, env: dict, path: str, cold: bool) -> dict:
+    """One engine weight load (+ touch) in a fresh interpreter, its imports done before the clock."""
+    child = procs.spawn(
+        [sys.executable, "-c", FIRST_LOAD_CHILD, str(snapshot), str(THREADS), path],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        if child.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"first-load child ({path}) failed to start")
+        if cold:  # only the snapshot leaves the page cache: the child's own imports stay warm
+            pagecache.drop(snapshot)
+        resident = pagecache.residency(snapshot)
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        line = child.stdout.readline()
+        if child.wait(300) != 0 or not line:
+            raise RuntimeError(f"first-load child ({path}) failed ({child.returncode})")
+        out = json.loads(line)
+    finally:
+        procs.stop(child)
+    return {**out, "snapshot_resident_before": resident}
+
+
+def bench_first_load(plan: Plan, procs: Processes, snapshot: Path, env: dict) -> dict:
+    weights_file = snapshot / "model.safetensors"
+    size = weights_file.stat().st_size
+    samples: dict[str, list] = {f"{p}_{c}": [] for c in ("warm", "cold") for p in LOAD_PATHS}
+    for cache in ("warm", "cold"):
+        if cache == "warm":
+            pagecache.warm(snapshot)
+        for i in range(plan.first_load_reps):
+            for p in LOAD_PATHS if i % 2 == 0 else LOAD_PATHS[::-1]:  # alternate the order against drift
+                samples[f"{p}_{cache}"].append(timed_first_load(procs, snapshot, env, p, cache == "cold"))
+        say(
+            f"first load {cache}: mmap {med([s['load_touch_s'] for s in samples[f'mmap_{cache}']]):.3f} s, "
+            f"from_pretrained {med([s['load_touch_s'] for s in samples[f'from_pretrained_{cache}']]):.3f} s"
+        )
+    dd_cold, warm_cold = [], []
+    for i in range(plan.first_load_reps):
+
+        def dd_step() -> None:
+            pagecache.drop(snapshot)
+            dd_cold.append(dd_read(weights_file))
+
+        def warm_step() -> None:
+            pagecache.drop(snapshot)
+            before = pagecache.residency(snapshot)
+            r = pagecache.warm(snapshot)
+            warm_cold.append(
+                {"seconds": r.seconds, "bytes": r.bytes, "files": r.files, "resident_before": before}
+            )
+
+        for step in (dd_step, warm_step) if i % 2 == 0 else (warm_step, dd_step):
+            step()
+    pagecache.warm(snapshot)  # leave the page cache warm for what follows
+
+    m: dict[str, float | None] = {}
+    for key, reps in samples.items():
+        for field in ("load_s", "touch_s", "load_touch_s", "second_load_s"):
+            m[f"{key}_{field}"] = med([s[field] for s in reps])
+    m["dd_cold_s"] = med([s["seconds"] for s in dd_cold])
+    m["snapshot_warm_cold_s"] = med([s["seconds"] for s in warm_cold])
+    warm_bytes = warm_cold[0]["bytes"] if warm_cold else 0
+    return {
+        "what": "the engine's weight load (stoker.engine.weights.load_model: safetensors memory-mapped into "
+        "a model built on the meta device) vs transformers' from_pretrained, both fp32, each in a fresh "
+        "interpreter with torch, transformers and the model code imported before the clock; load_touch "
+        "= load + one element read per 4 KiB page of every weight; second_load = again in the same "
+        "process (lazy imports paid, page cache warm); cold = the snapshot's pages dropped "
+        "(posix_fadvise DONTNEED) just before; rss after the first load + touch; snapshot_warm = "
+        "snapshots.pagecache.warm of the whole snapshot dir (what `stoker snapshot warm` runs) after a "
+        "drop, vs dd bs=16M of model.safetensors after a drop",
+        "bytes": size,
+        "n": plan.first_load_reps,
+        "median": m,
+        "gb_per_s": {
+            "mmap_cold_load_touch": ratio(size / 1e9, m["mmap_cold_load_touch_s"]),
+            "from_pretrained_cold_load_touch": ratio(size / 1e9, m["from_pretrained_cold_load_touch_s"]),
+            "dd_cold": ratio(size / 1e9, m["dd_cold_s"]),
+            "snapshot_warm_cold": ratio(warm_bytes / 1e9, m["snapshot_warm_cold_s"]),
+        },
+        "median_rss_mib": {
+            key: {k: med([s["rss_mib"][k] for s in reps]) for k in ("VmRSS", "RssAnon", "RssFile")}
+            for key, reps in samples.items()
+        },
+        "ratios": {
+            "from_pretrained_over_mmap_warm": ratio(
+                m["from_pretrained_warm_load_touch_s"], m["mmap_warm_load_touch_s"]
+            ),
+            "from_pretrained_over_mmap_cold": ratio(
+                m["from_pretrained_cold_load_touch_s"], m["mmap_cold_load_touch_s"]
+            ),
+            "from_pretrained_over_mmap_second_load": ratio(
+                m["from_pretrained_warm_second_load_s"], m["mmap_warm_second_load_s"]
+            ),
+            "mmap_cold_over_dd_cold": ratio(m["mmap_cold_load_touch_s"], m["dd_cold_s"]),
+            "snapshot_warm_speed_over_dd_cold": ratio(
+                ratio(warm_bytes, m["snapshot_warm_cold_s"]), ratio(size, m["dd_cold_s"])
+            ),
+        },
+        "samples": {**samples, "dd_cold": dd_cold, "snapshot_warm_cold": warm_cold},
+    }
+
+
 # ---- 3-5. on one running engine --------------------------------------------------------------------
 
 
@@ -870,24 +1049,23 @@ async def bench_serving(
 # ---- report ------------------------------------------------------------------------------------------
 
 
-def table(res: dict) -> str:
-    st, wl, sw, tt, dc = (res[k] for k in ("startup", "weight_load", "sleep_wake", "ttft", "decode"))
-    sm, wm, gb, wr = st["median"], wl["median"], wl["gb_per_s"], wl["ratios"]
-    l1, l2 = sw["level1"], sw["level2"]
-    start = sm["wall_s"]
-    n = res["plan"]
-    c1, cn = dc["c1"]["median"], dc[f"c{n['streams']}"]["median"]
-    mb = wl["bytes"] / 1e6
-    hfd = dc["baseline_hf_generate"]["median"]
-    rows = [
-        ("what (SmolLM2-135M fp32, 2 threads)", "median", "baseline, same run", "ratio"),
+def startup_rows(st: dict) -> list[tuple[str, ...]]:
+    sm = st["median"]
+    return [
         (
             f"engine start → /health 200 (n={st['n']})",
-            fmt_s(start),
+            fmt_s(sm["wall_s"]),
             f"imports {fmt_s(sm['imports_s'])} · weights {fmt_s(sm['weight_load_s'])} · "
             f"warm-up {fmt_s(sm['warm_up_s'])} · other {fmt_s(sm['other_s'])}",
             "–",
-        ),
+        )
+    ]
+
+
+def weight_load_rows(wl: dict) -> list[tuple[str, ...]]:
+    wm, gb, wr = wl["median"], wl["gb_per_s"], wl["ratios"]
+    mb = wl["bytes"] / 1e6
+    return [
         (
             f"load_file + touch {mb:.0f} MB, warm (n={wl['n']})",
             f"{fmt_s(wm['load_touch_warm_s'])} ({gb['load_touch_warm']:.1f} GB/s)",
@@ -907,7 +1085,53 @@ def table(res: dict) -> str:
             fmt_x(wr["from_pretrained_over_load_touch_warm"]),
         ),
     ]
-    for name, lv in (("1", l1), ("2", l2)):
+
+
+def first_load_rows(fl: dict) -> list[tuple[str, ...]]:
+    fm, gb, fr, n = fl["median"], fl["gb_per_s"], fl["ratios"], fl["n"]
+
+    def gbps(x: float | None) -> str:
+        return "–" if x is None else f"{x:.2f} GB/s"
+
+    return [
+        (
+            f"engine weight load + touch, warm, mmap path (n={n})",
+            f"{fmt_s(fm['mmap_warm_load_touch_s'])} (load {fmt_s(fm['mmap_warm_load_s'])})",
+            f"from_pretrained {fmt_s(fm['from_pretrained_warm_load_touch_s'])} "
+            f"(load {fmt_s(fm['from_pretrained_warm_load_s'])})",
+            f"from_pretrained/mmap {fmt_x(fr['from_pretrained_over_mmap_warm'])}",
+        ),
+        (
+            f"engine weight load + touch, cold, mmap path (n={n})",
+            f"{fmt_s(fm['mmap_cold_load_touch_s'])} ({gbps(gb['mmap_cold_load_touch'])})",
+            f"from_pretrained {fmt_s(fm['from_pretrained_cold_load_touch_s'])}; dd cold "
+            f"{fmt_s(fm['dd_cold_s'])} ({gbps(gb['dd_cold'])})",
+            f"from_pretrained/mmap {fmt_x(fr['from_pretrained_over_mmap_cold'])}, "
+            f"mmap/dd {fmt_x(fr['mmap_cold_over_dd_cold'])}",
+        ),
+        (
+            "engine weight load, second in the process, mmap path",
+            fmt_s(fm["mmap_warm_second_load_s"]),
+            f"from_pretrained {fmt_s(fm['from_pretrained_warm_second_load_s'])}",
+            f"from_pretrained/mmap {fmt_x(fr['from_pretrained_over_mmap_second_load'])}",
+        ),
+        (
+            f"`stoker snapshot warm` from cold disk (n={n})",
+            f"{fmt_s(fm['snapshot_warm_cold_s'])} ({gbps(gb['snapshot_warm_cold'])})",
+            f"dd cold {gbps(gb['dd_cold'])}",
+            fmt_x(fr["snapshot_warm_speed_over_dd_cold"]),
+        ),
+    ]
+
+
+def serving_rows(res: dict) -> list[tuple[str, ...]]:
+    sw, tt, dc, n = res["sleep_wake"], res["ttft"], res["decode"], res["plan"]
+    l1 = sw["level1"]
+    start = res["startup"]["median"]["wall_s"] if "startup" in res else None
+    c1, cn = dc["c1"]["median"], dc[f"c{n['streams']}"]["median"]
+    hfd = dc["baseline_hf_generate"]["median"]
+    rows = []
+    for name, lv in (("1", l1), ("2", sw["level2"])):
         m = lv["median"]
         rows.append(
             (
@@ -958,6 +1182,20 @@ def table(res: dict) -> str:
             f"aggregate {fmt_x(dc['ratios']['aggregate_many_over_one'])}",
         )
     )
+    return rows
+
+
+def table(res: dict) -> str:
+    """The markdown table of whichever sections ran."""
+    rows = [("what (SmolLM2-135M fp32, 2 threads)", "median", "baseline, same run", "ratio")]
+    if "startup" in res:
+        rows += startup_rows(res["startup"])
+    if "weight_load" in res:
+        rows += weight_load_rows(res["weight_load"])
+    if "first_load" in res:
+        rows += first_load_rows(res["first_load"])
+    if "sleep_wake" in res:
+        rows += serving_rows(res)
     lines = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
     lines += ["| " + " | ".join(r) + " |" for r in rows[1:]]
     sections = res.get("conditions", {}).get("sections", {})
@@ -982,9 +1220,23 @@ def import_snapshot(home: Path, env: dict) -> Path:
     return Path(record["path"])
 
 
+def _sections(value: str) -> tuple[str, ...]:
+    names = tuple(v.strip() for v in value.split(",") if v.strip())
+    if not names or any(n not in SECTIONS for n in names):
+        raise argparse.ArgumentTypeError(f"sections are {','.join(SECTIONS)}; got {value!r}")
+    return names
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer repetitions (about 2 minutes)")
+    ap.add_argument(
+        "--only",
+        type=_sections,
+        default=SECTIONS,
+        metavar="SECTIONS",
+        help=f"comma-separated subset of {','.join(SECTIONS)} (default: all)",
+    )
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "engine.json")
     ap.add_argument(
         "--home", type=Path, default=Path("~/.cache/stoker-bench").expanduser(), help="STOKER_HOME"
@@ -1011,28 +1263,36 @@ def main(argv: list[str] | None = None) -> int:
                 "path": str(snapshot),
                 "bytes": (snapshot / "model.safetensors").stat().st_size,
             }
-            with cond.section("startup"):
-                results["startup"] = bench_startup(plan, procs, snapshot, env, logs)
-            with cond.section("weight_load"):
-                results["weight_load"] = bench_weight_load(plan, procs, snapshot, env)
-            engine = EngineProcess(procs, snapshot, env, logs / "serving.log")
-            hf = None
-            try:
-                engine.spawn()
-                hf = HFBaseline(procs, snapshot, env, logs / "hf-baseline.log")
-                engine.wait_ready()
-                hf.wait_ready()
-                serving = asyncio.run(bench_serving(plan, engine, hf, snapshot / "model.safetensors", cond))
-            except Exception:
-                tail = engine.log_tail()
-                if tail:
-                    print(f"--- engine log (tail) ---\n{tail}", file=sys.stderr)
-                raise
-            finally:
-                engine.stop()
-                if hf is not None:
-                    hf.stop()
-            results.update(serving)
+            if "startup" in args.only:
+                with cond.section("startup"):
+                    results["startup"] = bench_startup(plan, procs, snapshot, env, logs)
+            if "weight_load" in args.only:
+                with cond.section("weight_load"):
+                    results["weight_load"] = bench_weight_load(plan, procs, snapshot, env)
+            if "first_load" in args.only:
+                with cond.section("first_load"):
+                    results["first_load"] = bench_first_load(plan, procs, snapshot, env)
+            if "serving" in args.only:
+                engine = EngineProcess(procs, snapshot, env, logs / "serving.log")
+                hf = None
+                try:
+                    engine.spawn()
+                    hf = HFBaseline(procs, snapshot, env, logs / "hf-baseline.log")
+                    engine.wait_ready()
+                    hf.wait_ready()
+                    serving = asyncio.run(
+                        bench_serving(plan, engine, hf, snapshot / "model.safetensors", cond)
+                    )
+                except Exception:
+                    tail = engine.log_tail()
+                    if tail:
+                        print(f"--- engine log (tail) ---\n{tail}", file=sys.stderr)
+                    raise
+                finally:
+                    engine.stop()
+                    if hf is not None:
+                        hf.stop()
+                results.update(serving)
     except KeyboardInterrupt:
         say("interrupted; stopping every process started")
         return 130
@@ -1052,11 +1312,14 @@ def main(argv: list[str] | None = None) -> int:
         "snapshot",
         "startup",
         "weight_load",
+        "first_load",
         "sleep_wake",
         "ttft",
         "decode",
     ]
-    results = {k: results[k] for k in order} | {k: v for k, v in results.items() if k not in order}
+    results = {k: results[k] for k in order if k in results} | {
+        k: v for k, v in results.items() if k not in order
+    }
     write_results(args.out, results, table(results))
     return 0
 

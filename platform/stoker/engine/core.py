@@ -8,9 +8,11 @@ comes back to the loop through `register_result_handler` (`call_soon_threadsafe`
   for at most `queue_timeout_s`; beyond that a request is refused at once (503, `queue_full`).
 - Cancellation: leaving `generate` early (client gone, stop string) cancels the request in the
   manager, so its slot and its KV blocks are freed.
+- Load: the weights are memory-mapped from the snapshot's safetensors into a model built without
+  allocating any (`stoker.engine.weights`), so they load from the page cache when it is warm.
 - Sleep: the manager (and its KV cache) is stopped and every weight tensor is dropped; the model's
-  module tree, tokenizer and all imports stay. Wake reloads the weights from the snapshot's
-  safetensors (memory-mapped, so from the page cache when it is warm) and starts a new manager.
+  module tree, tokenizer and all imports stay. Wake maps the weights in again the same way and
+  starts a new manager.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ import contextlib
 import ctypes
 import gc
 import logging
-import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -28,12 +29,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import AutoTokenizer, GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.continuous_batching.requests import RequestStatus
 
+from snapshots import pagecache
 from stoker.engine import draw as draw_mod
+from stoker.engine import weights
 from stoker.engine.metrics import EngineMetrics
 from stoker.engine.protocol import GenerationRequest, SamplingParams
 from stoker.engine.text import TextTracker
@@ -91,6 +93,7 @@ class Engine:
         self.failure: str | None = None
         self.max_model_len = 0
         self.phases: dict[str, float] = {}
+        self.weights_source = ""  # which path loaded the weights: weights.MMAP or weights.FROM_PRETRAINED
         self._model = None
         self._tokenizer = None
         self._manager = None
@@ -110,7 +113,7 @@ class Engine:
         cfg = self.config
         t0 = self.clock()
         self._tokenizer = AutoTokenizer.from_pretrained(cfg.snapshot_dir)
-        self._model = AutoModelForCausalLM.from_pretrained(cfg.snapshot_dir, dtype=DTYPES[cfg.dtype]).eval()
+        self._model, self.weights_source = weights.load_model(cfg.snapshot_dir, DTYPES[cfg.dtype])
         t1 = self.clock()
         model_cfg = self._model.config.get_text_config()
         limit = getattr(model_cfg, "max_position_embeddings", None) or 4096
@@ -304,7 +307,7 @@ class Engine:
         _trim_heap()
         if level >= 2:
             for path in self.config.snapshot_dir.glob("*.safetensors"):
-                drop_from_page_cache(path)
+                pagecache.drop(path)
 
     async def wake_up(self) -> None:
         async with self._lifecycle:
@@ -318,19 +321,13 @@ class Engine:
             self.state = "ready"
 
     def _reload(self) -> None:
-        target = DTYPES[self.config.dtype]
-        weights = {}
-        for path in sorted(self.config.snapshot_dir.glob("*.safetensors")):
-            with safe_open(path, framework="pt") as f:
-                for key in f.keys():
-                    tensor = f.get_tensor(key)
-                    weights[key] = tensor if tensor.dtype == target else tensor.to(target)
-        self._model.load_state_dict(weights, strict=False, assign=True)
-        self._model.tie_weights()
-        if any(p.is_meta for p in self._model.parameters()):
-            # The checkpoint's names do not map 1:1 onto the module tree (a conversion at load
-            # time): take transformers' full loading path instead.
-            self._model = AutoModelForCausalLM.from_pretrained(self.config.snapshot_dir, dtype=target).eval()
+        snapshot_dir, dtype = self.config.snapshot_dir, DTYPES[self.config.dtype]
+        if self.weights_source != weights.MMAP:  # the first load needed transformers' conversions
+            self._model = weights.from_pretrained(snapshot_dir, dtype)
+        elif reason := weights.assign_weights(self._model, snapshot_dir):
+            log.warning("weights: %s; reloading through transformers' from_pretrained instead", reason)
+            self._model = weights.from_pretrained(snapshot_dir, dtype)
+            self.weights_source = weights.FROM_PRETRAINED
         # No warm-up here: measured, a warm-up on wake cost as much as the first request it was
         # meant to speed up (wake → first token 0.84 s with it, 0.56-0.61 s without).
         self._start_manager()
@@ -456,14 +453,6 @@ class Generation:
                 engine.metrics.finished("abort")
         engine._draw.forget(self.request_id)
         engine._release()
-
-
-def drop_from_page_cache(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def _forget_handler(manager, request_id: str) -> None:
