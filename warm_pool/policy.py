@@ -14,15 +14,21 @@ Worked example, target 4, window 60 s, idle timeout 300 s, observed at t=0 with 
 flight and at t=10 with none: t=0 → ceil(10/4) = 3; t=10 → still 3 (the t=0 sample is in the
 window); t=60 → the window holds only zeros, but the last activity was t=0, so 1 is kept; t=300 → 0.
 
-No clock reads, no I/O: the live loop and the simulator call the same function. A later
-predictive policy plugs in through `Policy`, with its config bound by `functools.partial`.
+No clock reads, no I/O: the live loop and the simulator call the same function.
+
+This module also holds what every policy shares: the `Observation` a policy is handed (built by
+`warm_pool.tracker.ObservationTracker`, in the live pool and the simulator alike), the `Decision` it
+answers (instances to keep READY, to keep SLEEPING, snapshots to warm into the page cache) and the
+start-up tiers. The other policies (kpa, keepalive, histogram, predictive) live in
+`warm_pool.policies`, each bound to its config with `functools.partial`.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Protocol
+from enum import StrEnum
+from typing import NamedTuple, Protocol, TypeVar
 
 from warm_pool.errors import InvalidScalingConfig
 
@@ -58,19 +64,81 @@ class ScalingConfig:
             )
 
 
+class Tier(StrEnum):
+    """Where a new READY instance would come from, fastest first (ARCHITECTURE.md, "Tiers")."""
+
+    WAKE = "wake"  # a SLEEPING instance: weights in host RAM
+    PAGE_CACHE = "page_cache"  # a fresh process, snapshot files in the OS page cache
+    DISK = "disk"  # a fresh process, snapshot on local NVMe
+    OBJECT_STORAGE = "object_storage"  # download first, then as DISK
+
+
+@dataclass(frozen=True)
+class TierTimes:
+    """Seconds from "go" to READY from each tier: measured from real starts, these are priors.
+
+    The defaults are a GPU-class guess (vLLM serving an 8B bf16 model, 16 GB of weights, on one
+    H100-class GPU): a level-1 wake copies 16 GB back over PCIe (~25 GB/s) and re-creates the KV
+    cache, ~1 s; a fresh vLLM process spends ~20 s in imports, CUDA init and graph capture with the
+    weights already in RAM; local NVMe adds 16 GB at ~2 GB/s = 8 s; object storage adds a download at
+    ~0.5 GB/s = 32 s. The CPU engine's measured figures are far smaller (README, "Benchmarks").
+    """
+
+    wake: float = 1.0
+    page_cache: float = 20.0
+    disk: float = 28.0
+    object_storage: float = 60.0
+
+    def of(self, tier: Tier | str) -> float:
+        return float(getattr(self, Tier(tier).value))
+
+
+class SecondSample(NamedTuple):
+    """One whole second [start, start + 1) of a deployment's traffic."""
+
+    start: float
+    arrivals: int  # requests that arrived in it
+    concurrency: float  # time-weighted mean of requests in flight or held in it (Knative's metric)
+
+
 @dataclass(frozen=True)
 class Observation:
+    """What a policy sees at one call. The first five fields are all the reactive policy needs;
+    the defaults of the rest keep older call sites valid."""
+
     in_flight: int  # requests being served by instances
     queued: int  # requests held by the activator
     ready: int  # READY instances
     starting: int  # PENDING + STARTING instances
     last_arrival: float | None  # same clock as `now`; None if no request yet
+    arrivals: int = 0  # requests that arrived since the previous observation
+    seconds: tuple[SecondSample, ...] = ()  # whole seconds completed since the previous observation
+    idle_since: float | None = None  # when the deployment last ran out of work; None while busy
+    idle_gaps: tuple[float, ...] = ()  # idle gaps (out of work → next arrival) ended since the last call
+    sleeping: int = 0  # SLEEPING instances
+    waking: int = 0  # instances waking up (SLEEPING → READY)
+    latency_s: float | None = None  # mean seconds a served request held an instance; None: none yet
+    startup: TierTimes = TierTimes()  # measured seconds to READY from each tier
+    start_tier: Tier = Tier.DISK  # where an instance would come from now (WAKE if one is sleeping)
+    snapshot_id: str | None = None  # the deployment's snapshot, for `Decision.warm`
 
 
 @dataclass(frozen=True)
 class Decision:
-    desired: int  # instances to have READY or coming up
-    reason: str
+    """What a policy wants: `ready` READY (or coming up), `sleeping` SLEEPING, `warm` snapshots
+    read into the page cache ahead of a start. `forecast` is the arrival rate (requests/s) the
+    policy planned for, when it forecasts; it is there for plots and logs."""
+
+    ready: int
+    sleeping: int = 0
+    warm: tuple[str, ...] = ()
+    reason: str = ""
+    forecast: float | None = None
+
+    @property
+    def desired(self) -> int:
+        """The name the pool loop used before there was a sleeping tier: the READY target."""
+        return self.ready
 
 
 @dataclass(frozen=True)
@@ -87,12 +155,15 @@ class PolicyState:
         return cls()
 
 
-class Policy(Protocol):
-    """What the pool loop calls each tick; `functools.partial(reactive, config=...)` is one."""
+StateT = TypeVar("StateT")
 
-    def __call__(
-        self, observation: Observation, state: PolicyState, now: float, /
-    ) -> tuple[Decision, PolicyState]: ...
+
+class Policy(Protocol[StateT]):
+    """What the pool loop calls each tick; `functools.partial(reactive, config=...)` is one.
+
+    Each policy has its own frozen state type; `Policy` alone means any of them."""
+
+    def __call__(self, observation: Observation, state: StateT, now: float, /) -> tuple[Decision, StateT]: ...
 
 
 def reactive(
@@ -136,4 +207,4 @@ def reactive(
         else:
             reason = f"idle for {c.idle_timeout_s:g}s: to zero"
 
-    return Decision(desired, reason), PolicyState(history, last_active, desired)
+    return Decision(desired, reason=reason), PolicyState(history, last_active, desired)

@@ -15,13 +15,14 @@ from stoker.errors import CLIError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from stoker import engine_cli, platform_cli, snapshot_cli
+    from stoker import engine_cli, platform_cli, simulate_cli, snapshot_cli
 
     parser = argparse.ArgumentParser(prog="stoker", description="Serverless inference for LLMs.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     snapshot_cli.add_parser(sub)
     engine_cli.add_parser(sub)
     platform_cli.add_parsers(sub)
+    simulate_cli.add_parser(sub)
     return parser
 
 

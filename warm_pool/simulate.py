@@ -1,0 +1,481 @@
+"""Replay a request trace through a scaling policy in virtual time: a discrete-event simulation.
+
+The policy is the very function the live pool calls, built by `warm_pool.policies.make_policy`,
+and its observations are built by the same `ObservationTracker` the pool uses, fed the same events
+(arrivals, completions, rejections, finished starts). The loop ticks every `tick_s` (1 s) and also
+at once when a request arrives to find no free slot, as the live pool is poked.
+
+The instance model (`InstanceModel`; two presets, `GPU` the default and `CPU`):
+
+- a start takes `startup.<tier>` seconds, the tier being where the snapshot is when it begins: page
+  cache while any instance of the deployment exists or for `page_cache_ttl_s` after the last one
+  stopped or the snapshot was warmed, else local disk (or object storage, until the first start or
+  warm has fetched it); a wake takes `startup.wake`;
+- a request holds one of `concurrency` slots for context / prefill_tps + generated / decode_tps
+  seconds (decode_tps per stream), times a log-normal jitter (σ = `jitter`) drawn per request
+  from the seed before the run, so every policy sees the same service times; TTFT = wait + prefill;
+- requests that find no free slot wait FIFO, at most `max_queue` of them (more are rejected at
+  once) and for at most `deadline_s` (then rejected): the activator's defaults, 100 and 120 s.
+
+Applying a decision follows the pool: more READY first takes back instances that are out of
+routing waiting for their last requests before going to sleep (the sleep has not happened yet),
+then wakes sleeping ones and starts the rest; fewer cancels starts (newest first), then takes the
+least busy READY instances out of routing and, once their in-flight requests finish, puts them to
+sleep (while fewer sleep than asked) or stops them; surplus sleeping instances are stopped. The
+observation counts instances on their way to sleep as sleeping.
+
+Accounting: `gpu_seconds` = READY instance-seconds (draining ones included: they hold the GPU),
+`starting_seconds` = starting and waking, `sleep_seconds` = SLEEPING. A request is a cold start if
+it was served by an instance that became READY (started or woke) after the request arrived.
+The run ends when the last request is served or rejected.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import random
+from collections import deque
+from dataclasses import dataclass, field
+
+from warm_pool.errors import InvalidConfig
+from warm_pool.policies import BoundPolicy
+from warm_pool.policy import ScalingConfig, Tier, TierTimes
+from warm_pool.trace import TraceRequest
+from warm_pool.tracker import ObservationTracker
+
+SNAPSHOT_ID = "trace-snapshot"
+
+
+@dataclass(frozen=True)
+class InstanceModel:
+    startup: TierTimes = field(default_factory=TierTimes)
+    initial_tier: Tier = Tier.DISK
+    page_cache_ttl_s: float = 600.0
+    prefill_tps: float = 10_000.0
+    decode_tps: float = 40.0
+    concurrency: int = 16
+    jitter: float = 0.1
+    max_queue: int = 100
+    deadline_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_tps", "decode_tps", "deadline_s", "page_cache_ttl_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise InvalidConfig(name, f"{name} must be a finite number > 0, got {value}")
+        for tier in Tier:
+            if not (math.isfinite(self.startup.of(tier)) and self.startup.of(tier) >= 0):
+                raise InvalidConfig(tier.value, f"start-up time of {tier.value} must be ≥ 0 s")
+        if self.concurrency < 1 or self.max_queue < 0:
+            raise InvalidConfig("concurrency", "need concurrency ≥ 1 and max_queue ≥ 0")
+        if not 0 <= self.jitter <= 2:
+            raise InvalidConfig("jitter", f"jitter must be in 0..2, got {self.jitter}")
+
+
+# GPU class: an 8B model in bf16 under vLLM on one H100-class GPU (start-up: see TierTimes). Prefill
+# ~10k tokens/s; decode ~40 tokens/s per stream with 16 sequences batched (memory-bound decode of
+# 16 GB of weights at ~2.5 TB/s gives ~150 steps/s at batch 1, and batching 16 long contexts costs
+# most of that back). These are round planning figures, not measurements.
+GPU = InstanceModel()
+# The CPU engine with SmolLM2-135M on this 2-core machine (README "Benchmarks", MEASURED.md): start
+# through `stoker up` 7.7 s to READY with the files cached, +0.74 s of weights from a cold disk,
+# +~3 s for a 540 MB fp32 snapshot from S3; a level-1 wake 0.06 s + ~0.28 s of page faults on the
+# first request; prefill ~290 tokens/s (194 tokens in 0.67 s); decode 3.1 tokens/s per stream at
+# 8 streams (the engine's --max-num-seqs).
+CPU = InstanceModel(
+    startup=TierTimes(wake=0.35, page_cache=7.7, disk=8.4, object_storage=11.5),
+    prefill_tps=290.0,
+    decode_tps=3.1,
+    concurrency=8,
+)
+PROFILES = {"gpu": GPU, "cpu": CPU}
+
+
+@dataclass(frozen=True)
+class Prices:
+    """On-demand list prices, roughly: an H100-class GPU-hour, and the host RAM (16 GB of weights
+    at ~$0.005 per GB-hour) that a sleeping 8B instance holds."""
+
+    gpu_per_hour: float = 3.00
+    sleep_per_hour: float = 0.08
+
+
+@dataclass(frozen=True)
+class Report:
+    policy: str
+    requests: int
+    served: int
+    rejected: int
+    cold_starts: int  # served by an instance that started or woke after the request arrived
+    cold_from_wake: int  # of those, the instance woke (the rest: it started)
+    cold_start_share: float
+    p50_wait_s: float
+    p99_wait_s: float
+    p99_ttft_s: float
+    gpu_seconds: float
+    starting_seconds: float
+    sleep_seconds: float
+    starts: int
+    wakes: int
+    cost_usd: float
+    cost_per_1k_requests: float
+    duration_s: float
+    timeline: tuple[tuple[float, int, float, int, int, int, int], ...] = field(default=(), repr=False)
+    # (t, arrivals in the tick before t, forecast req/s or NaN, ready, starting, waking, sleeping)
+
+    def summary(self) -> dict[str, object]:
+        """The report without the timeline, rounded for JSON and tables."""
+        out: dict[str, object] = {}
+        for name in self.__dataclass_fields__:
+            if name == "timeline":
+                continue
+            value = getattr(self, name)
+            out[name] = round(value, 4) if isinstance(value, float) else value
+        return out
+
+
+class _Instance:
+    __slots__ = ("began", "busy", "id", "leaving", "ready_since", "state", "tier")
+
+    def __init__(self, ident: int, state: str, tier: Tier, now: float) -> None:
+        self.id, self.state, self.tier, self.began = ident, state, tier, now
+        self.busy = 0
+        self.leaving: str | None = None  # "sleep" or "stop" once out of routing
+        self.ready_since = math.inf
+
+
+_READY_EVENT, _DONE, _ARRIVAL, _DEADLINE, _WARMED, _TICK = range(6)
+
+
+class Simulation:
+    """One run of one policy over one trace; `run()` returns the `Report`."""
+
+    def __init__(
+        self,
+        trace: tuple[TraceRequest, ...],
+        policy: BoundPolicy,
+        *,
+        model: InstanceModel = GPU,
+        scaling: ScalingConfig,
+        prices: Prices | None = None,
+        seed: int = 0,
+        tick_s: float = 1.0,
+    ) -> None:
+        if not trace:
+            raise InvalidConfig("trace", "the trace has no requests")
+        self.trace, self.policy, self.model, self.scaling = trace, policy, model, scaling
+        self.prices = prices or Prices()
+        self.tick_s = tick_s
+        rng = random.Random(seed)
+        self._jitter = [rng.lognormvariate(0.0, model.jitter) if model.jitter else 1.0 for _ in trace]
+        self.tracker = ObservationTracker(model.startup)
+        self._state = policy.initial_state
+        self._events: list[tuple[float, int, int, object]] = []
+        self._seq = itertools.count()
+        self._ids = itertools.count()
+        self._instances: dict[int, _Instance] = {}
+        self._queue: deque[int] = deque()  # request indices, FIFO
+        self._queued: set[int] = set()
+        self._done = 0
+        self._now = 0.0
+        self._acct_at = 0.0
+        self._seconds = {"gpu": 0.0, "starting": 0.0, "sleep": 0.0}
+        self._on_disk = model.initial_tier != Tier.OBJECT_STORAGE
+        self._cache_until = model.page_cache_ttl_s if model.initial_tier == Tier.PAGE_CACHE else -math.inf
+        self._warming = False
+        self.outcomes: list[str | None] = [None] * len(trace)  # "served" or "rejected", set once
+        self._waits: list[float] = []
+        self._ttfts: list[float] = []
+        self._cold = self._cold_wake = self._rejected = self._starts = self._wakes = 0
+        self._tick_arrivals = 0
+        self._timeline: list[tuple[float, int, float, int, int, int, int]] = []
+
+    # ---- the event loop ------------------------------------------------------------------------------
+
+    def run(self) -> Report:
+        for i, req in enumerate(self.trace):
+            self._push(req.t, _ARRIVAL, i)
+        self._push(0.0, _TICK, None)
+        handlers = {
+            _READY_EVENT: self._on_ready,
+            _DONE: self._on_done,
+            _ARRIVAL: self._on_arrival,
+            _DEADLINE: self._on_deadline,
+            _WARMED: self._on_warmed,
+            _TICK: self._on_tick,
+        }
+        while self._events and self._done < len(self.trace):
+            t, kind, _, data = heapq.heappop(self._events)
+            self._advance(t)
+            handlers[kind](data)
+        return self._report()
+
+    def _push(self, t: float, kind: int, data: object) -> None:
+        heapq.heappush(self._events, (t, kind, next(self._seq), data))
+
+    def _advance(self, t: float) -> None:
+        dt = t - self._acct_at
+        if dt > 0:
+            for inst in self._instances.values():
+                key = {"ready": "gpu", "starting": "starting", "waking": "starting", "sleeping": "sleep"}
+                self._seconds[key[inst.state]] += dt
+        self._acct_at = self._now = max(self._now, t)
+
+    # ---- requests ------------------------------------------------------------------------------------
+
+    def _on_arrival(self, i: int) -> None:
+        now = self._now
+        self.tracker.arrived(now)
+        self._tick_arrivals += 1
+        inst = self._free_instance() if not self._queued else None
+        if inst is not None:
+            self._dispatch(i, inst)
+            return
+        if len(self._queued) >= self.model.max_queue:
+            self._reject(i)
+        else:
+            self._queue.append(i)
+            self._queued.add(i)
+            self._push(now + self.model.deadline_s, _DEADLINE, i)
+        self._tick(poked=True)
+
+    def _free_instance(self) -> _Instance | None:
+        best = None
+        for inst in self._instances.values():
+            if inst.state == "ready" and inst.leaving is None and inst.busy < self.model.concurrency:
+                if best is None or inst.busy < best.busy:
+                    best = inst
+        return best
+
+    def _dispatch(self, i: int, inst: _Instance) -> None:
+        now, req, m = self._now, self.trace[i], self.model
+        self._settle(i, "served")
+        inst.busy += 1
+        jitter = self._jitter[i]
+        prefill = req.context_tokens / m.prefill_tps * jitter
+        service = prefill + req.generated_tokens / m.decode_tps * jitter
+        wait = now - req.t
+        self._waits.append(wait)
+        self._ttfts.append(wait + prefill)
+        if inst.ready_since > req.t:
+            self._cold += 1
+            self._cold_wake += inst.tier == Tier.WAKE
+        self._push(now + service, _DONE, (i, inst.id, service))
+
+    def _drain_queue(self) -> None:
+        while self._queue:
+            inst = self._free_instance()
+            if inst is None:
+                return
+            i = self._queue.popleft()
+            if i in self._queued:
+                self._queued.discard(i)
+                self._dispatch(i, inst)
+
+    def _on_done(self, data: object) -> None:
+        _, inst_id, service = data  # type: ignore[misc]
+        self.tracker.finished(self._now, service)
+        self._done += 1
+        inst = self._instances.get(inst_id)
+        if inst is not None:
+            inst.busy -= 1
+            if inst.leaving is not None and inst.busy == 0:
+                self._leave(inst)
+        self._drain_queue()
+
+    def _on_deadline(self, i: int) -> None:
+        if i in self._queued:
+            self._queued.discard(i)
+            self._reject(i)
+
+    def _settle(self, i: int, outcome: str) -> None:
+        if self.outcomes[i] is not None:
+            raise AssertionError(f"request {i} {outcome} after it was already {self.outcomes[i]}")
+        self.outcomes[i] = outcome
+
+    def _reject(self, i: int) -> None:
+        self._settle(i, "rejected")
+        self.tracker.finished(self._now, None)
+        self._rejected += 1
+        self._done += 1
+
+    # ---- instances -----------------------------------------------------------------------------------
+
+    def _cached_tier(self) -> Tier:
+        if self._instances or self._now < self._cache_until:
+            return Tier.PAGE_CACHE
+        return Tier.DISK if self._on_disk else Tier.OBJECT_STORAGE
+
+    def _start(self) -> None:
+        tier = self._cached_tier()
+        inst = _Instance(next(self._ids), "starting", tier, self._now)
+        self._instances[inst.id] = inst
+        self._starts += 1
+        self._push(self._now + self.model.startup.of(tier), _READY_EVENT, inst.id)
+
+    def _wake(self, inst: _Instance) -> None:
+        inst.state, inst.tier, inst.began = "waking", Tier.WAKE, self._now
+        self._wakes += 1
+        self._push(self._now + self.model.startup.wake, _READY_EVENT, inst.id)
+
+    def _on_ready(self, inst_id: int) -> None:
+        inst = self._instances.get(inst_id)
+        if inst is None or inst.state not in ("starting", "waking"):
+            return  # cancelled meanwhile
+        self.tracker.started(inst.tier, self._now - inst.began)
+        inst.state, inst.ready_since = "ready", self._now
+        self._on_disk = True
+        self._drain_queue()
+
+    def _leave(self, inst: _Instance) -> None:
+        """An instance out of routing with nothing in flight: asleep or gone."""
+        if inst.leaving == "sleep":
+            inst.state, inst.leaving = "sleeping", None
+        else:
+            self._remove(inst)
+
+    def _remove(self, inst: _Instance) -> None:
+        del self._instances[inst.id]
+        if not self._instances:
+            self._cache_until = max(self._cache_until, self._now + self.model.page_cache_ttl_s)
+
+    def _on_warmed(self, _: object) -> None:
+        self._warming, self._on_disk = False, True
+        self._cache_until = max(self._cache_until, self._now + self.model.page_cache_ttl_s)
+
+    # ---- the control loop ----------------------------------------------------------------------------
+
+    def _on_tick(self, _: object) -> None:
+        self._tick(poked=False)
+        self._push(self._now + self.tick_s, _TICK, None)
+
+    def _counts(self) -> dict[str, int]:
+        counts = dict.fromkeys(("ready", "starting", "waking", "sleeping", "leaving", "to_sleep"), 0)
+        for inst in self._instances.values():
+            counts["leaving" if inst.leaving else inst.state] += 1
+            counts["to_sleep"] += inst.leaving == "sleep"
+        return counts
+
+    def _tick(self, *, poked: bool) -> None:
+        now, counts = self._now, self._counts()
+        in_flight = sum(inst.busy for inst in self._instances.values())
+        observation = self.tracker.observe(
+            now,
+            in_flight=in_flight,
+            queued=len(self._queued),
+            ready=counts["ready"],
+            starting=counts["starting"],
+            sleeping=counts["sleeping"] + counts["to_sleep"],
+            waking=counts["waking"],
+            cached_tier=self._cached_tier(),
+            snapshot_id=SNAPSHOT_ID,
+        )
+        decision, self._state = self.policy.decide(observation, self._state, now)
+        self._apply(decision.ready, decision.sleeping, bool(decision.warm))
+        if not poked:
+            after = self._counts()
+            forecast = decision.forecast if decision.forecast is not None else math.nan
+            self._timeline.append(
+                (now, self._tick_arrivals, forecast, after["ready"] + after["leaving"], after["starting"],
+                 after["waking"], after["sleeping"])
+            )  # fmt: skip
+            self._tick_arrivals = 0
+
+    def _apply(self, want_ready: int, want_sleeping: int, warm: bool) -> None:
+        insts = list(self._instances.values())
+        ready = [i for i in insts if i.state == "ready" and i.leaving is None]
+        coming = [i for i in insts if i.state in ("starting", "waking")]
+        asleep = [i for i in insts if i.state == "sleeping"]
+        active = len(ready) + len(coming)
+        if want_ready > active:
+            need = want_ready - active
+            for inst in [i for i in insts if i.leaving == "sleep"][:need]:
+                inst.leaving = None  # not asleep yet: back into routing at no cost
+                need -= 1
+            for inst in sorted(asleep, key=lambda i: -i.id)[:need]:
+                self._wake(inst)
+                need -= 1
+            for _ in range(need):
+                self._start()
+        elif want_ready < active:
+            surplus = active - want_ready
+            for inst in sorted((i for i in coming if i.state == "starting"), key=lambda i: -i.began)[
+                :surplus
+            ]:
+                self._remove(inst)
+                surplus -= 1
+            going_to_sleep = sum(1 for i in insts if i.leaving == "sleep")
+            for inst in sorted(ready, key=lambda i: (i.busy, -i.id))[:surplus]:
+                if len(asleep) + going_to_sleep < want_sleeping:
+                    inst.leaving, going_to_sleep = "sleep", going_to_sleep + 1
+                else:
+                    inst.leaving = "stop"
+                if inst.busy == 0:
+                    self._leave(inst)
+        asleep = [i for i in self._instances.values() if i.state == "sleeping"]
+        going_to_sleep = sum(1 for i in self._instances.values() if i.leaving == "sleep")
+        for inst in sorted(asleep, key=lambda i: i.id)[
+            : max(0, len(asleep) + going_to_sleep - want_sleeping)
+        ]:
+            self._remove(inst)
+        tier = self._cached_tier()
+        if warm and not self._warming and tier != Tier.PAGE_CACHE:
+            self._warming = True
+            read_s = self.model.startup.of(tier) - self.model.startup.page_cache
+            self._push(self._now + max(0.0, read_s), _WARMED, None)
+        elif warm and tier == Tier.PAGE_CACHE and not self._instances:
+            self._cache_until = max(self._cache_until, self._now + self.model.page_cache_ttl_s)
+
+    # ---- the report ----------------------------------------------------------------------------------
+
+    def _report(self) -> Report:
+        n, served = len(self.trace), len(self._waits)
+        gpu, starting, sleep = self._seconds["gpu"], self._seconds["starting"], self._seconds["sleep"]
+        cost = (gpu + starting) * self.prices.gpu_per_hour / 3600 + sleep * self.prices.sleep_per_hour / 3600
+        return Report(
+            policy=self.policy.name,
+            requests=n,
+            served=served,
+            rejected=self._rejected,
+            cold_starts=self._cold,
+            cold_from_wake=self._cold_wake,
+            cold_start_share=self._cold / n,
+            p50_wait_s=_percentile(self._waits, 50),
+            p99_wait_s=_percentile(self._waits, 99),
+            p99_ttft_s=_percentile(self._ttfts, 99),
+            gpu_seconds=gpu,
+            starting_seconds=starting,
+            sleep_seconds=sleep,
+            starts=self._starts,
+            wakes=self._wakes,
+            cost_usd=cost,
+            cost_per_1k_requests=cost / n * 1000,
+            duration_s=self._now,
+            timeline=tuple(self._timeline),
+        )
+
+
+def _percentile(values: list[float], pct: float) -> float:
+    """Nearest-rank percentile (0 for no values)."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(pct / 100 * len(ordered)) - 1)]
+
+
+def simulate(
+    trace: tuple[TraceRequest, ...],
+    policy: BoundPolicy,
+    *,
+    scaling: ScalingConfig,
+    model: InstanceModel = GPU,
+    prices: Prices | None = None,
+    seed: int = 0,
+    tick_s: float = 1.0,
+) -> Report:
+    """Replay `trace` through `policy`; deterministic for a given seed."""
+    return Simulation(
+        trace, policy, model=model, scaling=scaling, prices=prices, seed=seed, tick_s=tick_s
+    ).run()
