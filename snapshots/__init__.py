@@ -7,6 +7,10 @@ bytes. This package is a leaf: it imports nothing else of Stoker's.
     store = SnapshotStore(root)
     record = store.resolve("smollm2")      # name, full id, or id prefix of 8+ hex chars
     record.path, record.dtype              # the dir to hand an engine; "float32", "bfloat16", ...
+    pagecache.warm(record.path)            # the page-cache tier: the next load runs at memory speed
+
+Object storage lives in `snapshots.remote` (`push`, `pull`, `read_manifest`, `RemoteConfig`),
+imported on demand: aiobotocore costs most of a second to import, which nothing else should pay.
 """
 
 from snapshots.builtin import BUILTINS, builtin_path
@@ -15,6 +19,10 @@ from snapshots.errors import (
     CorruptSnapshot,
     InvalidName,
     InvalidSource,
+    RemoteDenied,
+    RemoteError,
+    RemoteNotFound,
+    RemoteUnavailable,
     SnapshotError,
     SnapshotNotFound,
     StoreWriteError,
@@ -23,6 +31,7 @@ from snapshots.errors import (
 )
 from snapshots.importer import import_gguf, import_hf_dir
 from snapshots.manifest import MANIFEST_NAME, FileEntry, Manifest
+from snapshots.pagecache import WarmReport
 from snapshots.store import SnapshotRecord, SnapshotStore
 from snapshots.verify import Problem
 
@@ -36,6 +45,10 @@ __all__ = [
     "InvalidSource",
     "Manifest",
     "Problem",
+    "RemoteDenied",
+    "RemoteError",
+    "RemoteNotFound",
+    "RemoteUnavailable",
     "SnapshotError",
     "SnapshotNotFound",
     "SnapshotRecord",
@@ -43,6 +56,7 @@ __all__ = [
     "StoreWriteError",
     "UnsafeFileError",
     "UnsafePathError",
+    "WarmReport",
     "builtin_path",
     "import_gguf",
     "import_hf_dir",

@@ -11,7 +11,13 @@ it as `stoker: error: <message>`). OS and third-party errors are translated wher
     ├── SnapshotNotFound   no snapshot matches a ref (id, id prefix or name)
     ├── AmbiguousRef       an id prefix that matches more than one snapshot
     ├── CorruptSnapshot    a stored manifest that cannot be read or does not match its id
-    └── StoreWriteError    writing into the store failed (disk full, permissions); nothing was kept
+    ├── SnapshotPinned     a snapshot in use (pinned) cannot be removed
+    ├── StoreWriteError    writing into the store failed (disk full, permissions); nothing was kept
+    │   └── StoreFull          no room within the budget or on disk, even after evicting all unpinned
+    └── RemoteError        object storage (S3) refused or failed a push or pull; a bad s3:// URI
+        ├── RemoteNotFound     no such bucket, or no snapshot (manifest.json) at the prefix
+        ├── RemoteDenied       no or wrong credentials, or access denied
+        └── RemoteUnavailable  unreachable, throttled or failing (5xx), still so after our retries
 """
 
 from __future__ import annotations
@@ -51,3 +57,27 @@ class CorruptSnapshot(SnapshotError):
 
 class StoreWriteError(SnapshotError):
     """Writing a snapshot into the store failed; the partial copy has been removed."""
+
+
+class StoreFull(StoreWriteError):
+    """No room for a new snapshot: over budget or short of disk with only pinned snapshots left to go."""
+
+
+class SnapshotPinned(SnapshotError):
+    """The snapshot is pinned (in use by an instance or another process) and so was not removed."""
+
+
+class RemoteError(SnapshotError):
+    """Object storage refused or failed a request, or an s3:// URI or transfer setting is malformed."""
+
+
+class RemoteNotFound(RemoteError):
+    """The bucket, or the snapshot at the prefix, does not exist."""
+
+
+class RemoteDenied(RemoteError):
+    """Credentials are missing or wrong, or they do not grant access."""
+
+
+class RemoteUnavailable(RemoteError):
+    """The store could not be reached or kept failing (throttling, 5xx) through every retry."""

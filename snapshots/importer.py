@@ -121,6 +121,7 @@ def import_hf_dir(src: Path, store: SnapshotStore, name: str | None = None) -> S
     files = scan_hf_dir(src)
     dtype = dominant_dtype(f.path for f in files if f.rel.endswith(".safetensors"))
     store.remove_stale_tmp()
+    store.make_room(sum(f.path.stat().st_size for f in files))  # StoreFull now beats ENOSPC halfway
     with store.staging() as tmp:
         entries = []
         for f in files:
@@ -131,6 +132,7 @@ def import_hf_dir(src: Path, store: SnapshotStore, name: str | None = None) -> S
         snapshot_id = _commit(store, tmp, entries, dtype, source=str(src.resolve()))
     if name is not None:
         store.set_name(name, snapshot_id)
+    store.touch(snapshot_id)
     return store.record(snapshot_id)
 
 
@@ -146,6 +148,25 @@ def _check_gguf(path: Path) -> None:
         raise InvalidSource(f"cannot read {path}: {exc.strerror or exc}") from exc
     if magic != GGUF_MAGIC:
         raise InvalidSource(f"{path} is not a GGUF file (it does not start with 'GGUF')")
+
+
+def _converted_bytes(path: Path) -> int:
+    """About how many bytes converting `path` writes: its tensors as float32, plus the vocabulary.
+
+    Reading the GGUF's tensor table costs ~5 s for SmolLM2 (next to a minute of conversion). The
+    non-tensor part (vocabulary, merges) is counted 4 times over: written out as tokenizer JSON it
+    grows to about twice its binary size, and an estimate that errs large only evicts a little early.
+    """
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(path)
+    except Exception as exc:  # the gguf package raises ValueError, struct.error and worse on bad input
+        first = str(exc).strip().splitlines()
+        raise InvalidSource(
+            f"cannot read {path.name} as a GGUF model: {first[0] if first else exc!r}"
+        ) from exc
+    return 4 * sum(int(t.n_elements) for t in reader.tensors) + 4 * int(reader.data_offset)
 
 
 def import_gguf(
@@ -173,6 +194,7 @@ def import_gguf(
     if snapshot_id is None:
         from snapshots.gguf_convert import convert_gguf
 
+        store.make_room(_converted_bytes(path))
         if on_convert is not None:
             on_convert(path)
         with store.staging() as tmp:
@@ -184,4 +206,5 @@ def import_gguf(
         store.remember_source(source_digest, snapshot_id)
     if name is not None:
         store.set_name(name, snapshot_id)
+    store.touch(snapshot_id)
     return store.record(snapshot_id)

@@ -5,7 +5,14 @@ Layout under the store root (`$STOKER_HOME/snapshots`):
     <id>/                   one snapshot: model files + manifest.json, files read-only
     names/<name>            an alias: the file holds the id it points at (a name may move)
     sources/<sha256>        import index: sha256 of a source file (a GGUF) -> the id made from it
+    remotes/<id>            the s3:// URIs known to hold the snapshot, one a line (pushed to, pulled from)
+    .pull-<id>/             a pull from object storage in progress or interrupted; kept for resume,
+                            never listed (with .pull-<id>.journal and .pull-<id>.lock beside it)
     .tmp-<host>-<pid>-<rnd>/  a snapshot being written; hidden, never listed
+    used/<id>               empty; its mtime is the snapshot's last use (the LRU order, see `usage`)
+    pins/<id>               flock'd shared by each holder of a pin; pins/<id>.holder-* name them
+    .trash-<rnd>/           a snapshot being deleted (renamed here first, so it vanishes at once)
+    .lock                   flock'd while evicting or collecting garbage
 
 A snapshot appears only by renaming a fully written, fsynced temp dir onto `<id>`, so nothing that
 lists the store can see half of one, and a writer killed halfway leaves only a hidden temp dir.
@@ -22,12 +29,14 @@ import secrets
 import shutil
 import socket
 import stat
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from snapshots import pins, usage
 from snapshots.durable import fsync_dir, fsync_file, write_atomic
 from snapshots.errors import (
     AmbiguousRef,
@@ -41,6 +50,7 @@ from snapshots.manifest import MANIFEST_NAME, Manifest
 from snapshots.verify import Problem, verify_dir
 
 TMP_PREFIX = ".tmp-"
+PULL_PREFIX = ".pull-"
 MIN_PREFIX_CHARS = 8
 _ID = re.compile(r"[0-9a-f]{64}")
 _ID_PREFIX = re.compile(rf"[0-9a-f]{{{MIN_PREFIX_CHARS},63}}")
@@ -111,10 +121,23 @@ def _remove_tree(path: Path) -> None:
 class SnapshotStore:
     """Snapshots under one root directory. Cheap to construct; holds no state but the path."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(
+        self, root: Path, budget_bytes: int | None = None, *, clock: Callable[[], float] = time.time
+    ) -> None:
+        """`budget_bytes`: most bytes of snapshots to keep (None: only the free disk limits them).
+
+        `clock` gives the wall time (epoch seconds) that `touch` records as a snapshot's last use.
+        """
+        if budget_bytes is not None and (not isinstance(budget_bytes, int) or budget_bytes < 1):
+            raise ValueError(f"budget_bytes must be a positive number of bytes or None, not {budget_bytes!r}")
         self.root = Path(root)
+        self.budget_bytes = budget_bytes
+        self.clock = clock
+        self.used_dir = self.root / "used"
+        self.pins_dir = self.root / "pins"
         self.names_dir = self.root / "names"
         self.sources_dir = self.root / "sources"
+        self.remotes_dir = self.root / "remotes"
 
     # --- reading ---------------------------------------------------------------------------------
 
@@ -218,6 +241,54 @@ class SnapshotStore:
             return target
         return None
 
+    # --- use, pins and room (the work is in `usage`, `pins` and `eviction`) -----------------------
+
+    def touch(self, snapshot_id: str) -> None:
+        """Record a use of the snapshot now (imports, pulls and engine starts call this)."""
+        usage.touch(self, snapshot_id)
+
+    def last_used(self, snapshot_id: str) -> float:
+        """Epoch seconds of the last `touch`, or of the snapshot's creation if never touched."""
+        return usage.last_used(self, snapshot_id)
+
+    def pin(self, snapshot_id: str, holder: str) -> pins.Pin:
+        """Hold the snapshot against eviction, gc and removal by any process until `.release()`.
+
+        Also a context manager. The pin goes with its process, so a crashed holder leaves none.
+        Raises SnapshotNotFound if the snapshot is not (or no longer) stored.
+        """
+        if not _ID.fullmatch(snapshot_id):
+            raise ValueError(f"not a snapshot id: {snapshot_id!r}")
+        return pins.acquire(self.pins_dir, snapshot_id, holder, self.path_of(snapshot_id))
+
+    def is_pinned(self, snapshot_id: str) -> bool:
+        return pins.is_pinned(self.pins_dir, snapshot_id)
+
+    def pinned_by(self, snapshot_id: str) -> builtins.list[str]:
+        """The holder names of the live pins on the snapshot (best effort: for display only)."""
+        return pins.holders(self.pins_dir, snapshot_id)
+
+    def make_room(self, nbytes: int) -> builtins.list[str]:
+        """Before writing `nbytes` of new snapshot data: evict LRU unpinned snapshots until they fit.
+
+        Fitting means within the budget and with `nbytes` plus a small reserve free on disk. Returns
+        the evicted ids; raises StoreFull, evicting nothing, when even evicting every unpinned
+        snapshot would not do.
+        """
+        return usage.make_room(self, nbytes)
+
+    def remove(self, snapshot_id: str) -> bool:
+        """Delete a snapshot and its names; False if it was not there; SnapshotPinned if in use."""
+        return usage.remove(self, snapshot_id)
+
+    def gc(self, budget: int | None = None, *, dry_run: bool = False) -> usage.GcReport:
+        """Remove leftovers, then evict LRU unpinned snapshots down to `budget` (default: the store's).
+
+        Leftovers: temp and pull dirs whose writer is gone, trash, and index and pin files that
+        point at no snapshot.
+        """
+        return usage.gc(self, budget, dry_run)
+
     # --- writing ---------------------------------------------------------------------------------
 
     def set_name(self, name: str, snapshot_id: str) -> None:
@@ -227,6 +298,36 @@ class SnapshotStore:
 
     def remember_source(self, digest: str, snapshot_id: str) -> None:
         self._write_index(self.sources_dir, digest, snapshot_id)
+
+    def remotes(self, snapshot_id: str) -> builtins.list[str]:
+        """The s3:// URIs this snapshot was pushed to or pulled from, oldest first."""
+        try:
+            text = (self.remotes_dir / snapshot_id).read_text()
+        except OSError:  # none recorded (or unreadable: an index, not the data)
+            return []
+        return [line for line in text.splitlines() if line.startswith("s3://")]
+
+    def remember_remote(self, snapshot_id: str, uri: str) -> None:
+        """Record that `uri` holds this snapshot (read-modify-write: two writers at once may drop one)."""
+        if not _ID.fullmatch(snapshot_id):
+            raise ValueError(f"not a snapshot id: {snapshot_id!r}")
+        known = self.remotes(snapshot_id)
+        if uri in known:
+            return
+        try:
+            self.remotes_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StoreWriteError(f"cannot create {self.remotes_dir}: {exc.strerror or exc}") from exc
+        write_atomic(self.remotes_dir / snapshot_id, "".join(f"{u}\n" for u in [*known, uri]).encode())
+
+    def pull_dir(self, snapshot_id: str) -> Path:
+        """Where a pull of `snapshot_id` writes; hidden, and kept across interruptions so it can resume.
+
+        `commit` accepts it like a staging dir once every file in it checks out.
+        """
+        if not _ID.fullmatch(snapshot_id):
+            raise ValueError(f"not a snapshot id: {snapshot_id!r}")
+        return self.root / f"{PULL_PREFIX}{snapshot_id}"
 
     def _write_index(self, directory: Path, key: str, snapshot_id: str) -> None:
         if not _ID.fullmatch(snapshot_id):
@@ -271,7 +372,7 @@ class SnapshotStore:
         rename) the temp dir is discarded: stored once.
         """
         tmpdir = Path(tmpdir)
-        if tmpdir.parent != self.root or not tmpdir.name.startswith(TMP_PREFIX):
+        if tmpdir.parent != self.root or not tmpdir.name.startswith((TMP_PREFIX, PULL_PREFIX)):
             raise ValueError(f"not a staging dir of this store: {tmpdir}")
         manifest = Manifest.from_json((tmpdir / MANIFEST_NAME).read_bytes())
         for entry in manifest.files:
@@ -299,8 +400,8 @@ class SnapshotStore:
         fsync_dir(self.root)
         return snapshot_id
 
-    def remove_stale_tmp(self) -> builtins.list[Path]:
-        """Remove temp dirs left by imports that were killed; return what was removed.
+    def remove_stale_tmp(self, *, dry_run: bool = False) -> builtins.list[Path]:
+        """Remove temp dirs left by imports that were killed; return what was (or would be) removed.
 
         Staleness is judged by the writer's pid, not by age: a single multi-GB file copy or a 40 s
         GGUF conversion leaves the temp dir's mtime untouched for minutes, so "older than a minute"
@@ -321,6 +422,7 @@ class SnapshotStore:
             if len(parts) != 3 or parts[0] != host or not parts[1].isdigit():
                 continue
             if not _pid_alive(int(parts[1])):
-                _remove_tree(Path(entry.path))
+                if not dry_run:
+                    _remove_tree(Path(entry.path))
                 removed.append(Path(entry.path))
         return removed

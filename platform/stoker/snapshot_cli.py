@@ -2,19 +2,25 @@
 
     stoker snapshot import SOURCE [--name NAME] [--json]     a model directory or a .gguf file
     stoker snapshot import --builtin smollm2 [--name NAME] [--json]
-    stoker snapshot ls [--json]
+    stoker snapshot ls [--json]                                most recently used first
     stoker snapshot verify REF                                 name, id, or id prefix (8+ hex)
+    stoker snapshot warm REF [--json]                          read its files into the page cache
+    stoker snapshot gc [--budget SIZE] [--dry-run] [--json]   leftovers, then LRU down to the budget
 
-The store lives at `$STOKER_HOME/snapshots`. Only the GGUF path imports torch and transformers.
+The store lives at `$STOKER_HOME/snapshots`, within `$STOKER_SNAPSHOT_BUDGET` bytes if that is set
+(`50G`, `512MiB`; see `stoker.paths`). Only the GGUF path imports torch and transformers.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import re
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 from snapshots import (
     BUILTINS,
@@ -24,8 +30,13 @@ from snapshots import (
     builtin_path,
     import_gguf,
     import_hf_dir,
+    pagecache,
 )
-from stoker.paths import snapshot_store_dir
+from snapshots.errors import SnapshotNotFound
+from snapshots.sizes import format_size
+from snapshots.usage import GcReport
+from stoker import snapshot_remote_cli
+from stoker.paths import snapshot_budget, snapshot_store_dir
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -45,28 +56,44 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     imp.add_argument("--json", action="store_true", help="print one JSON object")
     imp.set_defaults(func=cmd_import)
 
-    ls = sub.add_parser("ls", help="list the snapshots in the store")
+    ls = sub.add_parser("ls", help="list the snapshots in the store, most recently used first")
     ls.add_argument("--json", action="store_true", help="print a JSON list")
     ls.set_defaults(func=cmd_ls)
+
+    gc = sub.add_parser(
+        "gc",
+        help="remove leftovers and evict least recently used snapshots down to the budget",
+        description="Remove what dead imports and pulls left behind, names of removed snapshots, and "
+        "then the least recently used unpinned snapshots until the store fits its budget.",
+    )
+    gc.add_argument(
+        "--budget", metavar="SIZE", help="evict down to this (e.g. 20G); default $STOKER_SNAPSHOT_BUDGET"
+    )
+    gc.add_argument("--dry-run", action="store_true", help="show what would be removed; remove nothing")
+    gc.add_argument("--json", action="store_true", help="print one JSON object")
+    gc.set_defaults(func=cmd_gc)
 
     verify = sub.add_parser("verify", help="re-hash every file of a snapshot")
     verify.add_argument("ref", metavar="REF", help="a name, a full id, or an id prefix of 8+ hex characters")
     verify.set_defaults(func=cmd_verify)
 
+    warm = sub.add_parser(
+        "warm",
+        help="read a snapshot's files into the page cache, so the next start loads at memory speed",
+    )
+    warm.add_argument("ref", metavar="REF", help="a name, a full id, or an id prefix of 8+ hex characters")
+    warm.add_argument("--json", action="store_true", help="print one JSON object")
+    warm.set_defaults(func=cmd_warm)
+
+    snapshot_remote_cli.add_commands(sub)
+
 
 def _store() -> SnapshotStore:
-    return SnapshotStore(snapshot_store_dir())
+    return SnapshotStore(snapshot_store_dir(), snapshot_budget())
 
 
 def _human_bytes(n: int) -> str:
-    if n < 1024:
-        return f"{n} B"
-    size, unit = n / 1024, "KiB"
-    for bigger in ("MiB", "GiB", "TiB"):
-        if size < 1024:
-            break
-        size, unit = size / 1024, bigger
-    return f"{size:.1f} {unit}"
+    return format_size(n)
 
 
 def _default_name(path: Path) -> str | None:
@@ -83,7 +110,7 @@ def _import_source(source: str, store: SnapshotStore, name: str | None) -> Snaps
     if "://" in source:
         scheme = source.split("://", 1)[0]
         if scheme == "s3":
-            raise InvalidSource(f"s3:// sources are not supported yet: {source}; import a local directory")
+            raise InvalidSource(f"{source} is in object storage: `stoker snapshot pull {source}` fetches it")
         raise InvalidSource(f"unsupported source {source}: give a local model directory or .gguf file")
     path = Path(source).expanduser()
     if not path.exists():
@@ -116,24 +143,129 @@ def cmd_import(args: argparse.Namespace) -> int:
     return 0
 
 
+def _iso(epoch: float) -> str:
+    return datetime.datetime.fromtimestamp(epoch, datetime.UTC).isoformat(timespec="seconds")
+
+
+def _ago(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{int(seconds // size)}{unit} ago"
+    return f"{max(int(seconds), 0)}s ago"
+
+
+def _residency(path: Path) -> float | None:
+    """The fraction of the snapshot in the page cache, where `snapshots.pagecache` can tell."""
+    try:
+        from snapshots import pagecache
+    except ImportError:
+        return None
+    residency = getattr(pagecache, "residency", None)
+    if residency is None:
+        return None
+    try:
+        return float(residency(path))
+    except Exception:  # a listing must not fail over a cache statistic
+        return None
+
+
+def _ls_entry(store: SnapshotStore, record: SnapshotRecord) -> dict[str, Any]:
+    """What `ls` says about one snapshot; SnapshotNotFound if it was evicted meanwhile."""
+    remotes = getattr(store, "remotes", None)
+    used = store.last_used(record.id)
+    return {
+        **record.to_dict(),
+        "last_used": _iso(used),
+        "last_used_epoch": used,
+        "pinned": store.is_pinned(record.id),
+        "pinned_by": store.pinned_by(record.id),
+        "remotes": list(remotes(record.id)) if remotes is not None else [],
+        "page_cache": _residency(record.path),
+    }
+
+
+def _clip(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 1] + "~"
+
+
+def _table(rows: list[tuple[str, ...]]) -> list[str]:
+    """Left-aligned columns two spaces apart; the last column is not padded."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    return ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) + "  " + row[-1] for row in rows]
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
     store = _store()
-    records = store.list()
+    entries = []
+    for record in store.list():
+        try:
+            entries.append(_ls_entry(store, record))
+        except SnapshotNotFound:
+            continue
+    entries.sort(key=lambda e: (-e["last_used_epoch"], e["id"]))
     if args.json:
-        print(json.dumps([r.to_dict() for r in records], indent=2))
+        print(json.dumps(entries, indent=2))
         return 0
-    if not records:
+    if not entries:
         print(f"no snapshots in {store.root}")
         return 0
-    rows = [("ID", "NAME", "DTYPE", "SIZE", "PATH")]
-    rows += [
-        (r.id[:12], ",".join(r.names) or "-", r.dtype, _human_bytes(r.bytes), str(r.path)) for r in records
-    ]
-    widths = [
-        max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)
-    ]  # the path is last: no padding
-    for *cells, path in rows:
-        print("  ".join(cell.ljust(w) for cell, w in zip(cells, widths, strict=True)) + "  " + path)
+    total = format_size(sum(e["bytes"] for e in entries))
+    budget = f" of the {format_size(store.budget_bytes)} budget" if store.budget_bytes else ""
+    print(f"{len(entries)} snapshot(s), {total}{budget}, in {store.root}/<ID>")
+    now = time.time()
+    rows = [("ID", "NAME", "DTYPE", "SIZE", "LAST USED", "PINNED BY", "CACHED", "WHERE")]
+    for e in entries:
+        pinned = ",".join(e["pinned_by"]) or "?" if e["pinned"] else "-"
+        cached = "-" if e["page_cache"] is None else f"{e['page_cache']:.0%}"
+        rows.append(
+            (
+                e["id"][:12],
+                _clip(",".join(e["names"]) or "-", 24),
+                e["dtype"],
+                format_size(e["bytes"]),
+                _ago(now - e["last_used_epoch"]),
+                _clip(pinned, 16),
+                cached,
+                ", ".join(["local", *e["remotes"]]),
+            )
+        )
+    print("\n".join(_table(rows)))
+    return 0
+
+
+def _print_gc(report: GcReport, names: dict[str, str]) -> None:
+    verb = "would remove" if report.dry_run else "removed"
+    rows = []
+    for item in report.removed:
+        if item.kind == "snapshot" and item.id:
+            own = ",".join(sorted(n for n, i in names.items() if i == item.id))
+            what = f"{item.id[:12]} ({own})" if own else item.id[:12]
+        else:
+            what = (
+                item.path.name
+                if item.kind in ("temp", "pull", "trash")
+                else f"{item.path.parent.name}/{item.path.name}"
+            )
+        rows.append((verb, item.kind, format_size(item.bytes) if item.bytes else "-", what))
+    if rows:
+        print("\n".join(_table(rows)))
+    freed = "would free" if report.dry_run else "freed"
+    budget = f" (budget {format_size(report.budget)})" if report.budget is not None else " (no budget)"
+    summary = "nothing to remove" if not rows else f"{freed} {format_size(report.bytes_freed)}"
+    print(f"{summary}; snapshots take {format_size(report.stored_bytes)}{budget}")
+    if report.problem:
+        print(f"stoker: warning: {report.problem}", file=sys.stderr)
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    budget = snapshot_budget(args.budget) if args.budget is not None else snapshot_budget()
+    store = SnapshotStore(snapshot_store_dir(), budget)
+    names = store.names()  # before: evicting a snapshot removes its names
+    report = store.gc(dry_run=args.dry_run)
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        _print_gc(report, names)
     return 0
 
 
@@ -148,3 +280,24 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print(problem)
     print(f"snapshot {record.id[:12]}: {len(problems)} problem(s)", file=sys.stderr)
     return 1
+
+
+def cmd_warm(args: argparse.Namespace) -> int:
+    store = _store()
+    record = store.resolve(args.ref)
+    before = pagecache.residency(record.path)
+    report = pagecache.warm(record.path)
+    after = pagecache.residency(record.path)
+    touch = getattr(store, "touch", None)  # a warm is a use: it keeps the snapshot off the LRU end
+    if touch is not None:
+        touch(record.id)
+    if args.json:
+        out = {"id": record.id, "path": str(record.path), "bytes": report.bytes, "files": report.files}
+        out |= {"seconds": report.seconds, "gb_per_s": report.gb_per_s}
+        print(json.dumps(out | {"residency_before": before, "residency_after": after}))
+    else:
+        print(
+            f"warmed {record.id[:12]}: {_human_bytes(report.bytes)} in {report.seconds:.2f} s "
+            f"({report.gb_per_s:.2f} GB/s); in the page cache before {before:.0%}, after {after:.0%}"
+        )
+    return 0

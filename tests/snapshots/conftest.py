@@ -14,8 +14,10 @@ from tests.snapshots.support import RunCLI
 
 @pytest.fixture
 def home_env(stoker_env: dict[str, str], tmp_path: Path) -> dict[str, str]:
-    """The shared test environment with a STOKER_HOME of this test's own."""
-    return {**stoker_env, "STOKER_HOME": str(tmp_path / "stoker-home")}
+    """The shared test environment with a STOKER_HOME of this test's own, and no snapshot budget."""
+    env = {**stoker_env, "STOKER_HOME": str(tmp_path / "stoker-home")}
+    env.pop("STOKER_SNAPSHOT_BUDGET", None)
+    return env
 
 
 @pytest.fixture

@@ -20,8 +20,12 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, *fragments: str) ->
         assert fragment in lines[0], lines[0]
 
 
+# The store's bookkeeping beside the snapshots: index dirs, and the lock taken while evicting.
+BOOKKEEPING = ("names", "sources", "remotes", "used", "pins", ".lock")
+
+
 def snapshot_dirs(root: Path) -> list[str]:
-    """Every entry of the store root except the index dirs (so temp dirs show up too)."""
+    """Every entry of the store root except its bookkeeping (so temp, pull and trash dirs show up)."""
     if not root.exists():
         return []
-    return sorted(p.name for p in root.iterdir() if p.name not in ("names", "sources"))
+    return sorted(p.name for p in root.iterdir() if p.name not in BOOKKEEPING)

@@ -40,10 +40,11 @@ def test_import_then_ls(cli: RunCLI, tiny_model_dir: Path) -> None:
     assert listed["created"]
     assert Path(listed["path"], "config.json").read_bytes() == (tiny_model_dir / "config.json").read_bytes()
 
-    table = cli("ls").stdout.splitlines()
-    assert table[0].split() == ["ID", "NAME", "DTYPE", "SIZE", "PATH"]
-    assert table[1].split()[:3] == [imported["id"][:12], "tiny-llama", "float32"]
-    assert table[1].split()[-1] == imported["path"]
+    header, columns, row = cli("ls").stdout.splitlines()
+    assert header.endswith(f"in {Path(imported['path']).parent}/<ID>")  # the path, less the id
+    assert columns.split() == "ID NAME DTYPE SIZE LAST USED PINNED BY CACHED WHERE".split()
+    assert row.split()[:3] == [imported["id"][:12], "tiny-llama", "float32"]
+    assert row.split()[-1] == "local"
 
     human = cli("import", str(tiny_model_dir))
     assert human.returncode == 0 and imported["id"] in human.stdout and imported["path"] in human.stdout
@@ -100,7 +101,10 @@ def test_verify_good_flipped_and_deleted(cli: RunCLI, tiny_model_dir: Path) -> N
         (["import", "--builtin", "gpt5"], ["unknown builtin model 'gpt5'", "smollm2"]),
         (["import", "{tiny}", "--builtin", "smollm2"], ["not both"]),
         (["import"], ["SOURCE", "--builtin"]),
-        (["import", "s3://bucket/models/x"], ["s3:// sources are not supported yet"]),
+        (
+            ["import", "s3://bucket/models/x"],
+            ["is in object storage", "stoker snapshot pull s3://bucket/models/x"],
+        ),
         (["import", "{tiny}", "--name", "a b"], ["invalid snapshot name 'a b'"]),
         (["import", "{fake_gguf}"], ["is not a GGUF file"]),
         (["verify", "nothing-by-this-name"], ["no snapshot matches 'nothing-by-this-name'"]),

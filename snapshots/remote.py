@@ -1,0 +1,599 @@
+"""Snapshots in object storage: push one from the store to `s3://bucket/prefix`, pull one back.
+
+Layout in the bucket: `prefix/manifest.json` plus every manifest file at `prefix/<path>`. The
+manifest goes up last, so a prefix whose push died halfway holds no manifest and is not a snapshot
+anyone can pull. Its bytes are the stored manifest's own, so the id survives the round trip.
+
+A pull, start to visible:
+
+    GET manifest.json        refuse unsafe paths and pickled weights before a byte is fetched
+    already stored?          touch it, done (nothing downloaded)
+    flock the snapshot       one pull per snapshot per machine; the loser finds it stored, done
+    HEAD every file          size must match the manifest; the ETag pins the object version
+    resume                   journaled parts of the same ETag are re-hashed, kept if they match
+    make room, preallocate   the store's budget may evict; disk full fails here, not halfway
+    ranged GETs              part_size each, `concurrency` at once across all files, If-Match the
+                             ETag, written in place with pwrite, fsynced, then journaled
+    verify                   every file's sha256 against the manifest; a mismatch names the file
+    commit                   rename the pull dir onto <id>: all of it appears at once
+
+An interrupted pull (an error, Ctrl-C, SIGKILL) leaves its pull dir and journal for the next pull
+to resume; a local write error (disk full) removes them, since keeping them holds the very space
+that ran out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import hashlib
+import os
+import shutil
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from snapshots.errors import (
+    CorruptSnapshot,
+    RemoteError,
+    RemoteNotFound,
+    SnapshotError,
+    StoreWriteError,
+    UnsafeFileError,
+)
+from snapshots.manifest import MANIFEST_NAME, FileEntry, Manifest
+from snapshots.pulldir import Journal, Part, exclusive, hash_range, journal_path, lock_path
+from snapshots.s3 import S3, RemoteConfig, S3Uri, ShortBody, connect, error_code
+from snapshots.store import SnapshotStore
+from snapshots.weights import PICKLE_SUFFIXES, is_pickle
+
+__all__ = ["PullReport", "PushReport", "RemoteConfig", "pull", "push", "read_manifest"]
+
+T = TypeVar("T")
+Progress = Callable[[int, int], None]  # (bytes done, bytes in all), called as bytes move
+
+WRITE_BYTES = 1024 * 1024  # body bytes gathered per pwrite: one thread hop per MiB, not per socket read
+MAX_MANIFEST_BYTES = 16 * 1024 * 1024  # thousands of files fit in a few hundred kB
+
+
+@dataclass(frozen=True)
+class PushReport:
+    id: str
+    uri: str
+    files: int
+    bytes_uploaded: int
+    bytes_skipped: int  # already in the bucket with the same size and sha256
+    seconds: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class PullReport:
+    id: str
+    path: Path
+    uri: str
+    bytes_downloaded: int  # received over the network by this pull
+    bytes_reused: int  # kept from an earlier, interrupted pull after re-hashing
+    seconds: float
+    shared: bool = False  # another pull of this snapshot finished it while this one waited
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "path": str(self.path)}
+
+
+class _Meter:
+    """Bytes done out of a total, reported to an optional progress callback."""
+
+    def __init__(self, progress: Progress | None, total: int, done: int = 0) -> None:
+        self.progress, self.total, self.done = progress, total, done
+        self._report()
+
+    def add(self, n: int) -> None:
+        self.done += n
+        self._report()
+
+    def _report(self) -> None:
+        if self.progress is not None:
+            self.progress(self.done, self.total)
+
+
+async def _all(aws: Iterable[Awaitable[T]]) -> list[T]:
+    """Run all at once; on the first failure cancel the rest, wait for them, and raise that failure.
+
+    Unlike a TaskGroup this raises the error itself, not an ExceptionGroup, so one-line errors stay
+    one line; unlike gather it does not leave siblings running after a failure.
+    """
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    if not tasks:
+        return []
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    finally:  # on a failure, or on our own cancellation: no task outlives this call
+        pending = [t for t in tasks if not t.done()]
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+    # Asking every task for its exception marks it retrieved: two that failed together must not
+    # leave "Task exception was never retrieved" on stderr after our one-line error.
+    errors = [e for t in tasks if not t.cancelled() and (e := t.exception()) is not None]
+    if errors:
+        raise errors[0]
+    return [t.result() for t in tasks]
+
+
+def _parts(size: int, part_size: int) -> list[tuple[int, int]]:
+    """(offset, length) of each part: 10 MiB at 4 MiB parts -> (0, 4M), (4M, 4M), (8M, 2M)."""
+    return [(offset, min(part_size, size - offset)) for offset in range(0, size, part_size)]
+
+
+# --- push ------------------------------------------------------------------------------------------
+
+
+async def push(
+    store: SnapshotStore, ref_or_id: str, uri: str, config: RemoteConfig, progress: Progress | None = None
+) -> PushReport:
+    """Upload a stored snapshot to `uri`; files already there (same size and sha256) are skipped."""
+    started = time.monotonic()
+    where = S3Uri.parse(uri)
+    record = store.resolve(ref_or_id)
+    raw = (record.path / MANIFEST_NAME).read_bytes()
+    manifest = Manifest.from_json(raw)
+    if manifest.snapshot_id != record.id:
+        raise CorruptSnapshot(f"snapshot {record.id[:12]}'s manifest does not match its id: run verify")
+    uploaded = skipped = 0
+    meter = _Meter(progress, manifest.total_bytes)
+    with store.pin(record.id, holder=f"push {where}"):
+        async with connect(config) as s3:
+            sem = asyncio.Semaphore(config.concurrency)
+
+            async def one(entry: FileEntry) -> None:
+                nonlocal uploaded, skipped
+                if await _already_there(s3, where, entry, sem):
+                    skipped += entry.size
+                    meter.add(entry.size)
+                    return
+                path = record.path / entry.path
+                if entry.size <= config.part_size:
+                    async with sem:
+                        data = await asyncio.to_thread(path.read_bytes)
+                        await s3.call(
+                            "put_object",
+                            f"PUT {where.url(entry.path)}",
+                            Bucket=where.bucket,
+                            Key=where.key(entry.path),
+                            Body=data,
+                            Metadata={"sha256": entry.sha256},
+                        )
+                    uploaded += entry.size
+                    meter.add(entry.size)
+                    return
+
+                def part_done(n: int) -> None:
+                    nonlocal uploaded
+                    uploaded += n
+                    meter.add(n)
+
+                await _multipart(s3, where, entry, path, config, sem, part_done)
+
+            await _all(one(e) for e in manifest.files)
+            # Last: until this lands, the prefix is not a snapshot.
+            await s3.call(
+                "put_object",
+                f"PUT {where.url(MANIFEST_NAME)}",
+                Bucket=where.bucket,
+                Key=where.key(MANIFEST_NAME),
+                Body=raw,
+                ContentType="application/json",
+            )
+    store.remember_remote(record.id, str(where))
+    return PushReport(
+        record.id, str(where), len(manifest.files), uploaded, skipped, time.monotonic() - started
+    )
+
+
+async def _already_there(s3: S3, where: S3Uri, entry: FileEntry, sem: asyncio.Semaphore) -> bool:
+    async with sem:
+        try:
+            head = await s3.head(where.bucket, where.key(entry.path), f"HEAD {where.url(entry.path)}")
+        except RemoteNotFound:
+            return False  # no such key (or no such bucket: the PUT will say so)
+    return head.get("ContentLength") == entry.size and head.get("Metadata", {}).get("sha256") == entry.sha256
+
+
+async def _multipart(
+    s3: S3,
+    where: S3Uri,
+    entry: FileEntry,
+    path: Path,
+    config: RemoteConfig,
+    sem: asyncio.Semaphore,
+    part_done: Callable[[int], None],
+) -> None:
+    """Upload one large file in parallel parts; abort the upload if any part fails."""
+    url, key = where.url(entry.path), where.key(entry.path)
+    created = await s3.call(
+        "create_multipart_upload",
+        f"start a multipart upload of {url}",
+        Bucket=where.bucket,
+        Key=key,
+        Metadata={"sha256": entry.sha256},
+    )
+    upload_id = created["UploadId"]
+    parts = _parts(entry.size, config.upload_part_size(entry.size))
+    etags: dict[int, str] = {}
+
+    async def upload(number: int, offset: int, length: int) -> None:
+        async with sem:
+            data = await asyncio.to_thread(_pread_all, path, offset, length)
+            done = await s3.call(
+                "upload_part",
+                f"PUT part {number}/{len(parts)} of {url}",
+                Bucket=where.bucket,
+                Key=key,
+                UploadId=upload_id,
+                PartNumber=number,
+                Body=data,
+            )
+        etags[number] = done["ETag"]
+        part_done(length)
+
+    try:
+        await _all(upload(i + 1, off, n) for i, (off, n) in enumerate(parts))
+        await s3.call(
+            "complete_multipart_upload",
+            f"complete the multipart upload of {url}",
+            Bucket=where.bucket,
+            Key=key,
+            UploadId=upload_id,
+            MultipartUpload={"Parts": [{"ETag": etags[n], "PartNumber": n} for n in sorted(etags)]},
+        )
+    except BaseException:
+        # Parts of an upload never completed are billed until aborted. Retried like any call (an
+        # abort racing the parts still in flight can meet a 5xx); errors are then ignored, since the
+        # failure that got us here is the one to report.
+        with suppress(Exception):
+            await s3.call(
+                "abort_multipart_upload",
+                f"abort the multipart upload of {url}",
+                Bucket=where.bucket,
+                Key=key,
+                UploadId=upload_id,
+            )
+        raise
+
+
+def _pread_all(path: Path, offset: int, length: int) -> bytes:
+    with open(path, "rb") as f:
+        data = os.pread(f.fileno(), length, offset)
+    if len(data) != length:
+        raise CorruptSnapshot(f"{path} is shorter than its manifest says: run verify")
+    return data
+
+
+# --- reading the manifest --------------------------------------------------------------------------
+
+
+async def _get_manifest(s3: S3, where: S3Uri) -> tuple[Manifest, bytes]:
+    url = where.url(MANIFEST_NAME)
+
+    async def get() -> bytes:
+        resp = await s3.client.get_object(Bucket=where.bucket, Key=where.key(MANIFEST_NAME))
+        async with resp["Body"] as body:
+            if resp.get("ContentLength", 0) > MAX_MANIFEST_BYTES:
+                raise RemoteError(f"{url} is {resp['ContentLength']} bytes: too large to be a manifest")
+            return await body.read()
+
+    try:
+        raw = await s3.run(get, f"GET {url}")
+    except RemoteNotFound as exc:
+        if error_code(exc.__cause__)[0] == "NoSuchBucket":
+            raise
+        raise RemoteNotFound(f"no snapshot at {where} (no {MANIFEST_NAME} there)") from exc
+    return Manifest.from_json(raw), raw
+
+
+async def read_manifest(uri: str, config: RemoteConfig) -> Manifest:
+    """The manifest of the snapshot at `uri` (one GET): its id is `.snapshot_id`."""
+    where = S3Uri.parse(uri)
+    async with connect(config) as s3:
+        manifest, _ = await _get_manifest(s3, where)
+    return manifest
+
+
+def _refuse_pickles(manifest: Manifest, where: S3Uri) -> None:
+    for entry in manifest.files:
+        if is_pickle(entry.path):
+            kinds = "/".join(sorted(PICKLE_SUFFIXES))
+            raise UnsafeFileError(
+                f"refusing {where}: {entry.path} is pickled weights ({kinds}), never loaded since "
+                "unpickling runs code"
+            )
+
+
+# --- pull ------------------------------------------------------------------------------------------
+
+
+async def pull(
+    store: SnapshotStore,
+    uri: str,
+    config: RemoteConfig,
+    progress: Progress | None = None,
+    *,
+    expected_id: str | None = None,
+) -> PullReport:
+    """Make the snapshot at `uri` local; return where it is and what it took.
+
+    `expected_id`, if given, must be the snapshot's id (a deployment that read the manifest earlier
+    gets exactly those bytes, or an error if the prefix was pushed over meanwhile).
+    """
+    started = time.monotonic()
+    where = S3Uri.parse(uri)
+
+    def report(sid: str, downloaded: int = 0, reused: int = 0, shared: bool = False) -> PullReport:
+        store.touch(sid)
+        store.remember_remote(sid, str(where))
+        seconds = time.monotonic() - started
+        return PullReport(sid, store.path_of(sid), str(where), downloaded, reused, seconds, shared)
+
+    async with connect(config) as s3:
+        manifest, raw = await _get_manifest(s3, where)
+        sid = manifest.snapshot_id
+        if expected_id is not None and sid != expected_id:
+            raise CorruptSnapshot(
+                f"the snapshot at {where} is {sid[:12]}, not the expected {expected_id[:12]}"
+            )
+        _refuse_pickles(manifest, where)
+        if store.path_of(sid).is_dir():
+            return report(sid)
+        pull_dir = store.pull_dir(sid)
+        try:
+            store.root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StoreWriteError(f"cannot create {store.root}: {exc.strerror or exc}") from exc
+        async with exclusive(lock_path(pull_dir)):
+            if store.path_of(sid).is_dir():  # a concurrent pull finished it while we waited
+                return report(sid, shared=True)
+            job = _Pull(s3, where, manifest, raw, store, pull_dir, config, progress)
+            try:
+                await job.run()
+            except OSError as exc:
+                job.discard()
+                where_ = f" ({exc.filename})" if exc.filename else ""
+                raise StoreWriteError(
+                    f"cannot write the snapshot into {store.root}: {exc.strerror or exc}{where_}; "
+                    "the partial pull was removed"
+                ) from exc
+            except StoreWriteError:
+                job.discard()
+                raise
+            return report(sid, job.downloaded, job.reused)
+
+
+@dataclass
+class _File:
+    entry: FileEntry
+    etag: str = ""
+    fd: int = -1
+
+
+class _Pull:
+    """One pull into one pull dir, holding the snapshot's lock. See the module docstring."""
+
+    def __init__(
+        self,
+        s3: S3,
+        where: S3Uri,
+        manifest: Manifest,
+        raw: bytes,
+        store: SnapshotStore,
+        pull_dir: Path,
+        config: RemoteConfig,
+        progress: Progress | None,
+    ) -> None:
+        self.s3, self.where, self.manifest, self.raw = s3, where, manifest, raw
+        self.store, self.dir, self.config, self.progress = store, pull_dir, config, progress
+        self.journal = Journal(journal_path(pull_dir))
+        self.sem = asyncio.Semaphore(config.concurrency)
+        # Every blocking call of this pull runs here, so that on any exit, cancellation included,
+        # all of them can be waited for before the files' descriptors are closed: a pwrite still
+        # running on a closed (and perhaps reused) descriptor could write into another file.
+        self.pool = ThreadPoolExecutor(config.concurrency + 2, thread_name_prefix="snapshot-pull")
+        self.files = [_File(e) for e in manifest.files]
+        self.kept: list[Part] = []
+        self.downloaded = 0
+        self.reused = 0
+
+    def discard(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+        self.journal.remove()
+
+    def _io(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        return asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    async def run(self) -> None:
+        try:
+            await self._io(self._prepare_dir)
+            await _all(self._head(f) for f in self.files if f.entry.size > 0)
+            await self._io(self._reconcile)
+            await self._io(self._allocate)
+            meter = _Meter(self.progress, self.manifest.total_bytes, self.reused)
+            await _all(self._fetch_file(f, meter) for f in self.files)
+        finally:
+            # Shielded and in a thread: waiting for the pool must neither block the loop nor be cut
+            # short by a second cancellation.
+            await asyncio.shield(asyncio.to_thread(self._close))
+        await asyncio.to_thread(self.store.commit, self.dir)
+        self.journal.remove()
+
+    def _close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        for f in self.files:
+            if f.fd >= 0:
+                os.close(f.fd)
+                f.fd = -1
+
+    def _prepare_dir(self) -> None:
+        """The pull dir with this manifest in it: a dir left for another manifest is wiped."""
+        manifest_path = self.dir / MANIFEST_NAME
+        if self.dir.exists():
+            try:
+                ok = Manifest.from_json(manifest_path.read_bytes()).snapshot_id == self.manifest.snapshot_id
+            except (OSError, SnapshotError):
+                ok = False
+            if not ok:
+                self.discard()
+        self.dir.mkdir(exist_ok=True)
+        if not manifest_path.exists():
+            with open(manifest_path, "wb") as f:
+                f.write(self.raw)
+                f.flush()
+                os.fsync(f.fileno())
+
+    async def _head(self, f: _File) -> None:
+        url = self.where.url(f.entry.path)
+        async with self.sem:
+            try:
+                head = await self.s3.head(self.where.bucket, self.where.key(f.entry.path), f"HEAD {url}")
+            except RemoteNotFound as exc:
+                raise RemoteNotFound(f"{url} is missing: the snapshot at {self.where} is incomplete") from exc
+        if head.get("ContentLength") != f.entry.size:
+            raise CorruptSnapshot(
+                f"{f.entry.path}: {url} is {head.get('ContentLength')} bytes, the manifest says {f.entry.size}"
+            )
+        f.etag = head.get("ETag", "")
+
+    def _reconcile(self) -> None:
+        """Keep the journaled parts that still hold: same object (ETag), same plan, same bytes."""
+        by_path = {f.entry.path: f for f in self.files}
+        kept: list[Part] = []
+        records = self.journal.load()
+        for part in records:
+            f = by_path.get(part.path)
+            if f is None or not f.etag or part.etag != f.etag:
+                continue  # another object, or one pushed over since: its parts may differ
+            if (part.offset, part.length) not in _parts(f.entry.size, self.config.part_size):
+                continue  # planned at another part size
+            if any(k.path == part.path and k.offset == part.offset for k in kept):
+                continue
+            try:
+                fd = os.open(self.dir / part.path, os.O_RDONLY)
+            except FileNotFoundError:
+                continue
+            try:
+                if hash_range(fd, part.offset, part.length) == part.sha256:
+                    kept.append(part)
+            finally:
+                os.close(fd)
+        if len(kept) != len(records):
+            self.journal.replace(kept)
+        self.kept = kept
+        self.reused = sum(p.length for p in kept)
+
+    def _allocate(self) -> None:
+        """Open every file, sized in full up front: a full disk fails now, not after gigabytes."""
+        present = 0
+        for f in self.files:
+            path = self.dir / f.entry.path
+            if path.is_file() and path.stat().st_size == f.entry.size:
+                present += f.entry.size
+        self.store.make_room(self.manifest.total_bytes - present)
+        for f in self.files:
+            path = self.dir / f.entry.path
+            path.parent.mkdir(parents=True, exist_ok=True)
+            f.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            if os.fstat(f.fd).st_size != f.entry.size:
+                os.ftruncate(f.fd, f.entry.size)
+            if f.entry.size:
+                try:
+                    os.posix_fallocate(f.fd, 0, f.entry.size)
+                except OSError as exc:
+                    if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                        raise  # ENOSPC, EFBIG, EDQUOT: the disk cannot hold it
+                    # a filesystem without fallocate: blocks are taken as written instead
+
+    async def _fetch_file(self, f: _File, meter: _Meter) -> None:
+        done = {p.offset for p in self.kept if p.path == f.entry.path}
+        plan = _parts(f.entry.size, self.config.part_size)
+        try:
+            await _all(
+                self._fetch_part(f, off, n, len(plan) > 1, meter) for off, n in plan if off not in done
+            )
+        except RemoteError as exc:
+            if error_code(exc.__cause__)[0] in ("PreconditionFailed", "412"):
+                self._drop(f)
+                raise RemoteError(
+                    f"{self.where.url(f.entry.path)} changed while it was being pulled; pull again"
+                ) from exc
+            raise
+        digest = await self._io(hash_range, f.fd, 0, f.entry.size)
+        if digest != f.entry.sha256:
+            await self._io(self._drop, f)
+            raise CorruptSnapshot(
+                f"{f.entry.path}: sha256 of the bytes pulled from {self.where.url(f.entry.path)} does not "
+                "match the manifest; refused (the bucket copy is altered or corrupt)"
+            )
+
+    def _drop(self, f: _File) -> None:
+        """Forget a file's parts, so the next pull fetches it afresh."""
+        self.kept = [p for p in self.journal.load() if p.path != f.entry.path]
+        self.journal.replace(self.kept)
+
+    async def _fetch_part(self, f: _File, offset: int, length: int, ranged: bool, meter: _Meter) -> None:
+        url = self.where.url(f.entry.path)
+        what = f"GET {url}" + (f" bytes {offset}-{offset + length - 1}" if ranged else "")
+        params: dict[str, Any] = {"Bucket": self.where.bucket, "Key": self.where.key(f.entry.path)}
+        if f.etag:
+            params["IfMatch"] = f.etag  # every part from one object version, or a 412
+        if ranged:
+            params["Range"] = f"bytes={offset}-{offset + length - 1}"
+
+        async def attempt() -> str:
+            digest = hashlib.sha256()
+            got = 0
+            try:
+                resp = await self.s3.client.get_object(**params)
+                async with resp["Body"] as body:
+                    if resp.get("ContentLength") != length:
+                        raise RemoteError(
+                            f"{what}: the store sent {resp.get('ContentLength')} bytes, not {length} "
+                            "(does it support ranged GETs?)"
+                        )
+                    pending: list[bytes] = []
+                    buffered = 0
+                    while got + buffered < length:
+                        chunk = await body.read(min(WRITE_BYTES, length - got - buffered))
+                        if not chunk:
+                            raise ShortBody(f"{what}: body ended after {got + buffered} of {length} bytes")
+                        self.downloaded += len(chunk)
+                        pending.append(chunk)
+                        buffered += len(chunk)
+                        if buffered >= WRITE_BYTES or got + buffered == length:
+                            data = b"".join(pending)
+                            await self._io(_write_hashing, f.fd, data, offset + got, digest)
+                            got += len(data)
+                            meter.add(len(data))
+                            pending, buffered = [], 0
+                await self._io(os.fdatasync, f.fd)
+            except BaseException:
+                meter.add(-got)  # this attempt's bytes are fetched again
+                raise
+            return digest.hexdigest()
+
+        async with self.sem:
+            sha = await self.s3.run(attempt, what)
+        await self._io(self.journal.append, Part(f.entry.path, offset, length, f.etag, sha))
+
+
+def _write_hashing(fd: int, data: bytes, offset: int, digest: Any) -> None:
+    """pwrite all of `data` at `offset` and feed it to `digest` (both release the GIL)."""
+    view = memoryview(data)
+    written = 0
+    while written < len(data):
+        written += os.pwrite(fd, view[written:], offset + written)
+    digest.update(data)
