@@ -9,6 +9,14 @@
 Held requests wait on a future that `Slots` resolves, in arrival order, when `capacity_changed()`
 is called or a request finishes. A task watches `receive()` the whole time: a client that leaves
 cancels the work at once, which takes it out of the queue or closes the upstream connection.
+
+The source hears of every request twice, `request_arrived` and `request_finished` (with the seconds
+it held instances, and the instance it was a cold start on): the scaler's tracker counts arrivals,
+idle gaps and latency from these. A cold start is a request served by an instance that was not in
+the routing set when the request arrived (it started or woke up since): the simulator's definition
+(`warm_pool.simulate`), so live and simulated counts compare. `x-stoker-cold-start` says the same,
+except on a held stream, whose headers go out before its instance is known: there it says true only
+when nothing at all was READY at arrival (then whatever serves it is certainly a cold start).
 """
 
 from __future__ import annotations
@@ -40,10 +48,13 @@ class _Exchange:
         "body",
         "code",
         "cold",
+        "cold_on",
         "content_type",
         "granted",
+        "held_s",
         "path",
         "reply",
+        "routing",
         "stream",
         "upstream_status",
     )
@@ -58,8 +69,11 @@ class _Exchange:
         self.body = body
         self.stream = stream
         self.reply = proxy.Reply(send)
-        self.cold = False  # held because no instance was READY at arrival
+        self.cold = False  # served by an instance that was not routable at arrival (see the module doc)
+        self.cold_on: str | None = None  # that instance's id
+        self.routing: frozenset[Key] | None = None  # the routing set when it was held at arrival
         self.granted: float | None = None  # when a held request got its slot
+        self.held_s: float | None = None  # seconds it held instance slots; None: it never got one
         self.upstream_status = 0  # the status of the answer whose first byte went to the client
         self.code = 0
 
@@ -121,6 +135,7 @@ class Activator:
         now = self._clock()
         self._last_arrival = now
         ex = _Exchange(scope, send, body, stream, now)
+        self._source.request_arrived()  # from here on, request_finished follows in every case
         work = asyncio.ensure_future(self._run(ex))
         watcher = asyncio.ensure_future(_until_disconnect(receive))
         try:
@@ -147,21 +162,26 @@ class Activator:
             raise
         finally:
             self._count(ex)
+            self._source.request_finished(ex.held_s, ex.cold_on)
 
     async def _run(self, ex: _Exchange) -> None:
         try:
             endpoint = self._slots.try_acquire()
             if endpoint is None:
-                ex.cold = not self._source.endpoints()
+                ex.routing = frozenset(key(e) for e in self._source.endpoints())
+                ex.cold = not ex.routing  # nothing READY: whatever serves it is a cold start
                 # The bound is on requests held at arrival; a retry (at most one per request in
                 # flight, so bounded by the instances' concurrency) is held past it.
                 if self._slots.held >= self._config.max_queued:
                     self._source.poke()  # demand exists even if this one is refused
                     raise QueueFull(self._config.retry_after_s, self._config.max_queued)
                 endpoint = await self._hold(ex, exclude=(), front=False)
+                ex.cold = key(endpoint) not in ex.routing
+                ex.cold_on = endpoint.id if ex.cold else None
             failed: tuple[Key, ...] = ()
             while True:
                 last = bool(failed)
+                acquired_at = self._clock()
                 try:
                     ex.code = await proxy.forward(
                         self._session,
@@ -184,6 +204,7 @@ class Activator:
                         raise UpstreamError(str(exc)) from None
                 finally:
                     self._slots.release(endpoint.id)
+                    ex.held_s = (ex.held_s or 0.0) + max(0.0, self._clock() - acquired_at)
                 failed = (key(endpoint),)
                 endpoint = self._slots.try_acquire(failed) or await self._hold(ex, exclude=failed, front=True)
         except ActivatorError as exc:

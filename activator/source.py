@@ -38,6 +38,19 @@ class InstanceSource(Protocol):
         """An instance failed a request before answering (connection refused or reset)."""
         ...
 
+    def request_arrived(self) -> None:
+        """A request entered the activator, whether it found a slot at once or was held."""
+        ...
+
+    def request_finished(self, service_s: float | None, cold_on: str | None) -> None:
+        """A request that arrived has left: after holding instances for `service_s` seconds in all,
+        or without ever holding one (None: refused, expired, or its client left while it was held).
+
+        `cold_on` names the instance that served it if that was a cold start: an instance that was
+        not in the routing set when the request arrived (it started or woke up since), else None.
+        Called exactly once for every `request_arrived`."""
+        ...
+
 
 @dataclass(frozen=True)
 class Load:

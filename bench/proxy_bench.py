@@ -216,6 +216,12 @@ class StaticSource:
     def report_failure(self, endpoint_id: str) -> None:
         self.failures += 1
 
+    def request_arrived(self) -> None:
+        pass
+
+    def request_finished(self, service_s: float | None, cold_on: str | None) -> None:
+        pass
+
 
 class BenchPlatform:
     """What `build_gateway` reads of `stoker.platform.Platform`, for one static deployment: the

@@ -4,6 +4,10 @@ A process is named by `ProcessHandle(pid, pgid, start_ticks)`: `start_ticks` is 
 time of the process (`/proc/<pid>/stat`, field 22), so a handle read back after a restart is not
 mistaken for an unrelated process that got the same PID later. Stopping signals the whole group,
 so whatever the engine spawned goes with it.
+
+Sleep and wake are HTTP calls to the engine itself (`POST /sleep?level=N`, `POST /wake_up`): the CPU
+engine and vLLM in its dev mode answer the same routes. Anything but a 200 in time is a `PoolError`
+naming the instance and what it answered; the pool then treats the instance as failed.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from pathlib import Path
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from warm_pool.errors import StartFailed
+from warm_pool.errors import PoolError, StartFailed
 from warm_pool.launch import LaunchSpec
 
 STARTUP_PHASE_METRIC = "stoker_engine_startup_phase_seconds"
@@ -187,6 +191,14 @@ class LocalBackend:
             await asyncio.sleep(0.05)
         return True
 
+    async def sleep(self, url: str, level: int, timeout_s: float) -> None:
+        """Put the engine at `url` to sleep (level 1: weights to host RAM, accelerator freed)."""
+        await _post(url, f"/sleep?level={level}", timeout_s)
+
+    async def wake_up(self, url: str, timeout_s: float) -> None:
+        """Wake the engine at `url`: weights back, ready for requests when this returns."""
+        await _post(url, "/wake_up", timeout_s)
+
     async def read_startup_phases(self, url: str) -> dict[str, float]:
         """`{phase: seconds}` from the engine's `stoker_engine_startup_phase_seconds`; `{}` if the
         engine has no such metric (vLLM) or cannot be read: these numbers are informative only."""
@@ -227,6 +239,21 @@ class LocalBackend:
         where = f" ({child.log_path})" if child else ""
         message = f"engine pid {handle.pid} {what}{where}" + (f"; log: {tail}" if tail else "")
         return StartFailed(message, exit_code=code, log_tail=tail)
+
+
+async def _post(url: str, path: str, timeout_s: float) -> None:
+    try:
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(url + path, timeout=aiohttp.ClientTimeout(total=timeout_s)) as r,
+        ):
+            if r.status != 200:
+                body = (await r.text())[:200].replace("\n", " ")
+                raise PoolError(f"POST {url}{path} answered {r.status}: {body}")
+    except (aiohttp.ClientError, OSError) as exc:
+        raise PoolError(f"POST {url}{path} failed: {type(exc).__name__}: {exc}") from None
+    except TimeoutError:
+        raise PoolError(f"POST {url}{path}: no answer within {timeout_s:g}s") from None
 
 
 def _killpg(pgid: int, sig: signal.Signals) -> None:

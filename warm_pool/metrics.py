@@ -3,6 +3,11 @@
 Instance-seconds are the base of cost accounting: the pool adds the seconds each instance spent in
 each state on every transition and every tick (`Instance.accrue` / `Instance.move_to`), so
 `sum by (deployment) (rate(stoker_instance_seconds_total{state!="STOPPED"}[1h]))` is instances held.
+
+Start-up is measured per tier (`stoker_instance_startup_seconds{tier}`: from the decision to start or
+wake to READY), the same seconds the scaler is fed; cold starts are counted per request and tier
+(`stoker_cold_start_requests_total{tier}`: requests served by an instance that became READY after
+they arrived), the count the simulator reports as `cold_starts`.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from warm_pool.states import InstanceState
 COLD_START_PHASES = ("snapshot_local", "process_start", "model_load", "total_to_ready")
 COLD_START_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 START_OUTCOMES = ("ready", "failed")
+TIERS = ("wake", "page_cache", "disk", "object_storage")  # warm_pool.policy.Tier's values
+SLEEP_ACTIONS = ("sleep", "wake")
 
 
 def split_cold_start(
@@ -75,6 +82,37 @@ class PoolMetrics:
             ["deployment"],
             registry=registry,
         )
+        self.startup = Histogram(
+            "stoker_instance_startup_seconds",
+            "Seconds from the decision to start (or wake) an instance to READY, by the tier it came from.",
+            ["deployment", "tier"],
+            buckets=COLD_START_BUCKETS,
+            registry=registry,
+        )
+        self.cold_requests = Counter(
+            "stoker_cold_start_requests",
+            "Requests served by an instance that became READY after they arrived, by that instance's tier.",
+            ["deployment", "tier"],
+            registry=registry,
+        )
+        self.sleep_wake = Counter(
+            "stoker_instance_sleep_wake",
+            "Sleep and wake calls to engines, by action (sleep, wake) and outcome (ok, failed).",
+            ["deployment", "action", "outcome"],
+            registry=registry,
+        )
+        self.desired = Gauge(
+            "stoker_scaler_desired_instances",
+            "The scaling policy's last answer: instances to keep READY and SLEEPING.",
+            ["deployment", "state"],
+            registry=registry,
+        )
+        self.forecast = Gauge(
+            "stoker_scaler_forecast_requests_per_second",
+            "The arrival rate the scaling policy last planned for (policies that forecast).",
+            ["deployment"],
+            registry=registry,
+        )
 
     def set_instances(self, deployment: str, counts: Mapping[InstanceState, int]) -> None:
         """Every state's count for the deployment, zeros included, so a state left shows 0."""
@@ -99,8 +137,34 @@ class PoolMetrics:
     def restarted(self, deployment: str) -> None:
         self.restarts.labels(deployment).inc()
 
+    def observe_startup(self, deployment: str, tier: str, seconds: float) -> None:
+        if tier not in TIERS:
+            raise ValueError(f"tier must be one of {TIERS}, got {tier!r}")
+        self.startup.labels(deployment, tier).observe(max(0.0, seconds))
+
+    def cold_request(self, deployment: str, tier: str) -> None:
+        if tier not in TIERS:
+            raise ValueError(f"tier must be one of {TIERS}, got {tier!r}")
+        self.cold_requests.labels(deployment, tier).inc()
+
+    def sleep_wake_finished(self, deployment: str, action: str, ok: bool) -> None:
+        if action not in SLEEP_ACTIONS:
+            raise ValueError(f"action must be one of {SLEEP_ACTIONS}, got {action!r}")
+        self.sleep_wake.labels(deployment, action, "ok" if ok else "failed").inc()
+
+    def decided(self, deployment: str, ready: int, sleeping: int, forecast: float | None) -> None:
+        self.desired.labels(deployment, "READY").set(ready)
+        self.desired.labels(deployment, "SLEEPING").set(sleeping)
+        if forecast is not None:
+            self.forecast.labels(deployment).set(forecast)
+
     def forget(self, deployment: str) -> None:
         """Drop a removed deployment's gauges (its counters stay: they are history)."""
         for state in InstanceState:
             with contextlib.suppress(KeyError):
                 self.instances.remove(deployment, state.value)
+        for state in ("READY", "SLEEPING"):
+            with contextlib.suppress(KeyError):
+                self.desired.remove(deployment, state)
+        with contextlib.suppress(KeyError):
+            self.forecast.remove(deployment)

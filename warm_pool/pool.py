@@ -1,39 +1,63 @@
-"""The pool of one deployment: a thin loop around the pure scaling policy.
+"""The pool of one deployment: a thin loop around the deployment's scaling policy.
 
 Every second, and at once when poked (a request arrived with nothing to serve it), the loop
-observes (requests in flight and held, from the activator; instances by state), asks the policy
-how many instances to have, and applies the answer: it starts instances (PENDING → STARTING →
-READY), or drains the surplus (READY → DRAINING → STOPPED: out of the routing set first, in-flight
-requests get the grace period, then SIGTERM, then SIGKILL). An instance whose process dies becomes
-FAILED and is replaced after an exponential backoff. The pool is the activator's `InstanceSource`;
-it tells the activator through `Demand.capacity_changed` whenever its routing set changes.
+observes, decides and applies, as the simulator does (`warm_pool.simulate`), through the same
+`ObservationTracker` and the same policy function:
+
+- observe: the tracker has heard of every request from the activator (arrival; end, with the
+  seconds it held an instance) and of every start (its tier and seconds to READY); the pool adds
+  requests in flight and held, and its instances by state. Instances on their way to sleep count as
+  sleeping, waking ones as waking.
+- decide: `bound.decide(observation, state, now)` → `Decision(ready, sleeping, warm)`.
+- apply, up: instances on their way to sleep that have not slept yet go back into routing; sleeping
+  ones wake (`POST /wake_up`, then back into routing); the rest start (PENDING → STARTING → READY).
+  Down: starts are cancelled (newest first), then the least busy READY instances leave routing and,
+  once their requests are done (within the grace period), go to sleep (`POST /sleep?level=1`) while
+  fewer sleep than asked, or are drained and stopped; sleeping instances beyond what is asked are
+  stopped. A snapshot the policy wants warm is read into the page cache in the background.
+
+A failed start, sleep or wake, or a process that dies (READY or SLEEPING), makes the instance FAILED:
+it is stopped and replaced after an exponential backoff. The pool is the activator's
+`InstanceSource`; it tells the activator through `Demand.capacity_changed` whenever its routing set
+changes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
+from enum import StrEnum
 from pathlib import Path
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
+from cachetools import LRUCache
+
+from snapshots import SnapshotError, WarmReport, pagecache
+from snapshots.pins import Pin
 from warm_pool.backoff import restart_delay
 from warm_pool.errors import PoolError, StartFailed
 from warm_pool.launch import GpuInventory, LaunchSpec, cpu_engine_spec, vllm_spec
 from warm_pool.local import ProcessHandle, free_port
 from warm_pool.metrics import PoolMetrics, split_cold_start
-from warm_pool.policy import Decision, Observation, Policy, PolicyState, ScalingConfig, reactive
+from warm_pool.policies import DEFAULT_POLICY
+from warm_pool.policy import Decision, ScalingConfig, Tier
+from warm_pool.policy_settings import bind_policy, startup_priors
 from warm_pool.records import InstanceRecord, InstanceRecords
+from warm_pool.snapshot import SnapshotSource
 from warm_pool.states import Instance, InstanceState, new_instance_id
+from warm_pool.tracker import ObservationTracker
 
 log = logging.getLogger("stoker.pool")
 
 S = InstanceState
 COMING_UP = (S.PENDING, S.STARTING)
+SLEEP_LEVEL = 1  # weights kept in host RAM: a wake is a copy back, not a reload from disk
+TIER_TTL_S = 5.0  # how long a measured snapshot tier (mincore over its files) is trusted
+WARM_EVERY_S = 60.0  # at most one page-cache warm a minute, if the cache cannot keep the snapshot
 
 
 class LoadView(Protocol):
@@ -66,19 +90,48 @@ class Backend(Protocol):
 
     async def read_startup_phases(self, url: str) -> dict[str, float]: ...
 
+    async def sleep(self, url: str, level: int, timeout_s: float) -> None: ...
+
+    async def wake_up(self, url: str, timeout_s: float) -> None: ...
+
 
 @dataclass(frozen=True)
 class PoolSpec:
     deployment: str
-    snapshot_dir: Path
+    snapshot: SnapshotSource  # made local (pulled if need be) and pinned per instance
     engine: str = "cpu"  # "cpu" | "vllm"
     scaling: ScalingConfig = field(default_factory=ScalingConfig)
+    policy: str = DEFAULT_POLICY  # a name in warm_pool.policies.POLICIES
     grace_period_s: float = 30.0  # in-flight requests of a draining instance get this long
     instance_concurrency: int = 8  # requests one instance takes at once (the engine's --max-num-seqs)
-    start_timeout_s: float = 300.0
+    start_timeout_s: float = 300.0  # also bounds a sleep or a wake
     kill_timeout_s: float = 10.0  # after SIGTERM, before SIGKILL
     host: str = "127.0.0.1"
     threads: int | None = None
+
+
+class Phase(StrEnum):
+    """Where an instance is in a sleep or wake; it is out of the routing set throughout."""
+
+    TO_SLEEP = "to_sleep"  # READY, waiting for its requests to finish; may still be taken back
+    FALLING_ASLEEP = "falling_asleep"  # READY, `POST /sleep` in flight
+    WAKING = "waking"  # SLEEPING, `POST /wake_up` in flight
+
+
+class Census(NamedTuple):
+    """The instances as a decision sees them, each in exactly one group (DRAINING/FAILED in none)."""
+
+    routing: list[Instance]  # READY and taking requests
+    coming: list[Instance]  # PENDING or STARTING
+    waking: list[Instance]
+    asleep: list[Instance]  # SLEEPING, nothing in progress
+    to_sleep: list[Instance]
+    falling: list[Instance]
+
+    @property
+    def sleeping(self) -> int:
+        """Asleep or on the way: what the observation and the decision call sleeping."""
+        return len(self.asleep) + len(self.to_sleep) + len(self.falling)
 
 
 class Pool:
@@ -100,23 +153,34 @@ class Pool:
         self._gpus = gpus or GpuInventory([])
         self._clock = clock
         self._tick_s = tick_s
-        self._policy: Policy = functools.partial(reactive, config=spec.scaling)
-        self._policy_state = PolicyState.initial()
+        self._bound = bind_policy(spec.policy, spec.scaling)
+        self._policy_state = self._bound.initial_state
+        self._tracker = ObservationTracker(startup_priors(spec.engine))
         self._demand: Demand | None = None
         self._instances: dict[str, Instance] = {}
         self._handles: dict[str, ProcessHandle] = {}
+        self._pins: dict[str, Pin] = {}  # each instance's hold on its snapshot files
+        self._phases: dict[str, Phase] = {}  # instances in the middle of a sleep or a wake
+        # Where each instance's latest READY came from, for counting cold starts by tier. Bounded:
+        # a request can only outlive its instance by the grace period, so 256 is plenty.
+        self._tiers: LRUCache[str, Tier] = LRUCache(maxsize=256)
         self._launches: dict[str, asyncio.Task] = {}  # starts in progress, cancellable
+        self._ops: dict[str, asyncio.Task] = {}  # sleeps and wakes in progress, cancellable
         self._stops: dict[str, asyncio.Task] = {}  # drains and stops in progress, never cancelled
+        self._background: set[asyncio.Task] = set()  # page-cache warms the policy asked for
         self._wake = asyncio.Event()
         self._closing = False
         self._failures = 0  # consecutive failed starts, for the restart backoff
         self._not_before = 0.0  # no new start before this time (backoff after a failure)
         self.last_decision: Decision | None = None
+        self._warming: asyncio.Future[WarmReport] | None = None  # the snapshot's page-cache warm in flight
+        self._warm_asked_at = -WARM_EVERY_S
+        self._tier_seen: tuple[float, Tier] | None = None  # (when, tier) of the last measurement
 
     # ---- the activator's InstanceSource -------------------------------------------------------------
 
     def endpoints(self) -> list[Instance]:
-        return [i for i in self._instances.values() if i.state == S.READY]
+        return [i for i in self._instances.values() if i.state == S.READY and i.id not in self._phases]
 
     def poke(self) -> None:
         self._wake.set()
@@ -125,21 +189,63 @@ class Pool:
         log.warning("instance %s failed a request; checking it", endpoint_id)
         self._wake.set()
 
+    def request_arrived(self) -> None:
+        self._tracker.arrived(self._clock())
+
+    def request_finished(self, service_s: float | None, cold_on: str | None) -> None:
+        self._tracker.finished(self._clock(), service_s)
+        if cold_on is not None:
+            tier = self._tiers.get(cold_on)
+            if tier is None:  # practically never: 256 newer instances came up meanwhile
+                log.warning("cold start on %s, whose tier is forgotten; not counted", cold_on)
+            else:
+                self._metrics.cold_request(self.spec.deployment, tier.value)
+
     # ---- wiring and control ---------------------------------------------------------------------------
 
     def attach(self, demand: Demand) -> None:
         self._demand = demand
 
-    def update_scaling(self, scaling: ScalingConfig) -> None:
-        self.spec = replace(self.spec, scaling=scaling)
-        self._policy = functools.partial(reactive, config=scaling)
+    def reconfigure(self, scaling: ScalingConfig, policy: str) -> None:
+        """New settings take effect at the next tick (now). Another policy starts from its initial
+        state; the same one keeps what it learned."""
+        bound = bind_policy(policy, scaling)
+        if bound.name != self._bound.name:
+            self._policy_state = bound.initial_state
+        self._bound = bound
+        self.spec = replace(self.spec, scaling=scaling, policy=policy)
         self._wake.set()
+
+    @property
+    def policy(self) -> str:
+        return self._bound.name
 
     def counts(self) -> dict[str, int]:
         counts = {state.value: 0 for state in S}
         for inst in self._instances.values():
             counts[inst.state.value] += 1
         return counts
+
+    async def warm_snapshot(self) -> WarmReport:
+        """Read the snapshot's files into the page cache (the page-cache tier), so the next start loads
+        at memory speed. One warm at a time: a call while one runs awaits that one's report."""
+        if self._warming is None or self._warming.done():
+            self._warming = asyncio.ensure_future(asyncio.to_thread(self._warm_snapshot))
+        # A caller that gives up must not cancel the warm the others await (the thread runs on anyway).
+        return await asyncio.shield(self._warming)
+
+    def _warm_snapshot(self) -> WarmReport:
+        try:
+            report = pagecache.warm(self.spec.snapshot.path)
+        except SnapshotError as exc:
+            raise PoolError(f"pool {self.spec.deployment}: cannot warm its snapshot: {exc}") from exc
+        log.info(
+            "pool %s: snapshot in the page cache, %d bytes in %.2fs",
+            self.spec.deployment,
+            report.bytes,
+            report.seconds,
+        )
+        return report
 
     async def run(self) -> None:
         """The control loop; returns when `close` is called."""
@@ -156,12 +262,19 @@ class Pool:
             self._wake.clear()
 
     async def close(self, drain: bool = True) -> None:
-        """Stop the loop and every instance: draining (grace period) or at once."""
+        """Stop the loop and every instance, sleeping ones too: draining (grace period) or at once."""
         self._closing = True
         self._wake.set()
-        for task in list(self._launches.values()):
+        for task in [*self._launches.values(), *self._ops.values(), *self._background]:
             task.cancel()
-        await asyncio.gather(*self._launches.values(), *self._stops.values(), return_exceptions=True)
+        await asyncio.gather(
+            *self._launches.values(),
+            *self._ops.values(),
+            *self._background,
+            *self._stops.values(),
+            return_exceptions=True,
+        )
+        self._phases.clear()
         grace = self.spec.grace_period_s if drain else 0.0
         await asyncio.gather(
             *(self._drain(i, grace) for i in list(self._instances.values()) if i.state != S.STOPPED),
@@ -172,22 +285,85 @@ class Pool:
     # ---- one tick: observe, decide, apply ----------------------------------------------------------
 
     def _tick(self) -> None:
+        if self._closing:
+            return
         now = self._clock()
         self._reap_dead(now)
         load = self._demand.load()
-        ready = sum(1 for i in self._instances.values() if i.state == S.READY)
-        coming = [i for i in self._instances.values() if i.state in COMING_UP]
-        observation = Observation(load.in_flight, load.queued, ready, len(coming), load.last_arrival)
-        decision, self._policy_state = self._policy(observation, self._policy_state, now)
+        census = self._census()
+        observation = self._tracker.observe(
+            now,
+            in_flight=load.in_flight,
+            queued=load.queued,
+            ready=len(census.routing),
+            starting=len(census.coming),
+            sleeping=census.sleeping,
+            waking=len(census.waking),
+            cached_tier=self._snapshot_tier(now),
+            snapshot_id=self.spec.snapshot.snapshot_id,
+        )
+        decision, self._policy_state = self._bound.decide(observation, self._policy_state, now)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("pool %s: %s from %s", self.spec.deployment, decision, observation)
         self.last_decision = decision
-        active = ready + len(coming)
-        if decision.desired > active:
-            if now >= self._not_before:
-                for _ in range(decision.desired - active):
-                    self._start_instance(now)
-        elif decision.desired < active:
-            self._shed(active - decision.desired, coming, load.outstanding)
+        self._metrics.decided(self.spec.deployment, decision.ready, decision.sleeping, decision.forecast)
+        self._apply(decision, census, now, load.outstanding)
+        if self.spec.snapshot.snapshot_id in decision.warm:
+            self._warm_in_background(now)
         self._account(now)
+
+    def _census(self) -> Census:
+        c = Census([], [], [], [], [], [])
+        for inst in self._instances.values():
+            phase = self._phases.get(inst.id)
+            if phase == Phase.TO_SLEEP:
+                c.to_sleep.append(inst)
+            elif phase == Phase.FALLING_ASLEEP:
+                c.falling.append(inst)
+            elif phase == Phase.WAKING:
+                c.waking.append(inst)
+            elif inst.state == S.READY:
+                c.routing.append(inst)
+            elif inst.state in COMING_UP:
+                c.coming.append(inst)
+            elif inst.state == S.SLEEPING:
+                c.asleep.append(inst)
+        return c
+
+    def _apply(self, decision: Decision, c: Census, now: float, outstanding: Mapping[str, int]) -> None:
+        active = len(c.routing) + len(c.coming) + len(c.waking)
+        if decision.ready > active:
+            need = decision.ready - active
+            for inst in c.to_sleep[:need]:  # not asleep yet: back into routing at no cost
+                self._take_back(inst)
+                need -= 1
+            # Asleep in a moment (the sleep call cannot be taken back): the loop is poked when it
+            # is, and wakes it then, which beats starting a new process meanwhile.
+            need -= min(need, len(c.falling))
+            for inst in sorted(c.asleep, key=lambda i: i.created_at, reverse=True)[:need]:
+                self._begin_wake(inst)
+                need -= 1
+            if need > 0 and now >= self._not_before:
+                for _ in range(need):
+                    self._start_instance(now)
+        elif decision.ready < active:
+            surplus = active - decision.ready
+            for inst in sorted(c.coming, key=lambda i: i.created_at, reverse=True)[:surplus]:
+                if (task := self._launches.get(inst.id)) is not None:
+                    task.cancel()
+                surplus -= 1
+            sleepers = c.sleeping
+            for inst in sorted(c.routing, key=lambda i: (outstanding.get(i.id, 0), -i.created_at))[:surplus]:
+                if sleepers < decision.sleeping:
+                    self._begin_sleep(inst)
+                    sleepers += 1
+                else:
+                    self._spawn(self._stops, inst, self._drain(inst, self.spec.grace_period_s))
+        # Sleeping beyond what the policy keeps: stopped, the longest asleep first.
+        after = self._census()
+        extra = after.sleeping - decision.sleeping
+        for inst in sorted(after.asleep, key=lambda i: i.state_since)[: max(0, extra)]:
+            self._spawn(self._stops, inst, self._drain(inst, 0.0))
 
     def _start_instance(self, now: float) -> None:
         inst = Instance(
@@ -200,26 +376,53 @@ class Pool:
         self._instances[inst.id] = inst
         self._spawn(self._launches, inst, self._launch(inst))
 
-    def _shed(self, surplus: int, coming: list[Instance], outstanding: Mapping[str, int]) -> None:
-        """Cancel starts first (newest first), then drain the least busy READY instances."""
-        for inst in sorted(coming, key=lambda i: i.created_at, reverse=True)[:surplus]:
-            if (task := self._launches.get(inst.id)) is not None:
-                task.cancel()
-            surplus -= 1
-        ready = [i for i in self._instances.values() if i.state == S.READY]
-        for inst in sorted(ready, key=lambda i: (outstanding.get(i.id, 0), -i.created_at))[:surplus]:
-            self._spawn(self._stops, inst, self._drain(inst, self.spec.grace_period_s))
-
     def _reap_dead(self, now: float) -> None:
-        """READY instances whose process is gone become FAILED and leave the routing set."""
+        """READY and SLEEPING instances whose process is gone become FAILED and are replaced."""
         for inst in list(self._instances.values()):
             handle = self._handles.get(inst.id)
-            if inst.state == S.READY and handle is not None and not self._backend.is_alive(handle):
-                log.warning("instance %s (pid %s) died", inst.id, handle.pid)
-                self._move(inst, S.FAILED, now)
-                self._failed_start(now)
-                self._demand.capacity_changed()
-                self._spawn(self._stops, inst, self._forget(inst, to=S.STOPPED))
+            if (
+                inst.state in (S.READY, S.SLEEPING)
+                and handle is not None
+                and not self._backend.is_alive(handle)
+            ):
+                if (task := self._ops.pop(inst.id, None)) is not None:
+                    task.cancel()
+                self._failed(inst, f"process {handle.pid} died")
+
+    def _failed(self, inst: Instance, why: str) -> None:
+        """Out of routing, FAILED, stopped and forgotten; its replacement waits for the backoff."""
+        log.error("instance %s failed: %s", inst.id, why)
+        now = self._clock()
+        self._phases.pop(inst.id, None)
+        self._move(inst, S.FAILED, now)
+        self._failed_start(now)
+        self._demand.capacity_changed()
+        self._spawn(self._stops, inst, self._forget(inst, to=S.STOPPED))
+
+    # ---- page cache ----------------------------------------------------------------------------------
+
+    def _snapshot_tier(self, now: float) -> Tier:
+        """Where a start would load from; measured at most every TIER_TTL_S (it reads every file's
+        page residency)."""
+        if self._tier_seen is None or now - self._tier_seen[0] >= TIER_TTL_S:
+            self._tier_seen = (now, self.spec.snapshot.tier())
+        return self._tier_seen[1]
+
+    def _warm_in_background(self, now: float) -> None:
+        if now - self._warm_asked_at < WARM_EVERY_S or not self.spec.snapshot.is_local():
+            return  # recently asked, or nothing local to read (a start pulls it first)
+        self._warm_asked_at = now
+        task = asyncio.create_task(self._warm_quietly(), name=f"warm-{self.spec.deployment}")
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _warm_quietly(self) -> None:
+        try:
+            await self.warm_snapshot()
+        except PoolError as exc:
+            log.warning("%s", exc)
+        finally:
+            self._tier_seen = None  # measure again at the next tick
 
     # ---- instance lifecycles -------------------------------------------------------------------------
 
@@ -227,8 +430,17 @@ class Pool:
         spec, clock = self.spec, self._clock
         t0 = clock()
         try:
-            snapshot_dir = self._snapshot_local()
-            snapshot_s = clock() - t0
+            acquired = await spec.snapshot.acquire(holder=inst.id)
+            self._pins[inst.id] = acquired.pin
+            snapshot_dir, snapshot_s = acquired.path, clock() - t0
+            if acquired.pulled is not None:
+                log.info(
+                    "instance %s: pulled %s (%d bytes) in %.2fs",
+                    inst.id,
+                    acquired.pulled.uri,
+                    acquired.pulled.bytes_downloaded,
+                    snapshot_s,
+                )
             inst.port = free_port(spec.host)
             launch = self._launch_spec(inst, snapshot_dir)
             self._move(inst, S.STARTING, clock())
@@ -264,16 +476,18 @@ class Pool:
             raise
         self._metrics.observe_cold_start(spec.deployment, split_cold_start(snapshot_s, t2 - t1, phases))
         self._metrics.start_finished(spec.deployment, "ready")
-        self._move(inst, S.READY, clock())
         self._failures = 0
-        log.info("instance %s ready at %s after %.2fs", inst.id, inst.url, t2 - t0)
-        self._demand.capacity_changed()
+        self._became_ready(inst, acquired.tier, inst.created_at)
+        log.info("instance %s ready at %s after %.2fs (%s)", inst.id, inst.url, t2 - t0, acquired.tier)
 
-    def _snapshot_local(self) -> Path:
-        # The snapshot is already in the local store; fetching it from object storage comes later.
-        if not self.spec.snapshot_dir.is_dir():
-            raise PoolError(f"snapshot directory {self.spec.snapshot_dir} is missing")
-        return self.spec.snapshot_dir
+    def _became_ready(self, inst: Instance, tier: Tier, asked_at: float) -> None:
+        """READY and routable; the seconds since it was asked for feed the tracker and the metrics."""
+        now = self._clock()
+        self._move(inst, S.READY, now)
+        self._tiers[inst.id] = tier
+        self._tracker.started(tier, now - asked_at)
+        self._metrics.observe_startup(self.spec.deployment, tier.value, now - asked_at)
+        self._demand.capacity_changed()
 
     def _launch_spec(self, inst: Instance, snapshot_dir: Path) -> LaunchSpec:
         spec = self.spec
@@ -290,15 +504,69 @@ class Pool:
             snapshot_dir, inst.port, spec.deployment, host=spec.host, threads=spec.threads, extra_args=extra
         )
 
+    def _begin_sleep(self, inst: Instance) -> None:
+        self._phases[inst.id] = Phase.TO_SLEEP
+        self._demand.capacity_changed()  # out of routing before anything else
+        self._spawn(self._ops, inst, self._sleep(inst))
+
+    def _take_back(self, inst: Instance) -> None:
+        """An instance waiting for its requests before a sleep: back into routing, the sleep called off."""
+        del self._phases[inst.id]
+        if (task := self._ops.pop(inst.id, None)) is not None:
+            task.cancel()  # it is in its wait, which has nothing to undo
+        self._demand.capacity_changed()
+
+    async def _sleep(self, inst: Instance) -> None:
+        """Wait (within the grace period) for its requests to finish, then put it to sleep."""
+        deadline = self._clock() + self.spec.grace_period_s
+        # A bounded poll of the activator's counter, as in `_drain`.
+        while self._demand.load().outstanding.get(inst.id, 0) > 0 and self._clock() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+        self._phases[inst.id] = Phase.FALLING_ASLEEP
+        try:
+            await self._backend.sleep(inst.url, SLEEP_LEVEL, self.spec.start_timeout_s)
+        except PoolError as exc:
+            self._metrics.sleep_wake_finished(self.spec.deployment, "sleep", ok=False)
+            self._failed(inst, f"sleep failed: {exc}")
+            return
+        finally:
+            if self._phases.get(inst.id) == Phase.FALLING_ASLEEP:
+                del self._phases[inst.id]
+        self._metrics.sleep_wake_finished(self.spec.deployment, "sleep", ok=True)
+        self._move(inst, S.SLEEPING, self._clock())
+        log.info("instance %s asleep", inst.id)
+        self._wake.set()  # the loop may want it awake again already
+
+    def _begin_wake(self, inst: Instance) -> None:
+        self._phases[inst.id] = Phase.WAKING
+        self._spawn(self._ops, inst, self._wake_up(inst, self._clock()))
+
+    async def _wake_up(self, inst: Instance, asked_at: float) -> None:
+        try:
+            await self._backend.wake_up(inst.url, self.spec.start_timeout_s)
+        except PoolError as exc:
+            self._metrics.sleep_wake_finished(self.spec.deployment, "wake", ok=False)
+            self._failed(inst, f"wake-up failed: {exc}")
+            return
+        finally:
+            if self._phases.get(inst.id) == Phase.WAKING:
+                del self._phases[inst.id]
+        self._metrics.sleep_wake_finished(self.spec.deployment, "wake", ok=True)
+        self._became_ready(inst, Tier.WAKE, asked_at)
+        log.info("instance %s awake after %.2fs", inst.id, self._clock() - asked_at)
+
     async def _drain(self, inst: Instance, grace_s: float) -> None:
-        """Out of the routing set, let in-flight requests finish within `grace_s`, then stop."""
-        if inst.state == S.READY:
+        """Out of the routing set, let in-flight requests finish within `grace_s`, then stop. A
+        sleeping instance has none: it is stopped at once."""
+        if inst.state in (S.READY, S.SLEEPING):
+            was_ready = inst.state == S.READY
             self._move(inst, S.DRAINING, self._clock())
-            self._demand.capacity_changed()
-            deadline = self._clock() + grace_s
-            # A bounded poll of the activator's counter: 50 ms of latency on a drain costs nothing.
-            while self._demand.load().outstanding.get(inst.id, 0) > 0 and self._clock() < deadline:  # noqa: ASYNC110
-                await asyncio.sleep(0.05)
+            if was_ready:
+                self._demand.capacity_changed()
+                deadline = self._clock() + grace_s
+                # A bounded poll of the activator's counter: 50 ms of latency on a drain costs nothing.
+                while self._demand.load().outstanding.get(inst.id, 0) > 0 and self._clock() < deadline:  # noqa: ASYNC110
+                    await asyncio.sleep(0.05)
         await self._forget(inst, to=S.STOPPED)
 
     async def _forget(self, inst: Instance, to: InstanceState | None = None) -> None:
@@ -310,8 +578,11 @@ class Pool:
             await asyncio.shield(self._backend.stop(handle, term))
         self._records.remove(inst.id)
         self._gpus.release(inst.id)
+        if (pin := self._pins.pop(inst.id, None)) is not None:
+            pin.release()
         if to is not None and inst.state != to:
             self._move(inst, to, self._clock())
+        self._phases.pop(inst.id, None)
         self._instances.pop(inst.id, None)
         self._account(self._clock())
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import threading
 import time
 from pathlib import Path
@@ -51,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     snapshot_dir = resolve_snapshot(args.snapshot)
+    pin = pin_if_stored(snapshot_dir)  # noqa: F841  (held until the process exits)
     from stoker.engine.checks import refuse_unloadable
 
     try:
@@ -126,6 +128,21 @@ def resolve_snapshot(ref: str) -> Path:
     from stoker.paths import snapshot_store_dir
 
     return SnapshotStore(snapshot_store_dir()).resolve(ref).path
+
+
+def pin_if_stored(snapshot_dir: Path):
+    """Pin the snapshot against eviction for this process's life, when it lies in a snapshot store
+    (`<store>/<id>`): the engine maps its files, so `gc` or an eviction must not remove them."""
+    import re
+
+    from snapshots.store import SnapshotStore
+
+    if not re.fullmatch(r"[0-9a-f]{64}", snapshot_dir.name) or not (snapshot_dir / "manifest.json").is_file():
+        return None  # a model directory outside any store
+    store = SnapshotStore(snapshot_dir.parent)
+    pin = store.pin(snapshot_dir.name, f"engine pid {os.getpid()}")
+    store.touch(snapshot_dir.name)
+    return pin
 
 
 def _port(value: str) -> int:

@@ -108,7 +108,16 @@ def build_gateway(platform: Platform, *, on_shutdown: Callable[[], object] | Non
         return Response(generate_latest(platform.metrics_registry), media_type=CONTENT_TYPE_LATEST)
 
     def describe(d) -> dict:
-        return {**d.spec.to_dict(), "instances": d.pool.counts()}
+        decision = d.pool.last_decision
+        last = None
+        if decision is not None:
+            last = {
+                "ready": decision.ready,
+                "sleeping": decision.sleeping,
+                "reason": decision.reason,
+                "forecast": decision.forecast,
+            }
+        return {**d.spec.to_dict(), "instances": d.pool.counts(), "decision": last}
 
     async def list_deployments(request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [describe(d) for d in platform.list()]})

@@ -30,14 +30,19 @@ from snapshots import (
     import_gguf,
     import_hf_dir,
 )
+from snapshots.remote import read_manifest
+from snapshots.s3 import RemoteConfig
 from stoker.openai_errors import APIError, invalid
+from stoker.paths import snapshot_budget
 from stoker.registry import DeploymentSpec, Registry, not_found, validate
+from warm_pool.errors import PoolError
 from warm_pool.launch import GpuInventory
 from warm_pool.local import LocalBackend
 from warm_pool.metrics import PoolMetrics
 from warm_pool.policy import ScalingConfig
 from warm_pool.pool import Pool, PoolSpec
 from warm_pool.records import InstanceRecords, reap_orphans
+from warm_pool.snapshot import SnapshotSource
 
 log = logging.getLogger("stoker.platform")
 
@@ -61,7 +66,7 @@ class Platform:
     ) -> None:
         self.data_dir = data_dir
         self.registry = Registry(data_dir / "stoker.db")
-        self.store = SnapshotStore(data_dir / "snapshots")
+        self.store = SnapshotStore(data_dir / "snapshots", budget_bytes=snapshot_budget())
         self.records = InstanceRecords(data_dir / "instances")
         self.backend = LocalBackend(data_dir / "logs", clock=clock)
         self.gpus = GpuInventory.from_env()
@@ -90,9 +95,17 @@ class Platform:
                 "stopped %d engine process(es) left by a previous run: %s", len(stopped), ", ".join(stopped)
             )
         for spec in self.registry.all():
+            source = self._source(spec.snapshot_id, spec.model)
+            if source.remote is None and not source.is_local():
+                log.error(
+                    "deployment %s not restored: its snapshot %s is no longer in the store",
+                    spec.name,
+                    spec.snapshot_id[:12],
+                )
+                continue
             try:
-                self._run(spec, self._snapshot_path(spec.snapshot_id))
-            except SnapshotError as exc:
+                self._run(spec, source)
+            except PoolError as exc:  # e.g. a policy this version no longer has
                 log.error("deployment %s not restored: %s", spec.name, exc)
 
     async def shutdown(self) -> None:
@@ -119,8 +132,8 @@ class Platform:
         if fields["engine"] == "vllm":
             self._check_vllm()
         async with self._lock:
-            record = await self._resolve_model(fields["model"])
-            spec = DeploymentSpec(snapshot_id=record.id, **fields)
+            snapshot_id = await self._resolve_model(fields["model"])
+            spec = DeploymentSpec(snapshot_id=snapshot_id, **fields)
             current = self._deployments.get(spec.name)
             if current is not None and (current.spec.snapshot_id, current.spec.engine) != (
                 spec.snapshot_id,
@@ -134,10 +147,10 @@ class Platform:
                 )
             self.registry.put(spec)
             if current is None:
-                self._run(spec, record.path)
+                self._run(spec, self._source(snapshot_id, spec.model))
                 return spec, True
             current.spec = spec
-            current.pool.update_scaling(self._scaling(spec))
+            current.pool.reconfigure(self._scaling(spec), spec.policy)
             current.pool.spec = replace(current.pool.spec, grace_period_s=spec.grace_period_s)
             return spec, False
 
@@ -150,15 +163,17 @@ class Platform:
             await self._stop(deployment)
             self.registry.delete(name)
             del self._deployments[name]
+            self._pool_metrics.forget(name)
             return deployment.spec
 
-    def _run(self, spec: DeploymentSpec, snapshot_dir: Path) -> None:
+    def _run(self, spec: DeploymentSpec, snapshot: SnapshotSource) -> None:
         pool = Pool(
             PoolSpec(
                 deployment=spec.name,
-                snapshot_dir=snapshot_dir,
+                snapshot=snapshot,
                 engine=spec.engine,
                 scaling=self._scaling(spec),
+                policy=spec.policy,
                 grace_period_s=spec.grace_period_s,
             ),
             self.backend,
@@ -189,26 +204,33 @@ class Platform:
 
     # ---- models ------------------------------------------------------------------------------------
 
-    async def _resolve_model(self, model: str) -> SnapshotRecord:
-        """A snapshot already in the store, or a local directory or GGUF file imported now."""
+    async def _resolve_model(self, model: str) -> str:
+        """The snapshot id `model` names: a snapshot in the store, a snapshot in object storage (its
+        manifest is read now; the bytes are pulled before the first instance starts), or a local
+        directory or GGUF file imported now."""
+        if model.startswith("s3://"):
+            try:
+                manifest = await read_manifest(model, RemoteConfig.from_env())
+            except SnapshotError as exc:
+                raise invalid(str(exc), "model") from None
+            return manifest.snapshot_id
         try:
-            return self.store.resolve(model)
+            return self.store.resolve(model).id
         except SnapshotNotFound:
             pass
         except SnapshotError as exc:
             raise invalid(str(exc), "model") from None
-        if model.startswith("s3://"):
-            raise invalid("Models in object storage (s3://) are not supported yet.", "model")
         try:
             record = await asyncio.to_thread(self._import_local, model)
         except SnapshotError as exc:
             raise invalid(str(exc), "model") from None
         if record is None:
             raise invalid(
-                f"Model {model!r} is neither a snapshot in the store nor a local model directory or .gguf file.",
+                f"Model {model!r} is neither a snapshot in the store, an s3:// snapshot, nor a local model "
+                "directory or .gguf file.",
                 "model",
             )
-        return record
+        return record.id
 
     def _import_local(self, model: str) -> SnapshotRecord | None:
         path = Path(model).expanduser()
@@ -218,8 +240,9 @@ class Platform:
             return import_gguf(path, self.store)
         return None
 
-    def _snapshot_path(self, snapshot_id: str) -> Path:
-        return self.store.resolve(snapshot_id).path
+    def _source(self, snapshot_id: str, model: str) -> SnapshotSource:
+        remote = model if model.startswith("s3://") else None
+        return SnapshotSource(self.store, snapshot_id, remote, RemoteConfig.from_env() if remote else None)
 
     def _check_vllm(self) -> None:
         if shutil.which("vllm") is None:

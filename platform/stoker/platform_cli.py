@@ -13,6 +13,7 @@ import urllib.error
 import urllib.request
 
 from stoker.errors import CLIError
+from warm_pool.policies import DEFAULT_POLICY, POLICIES
 
 DEFAULT_URL = "http://127.0.0.1:8080"
 
@@ -34,9 +35,16 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     deploy = sub.add_parser("deploy", help="create or update a deployment")
     deploy.add_argument("name")
     deploy.add_argument(
-        "--model", required=True, help="snapshot name or id, or a local model dir or .gguf file"
+        "--model",
+        required=True,
+        help="snapshot name or id, s3://bucket/prefix, or a local model dir or .gguf file",
     )
     deploy.add_argument("--engine", choices=["cpu", "vllm"], default="cpu")
+    deploy.add_argument(
+        "--policy",
+        default=DEFAULT_POLICY,
+        help=f"scaling policy: {', '.join(POLICIES)} (default {DEFAULT_POLICY})",
+    )
     deploy.add_argument("--min-warm", type=int, default=0, help="instances kept READY even when idle")
     deploy.add_argument("--max", type=int, default=1, help="instances at most")
     deploy.add_argument(
@@ -81,10 +89,15 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_deploy(args: argparse.Namespace) -> int:
+    from stoker.registry import policy_error
+
+    if (message := policy_error(args.policy)) is not None:
+        raise CLIError(message)  # before reaching for the platform: the answer does not depend on it
     body = {
         "name": args.name,
         "model": args.model,
         "engine": args.engine,
+        "policy": args.policy,
         "min_warm": args.min_warm,
         "max": args.max,
         "idle_timeout_s": args.idle_timeout,
@@ -96,7 +109,8 @@ def cmd_deploy(args: argparse.Namespace) -> int:
         print(json.dumps(out))
     else:
         print(
-            f"deployed {out['name']}: model {out['model']} (snapshot {out['snapshot_id'][:12]}), engine {out['engine']}"
+            f"deployed {out['name']}: model {out['model']} (snapshot {out['snapshot_id'][:12]}), "
+            f"engine {out['engine']}, policy {out['policy']}"
         )
     return 0
 
@@ -106,11 +120,14 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(data))
         return 0
-    print(f"{'NAME':<20} {'MODEL':<24} {'ENGINE':<6} {'MIN':>3} {'MAX':>3}  INSTANCES")
+    head = f"{'NAME':<20} {'MODEL':<24} {'ENGINE':<6} {'POLICY':<10} {'MIN':>3} {'MAX':>3} {'READY':>5}"
+    print(f"{head} {'ASLEEP':>6}  INSTANCES")
     for d in data:
-        counts = ", ".join(f"{n} {state}" for state, n in d["instances"].items() if n) or "none"
+        n = d["instances"]
+        counts = ", ".join(f"{k} {state}" for state, k in n.items() if k) or "none"
         print(
-            f"{d['name']:<20} {d['model'][:24]:<24} {d['engine']:<6} {d['min_warm']:>3} {d['max']:>3}  {counts}"
+            f"{d['name']:<20} {d['model'][:24]:<24} {d['engine']:<6} {d['policy']:<10} {d['min_warm']:>3}"
+            f" {d['max']:>3} {n['READY']:>5} {n['SLEEPING']:>6}  {counts}"
         )
     return 0
 

@@ -1,8 +1,9 @@
 """Deployments by name: their validated spec, and their persistence in SQLite under the data dir.
 
 A deployment is what a user asked for with `stoker deploy`: a name, the model (as they wrote it
-and as the snapshot id it resolved to), the engine and the scaling bounds. The registry survives
-restarts: `stoker up` brings every deployment back from it.
+and as the snapshot id it resolved to), the engine, the scaling policy and its bounds. The registry
+survives restarts: `stoker up` brings every deployment back from it. A row written before a field
+existed reads as that field's default (rows are JSON, read into `DeploymentSpec` by name).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from stoker.openai_errors import APIError, invalid
+from warm_pool.policies import DEFAULT_POLICY, POLICIES
 
 NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")
 ENGINES = ("cpu", "vllm")
@@ -28,6 +30,7 @@ class DeploymentSpec:
     model: str  # as the user gave it: a snapshot name or id, or a local path
     snapshot_id: str
     engine: str = "cpu"
+    policy: str = DEFAULT_POLICY  # a name in warm_pool.policies.POLICIES
     min_warm: int = 0
     max: int = 1
     idle_timeout_s: float = 300.0
@@ -52,10 +55,11 @@ def validate(body: Any) -> dict[str, Any]:
     """Check a deploy request; returns its fields (model not yet resolved). Raises 400 naming the field."""
     if not isinstance(body, dict):
         raise invalid("The request body must be a JSON object.")
-    unknown = sorted(set(body) - {"name", "model", "engine", *FIELDS})
+    unknown = sorted(set(body) - {"name", "model", "engine", "policy", *FIELDS})
     if unknown:
         raise invalid(
-            f"Unknown field(s) {unknown}; allowed: name, model, engine, {', '.join(FIELDS)}.", unknown[0]
+            f"Unknown field(s) {unknown}; allowed: name, model, engine, policy, {', '.join(FIELDS)}.",
+            unknown[0],
         )
     name = body.get("name")
     if not isinstance(name, str) or not NAME.fullmatch(name):
@@ -66,12 +70,16 @@ def validate(body: Any) -> dict[str, Any]:
     model = body.get("model")
     if not isinstance(model, str) or not model.strip():
         raise invalid(
-            "'model' is required: a snapshot name or id, or a local model directory or .gguf file.", "model"
+            "'model' is required: a snapshot name or id, an s3://bucket/prefix snapshot, or a local model directory or .gguf file.",
+            "model",
         )
     engine = body.get("engine", "cpu")
     if engine not in ENGINES:
         raise invalid(f"'engine' must be one of {list(ENGINES)}, got {engine!r}.", "engine")
-    out: dict[str, Any] = {"name": name, "model": model.strip(), "engine": engine}
+    policy = body.get("policy", DEFAULT_POLICY)
+    if (message := policy_error(policy)) is not None:
+        raise invalid(message, "policy")
+    out: dict[str, Any] = {"name": name, "model": model.strip(), "engine": engine, "policy": policy}
     for field, (kind, low, high, default) in FIELDS.items():
         value = body.get(field, default)
         if value is None:
@@ -87,6 +95,13 @@ def validate(body: Any) -> dict[str, Any]:
     if out["min_warm"] > out["max"]:
         raise invalid(f"'min_warm' must be in 0..max (0..{out['max']}), got {out['min_warm']}.", "min_warm")
     return out
+
+
+def policy_error(policy: object) -> str | None:
+    """Why `policy` is no scaling policy's name, or None if it is one (shared with the CLI)."""
+    if isinstance(policy, str) and policy in POLICIES:
+        return None
+    return f"'policy' must be one of {', '.join(POLICIES)}; got {policy!r}."
 
 
 class Registry:

@@ -74,6 +74,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument(
         "--target-concurrency", type=int, help="requests per instance aimed at (default: --concurrency)"
     )
+    s.add_argument(
+        "--idle-timeout",
+        type=float,
+        help="configure each policy as a deployment with this --idle-timeout would be (with "
+        "--stable-window; default: the policies' own settings)",
+    )
+    s.add_argument("--stable-window", type=float, help="the platform's --stable-window for that (default 60)")
     s.add_argument("--gpu-price", type=float, default=3.00, help="$ per GPU-hour (default 3.00)")
     s.add_argument(
         "--sleep-price", type=float, default=0.08, help="$ per sleeping-instance-hour (default 0.08)"
@@ -113,6 +120,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from warm_pool.errors import PoolError
     from warm_pool.policies import make_policy
     from warm_pool.policy import ScalingConfig
+    from warm_pool.policy_settings import bind_policy
     from warm_pool.simulate import Prices, simulate
     from warm_pool.trace import load_trace
 
@@ -121,15 +129,23 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         if args.plot is not None:
             _check_plot_target(args.plot)
         model = instance_model(args)
+        as_deployed = args.idle_timeout is not None or args.stable_window is not None
+        idle = args.idle_timeout if args.idle_timeout is not None else 300.0
+        window = args.stable_window if args.stable_window is not None else 60.0
         scaling = ScalingConfig(
             min_warm=args.min_warm,
             max=args.max,
             target_concurrency=args.target_concurrency or model.concurrency,
+            idle_timeout_s=idle,
+            stable_window_s=min(window, idle),
         )
         for price in (args.gpu_price, args.sleep_price):
             if not (math.isfinite(price) and price >= 0):
                 raise CLIError(f"prices must be numbers ≥ 0, got {price}")
-        policies = [make_policy(name, scaling) for name in names]
+        if as_deployed:  # exactly as the live pool binds a deployment's policy
+            policies = [bind_policy(name, scaling) for name in names]
+        else:
+            policies = [make_policy(name, scaling) for name in names]
         trace = load_trace(args.trace, thin=args.thin, time_scale=args.time_scale)
         prices = Prices(args.gpu_price, args.sleep_price)
         reports = [

@@ -42,11 +42,14 @@ class Ep:
 
 @dataclass
 class MemorySource:
-    """The activator's view of a pool, in memory: a list of endpoints, pokes and failures seen."""
+    """The activator's view of a pool, in memory: a list of endpoints, and the pokes, failures,
+    arrivals and ends (seconds held, instance it was cold on) it was told of."""
 
     eps: list[Ep] = field(default_factory=list)
     pokes: int = 0
     failures: list[str] = field(default_factory=list)
+    arrivals: int = 0
+    finished: list[tuple[float | None, str | None]] = field(default_factory=list)
 
     def endpoints(self) -> list[Ep]:
         return self.eps
@@ -56,6 +59,12 @@ class MemorySource:
 
     def report_failure(self, endpoint_id: str) -> None:
         self.failures.append(endpoint_id)
+
+    def request_arrived(self) -> None:
+        self.arrivals += 1
+
+    def request_finished(self, service_s: float | None, cold_on: str | None) -> None:
+        self.finished.append((service_s, cold_on))
 
 
 class Upstream:

@@ -205,6 +205,8 @@ BAD_DEPLOYS = [
     ({"name": "x", "model": "no-such-model"}, "model"),
     ({"name": "x", "model": "s3://bucket/m"}, "model"),
     ({"name": "x", "model": "tiny", "engine": "tpu"}, "engine"),
+    ({"name": "x", "model": "tiny", "policy": "nope"}, "policy"),
+    ({"name": "x", "model": "tiny", "policy": 3}, "policy"),
     ({"name": "x", "model": "tiny", "max": 0}, "max"),
     ({"name": "x", "model": "tiny", "max": 65}, "max"),
     ({"name": "x", "model": "tiny", "min_warm": 3, "max": 2}, "min_warm"),

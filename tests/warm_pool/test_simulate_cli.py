@@ -82,3 +82,17 @@ def test_a_bad_trace_file_is_a_one_line_error(tmp_path):
     for path, message in ((bad, "missing column TIMESTAMP"), (tmp_path / "none.csv", "no such file")):
         out = stoker("--trace", str(path))
         assert out.returncode == 1 and message in out.stderr and out.stderr.count("\n") == 1
+
+
+def test_idle_timeout_binds_the_policies_as_a_deployment_with_it(trace):
+    """Requests every 7.5 s: keepalive with the policies' own 600 s keeps the first instance
+    throughout (only the 4 requests of its 28 s disk start wait); bound as a deployment with
+    --idle-timeout 5, it lets the instance go in every gap, and most requests wait for a start."""
+
+    def cold_share(*flags: str) -> float:
+        out = stoker("--trace", str(trace), "--policy", "keepalive", "--json", *flags)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)["cold_start_share"]
+
+    assert cold_share() == pytest.approx(4 / 40)
+    assert cold_share("--idle-timeout", "5", "--stable-window", "2") > 0.5
