@@ -24,8 +24,10 @@ from dataclasses import replace
 from warm_pool.errors import InvalidConfig
 from warm_pool.policy import Observation, SecondSample, Tier, TierTimes
 
-# Latency: a running mean for the first 20 requests, then an exponential average over ~20 (alpha 0.05),
-# so one slow request moves it by 5 %, and a lasting change of workload is learned within ~60 requests.
+# Latency: a running mean for the first 100 requests, then an exponential average over ~100 (alpha
+# 0.01), so one slow request moves it by 1 %, and a lasting change of workload is learned within a few
+# hundred requests. (predictive sizes from the last 60 s of concurrency and arrivals, W = L / λ, and
+# falls back on this only when that window is empty.)
 LATENCY_ALPHA = 0.01
 # Start-up: starts are rare (a few an hour), so each new one counts for 30 % once three are in.
 STARTUP_ALPHA = 0.3

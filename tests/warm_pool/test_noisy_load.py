@@ -68,7 +68,7 @@ def test_no_step_down_comes_within_the_delay_of_a_step_up(noisy, name):
 
 
 def test_the_check_catches_flapping_when_the_rules_do_not_suppress_it(noisy):
-    assert too_soon_after_a_step_up(decisions("predictive", noisy, NO_FLAP_SUPPRESSION), 10.0) > 0
+    assert too_soon_after_a_step_up(decisions("kpa", noisy, NO_FLAP_SUPPRESSION), 10.0) > 0
 
 
 def test_predictive_reverses_no_more_often_than_kpa(noisy):

@@ -18,11 +18,13 @@ C = PredictiveConfig(target_concurrency=4, max=16)  # 2.8 per instance at 70 %
 STARTUP = TierTimes(wake=1.0, page_cache=20.0, disk=28.0, object_storage=60.0)
 
 
-def run_seconds(state, start, end, rate, config=C, **kw):
-    """One call per whole second, `rate(t)` arrivals in second t - 1; returns the decisions."""
+def run_seconds(state, start, end, rate, config=C, latency=2.0, **kw):
+    """One call per whole second, `rate(t)` arrivals in second t - 1, each held `latency` seconds
+    (the second's concurrency, by Little's law); returns the decisions."""
     out = []
     for t in range(start, end):
-        o = obs(seconds=(second(t - 1, 0.0, arrivals=rate(t - 1)),), startup=STARTUP, **kw)
+        n = rate(t - 1)
+        o = obs(seconds=(second(t - 1, n * latency, arrivals=n),), startup=STARTUP, **kw)
         d, state = predictive(o, state, float(t), config)
         out.append(d)
     return out, state
@@ -71,12 +73,41 @@ def test_a_regular_idle_gap_sleeps_then_wakes_the_last_instance_before_the_next_
     assert at(61.9) == (0, 1) and at(62.0) == (1, 0)
 
 
-def test_before_the_histogram_is_representative_it_keeps_a_minute_then_sleeps():
-    o = obs(ready=1, idle_since=0.0, last_arrival=0.0, idle_gaps=(30.0,))
-    d, state = predictive(o, PredictiveState(), 59.0, C)
+def test_before_the_histogram_is_representative_it_keeps_half_a_minute_then_sleeps():
+    # one long gap seen: no reason to hold READY for 1.1 × 300 s; a wake is a second away
+    o = obs(ready=1, idle_since=0.0, last_arrival=0.0, idle_gaps=(300.0,))
+    d, state = predictive(o, PredictiveState(), 29.0, C)
     assert (d.ready, d.sleeping) == (1, 0) and "not representative" in d.reason
-    d, _ = predictive(obs(ready=1, idle_since=0.0, last_arrival=0.0), state, 60.0, C)
+    d, _ = predictive(obs(ready=1, idle_since=0.0, last_arrival=0.0), state, 30.0, C)
     assert (d.ready, d.sleeping) == (0, 1)
+
+
+def test_irregular_sparse_gaps_sleep_through_instead_of_holding_a_wide_window_ready():
+    # gaps spread over 20-290 s: READY from the head to the tail would cost ~100 s per gap that
+    # ends inside it, more than a stable window (60 s); the last instance sleeps the whole gap
+    gaps = (22.0, 60.0, 83.0, 99.0, 108.0, 177.0, 206.0, 214.0, 233.0, 249.0, 289.0)
+    _, state = predictive(obs(idle_gaps=gaps, ready=1), PredictiveState(), 0.0, C)
+    for idle_for in (0.0, 20.0, 50.0, 150.0):
+        d, _ = predictive(obs(ready=1, idle_since=1000.0, last_arrival=999.0), state, 1000.0 + idle_for, C)
+        assert (d.ready, d.sleeping) == (0, 1), d.reason
+    # with no instance at all, a pre-warm is a start (20-60 s) saved, not a wake: it is still made
+    d, _ = predictive(obs(idle_since=1000.0, last_arrival=999.0, startup=STARTUP), state, 1050.0, C)
+    assert d.ready == 1
+
+
+def test_the_latency_comes_from_the_window_not_from_the_first_requests_to_finish():
+    # A backlog drains: 2 requests/s arrive and each spends 6 s held or in flight (12 concurrent),
+    # but the short ones finished first, so the tracker's learned latency says 2 s.
+    state = PredictiveState()
+    for t in range(1, 61):
+        o = obs(seconds=(second(t - 1, 12.0, arrivals=2),), ready=2, in_flight=12, latency_s=2.0)
+        d, state = predictive(o, state, float(t), C)
+    assert "× 6.00s" in d.reason
+    assert d.ready == math.ceil(d.forecast * 6.0 / 2.8)  # W = L / λ = 12 / 2 = 6 s
+    # a window without arrivals falls back to the learned latency
+    o = obs(ready=1, in_flight=1, latency_s=2.0, seconds=(second(200.0, 0.0),))
+    d, _ = predictive(o, state, 201.0 + C.stable_window_s, C)
+    assert "× 2.00s" in d.reason
 
 
 def test_the_instances_a_burst_needed_are_kept_asleep_for_the_next_one():

@@ -7,10 +7,17 @@ Each call:
    gives the arrival rate at now + h, where h is the measured start-up time of the tier a new
    instance would come from now: a wake (~1 s) when one sleeps, else a page-cache, disk or
    object-storage start. Capacity asked for now is READY by then.
-2. Little's law. Expected concurrency = rate × latency (the mean seconds a served request held an
-   instance, learned by the tracker; `latency_prior_s` until the first one finishes). Instances =
-   ceil(concurrency / (target × utilization)), the same per-instance target as `kpa`. No window of
-   its own: the forecast is already smoothed (α: about a 60 s window). Against flapping, besides
+2. Little's law. Expected concurrency = rate × latency, the latency measured over the last
+   `stable_window_s` (60 s, kpa's window) as W = L / λ: the window's mean concurrency (requests in
+   flight or held, time-weighted) over its arrivals per second. The tracker's learned latency (mean
+   service time of finished requests) is only the fallback for a window without arrivals: while a
+   backlog drains it is biased low, because short requests finish first (conv trace, t = 37 s:
+   2.7 s learned against ~6 s true; the forecast then cancelled two starts that the next minute
+   needed, and 19 requests waited ~4 s for a page-cache start). W = L / λ counts the time held
+   requests wait, so a backlog asks for capacity, as kpa's window does; on steady load the two
+   agree (Little's law). Instances =
+   ceil(concurrency / (target × utilization)), the same per-instance target as `kpa`. The rate
+   is already smoothed (α: about a 60 s window). Against flapping, besides
    the shared rules' delays, a step down is taken only if it still holds with the estimate `band`
    (8 %) higher: about one standard deviation of the estimate at 5 requests/s (level ±6 %, learned
    latency ±5 %). On a steady Poisson load at an instance boundary this cuts the reversals
@@ -30,8 +37,15 @@ Each call:
    - READY from then until keep_until: the pre-warm lands before the expected arrival;
    - asleep after keep_until: the expected arrival did not come. Asleep, an instance holds host
      RAM and no GPU, and a request that finds it waits a wake, not a cold start;
-   - not representative yet (fewer than 5 gaps, say): READY until the longest gap seen so far
-     × 1.1, at least `fallback_ready_s` (60 s, as kpa's stable window), then asleep;
+   - not worth it: if READY over that window costs more than `stable_window_s` (60 s) of READY
+     time per gap that ends inside it (from the histogram), asleep for the whole gap. kpa pays one
+     stable window of idle READY for each chance to avoid a cold start; on irregular sparse gaps
+     (code trace thinned by 500: gaps 22–289 s, near memoryless, so a window costs about the mean
+     gap, ~150 s, per hit) a 1 s wake on each arrival is the cheaper answer;
+   - not representative yet (fewer than 5 gaps, say): READY for `fallback_ready_s` (30 s: the
+     shared rules' down delay, one disk start, the ski-rental break-even against the start a stop
+     would cost), then asleep. Not the longest gap seen × 1.1: early gaps of 4–5 minutes held a
+     GPU idle that long to spare a 1 s wake;
    - stopped once idle for `sleep_keepalive_s` (30 min).
 4. The sleeping tier for the rest: instances the load needed in the last `sleep_keepalive_s` and
    that are not READY now are put to sleep instead of stopped (the highest READY count of that
@@ -39,8 +53,8 @@ Each call:
 5. Page cache: while the deployment is active and has no sleeping instance, ask for its snapshot
    to be warmed into the page cache when a new instance would otherwise read disk or object storage.
 
-State is bounded: Holt's two numbers, the 1440-slot profile, the histogram's bins and a running
-peak of at most max + 1 entries.
+State is bounded: Holt's two numbers, the 1440-slot profile, the histogram's bins, a running
+peak of at most max + 1 entries and the stable window's per-second samples (60).
 """
 
 from __future__ import annotations
@@ -51,8 +65,8 @@ from dataclasses import dataclass, field
 from warm_pool.errors import InvalidConfig
 from warm_pool.policies.forecast import Forecast, ForecastConfig
 from warm_pool.policies.idle_histogram import HistogramConfig, IdleHistogram
-from warm_pool.policies.windows import Peak, instances_for, peak, push_peak
-from warm_pool.policy import Decision, Observation, Tier
+from warm_pool.policies.windows import Peak, instances_for, peak, push_peak, push_seconds
+from warm_pool.policy import Decision, Observation, SecondSample, Tier
 
 
 @dataclass(frozen=True)
@@ -63,10 +77,11 @@ class PredictiveConfig:
     latency_prior_s: float = 2.0
     sparse_concurrency: float = 0.5
     band: float = 0.08
-    fallback_ready_s: float = 60.0
+    fallback_ready_s: float = 30.0
     min_sleep_s: float = 10.0
     wake_margin_s: float = 2.0
     sleep_keepalive_s: float = 1800.0
+    stable_window_s: float = 60.0  # kpa's: the window for W = L / λ and the READY budget per hit
     forecast: ForecastConfig = field(default_factory=ForecastConfig)
     histogram: HistogramConfig = field(default_factory=lambda: HistogramConfig(tail_pct=90.0))
 
@@ -75,7 +90,7 @@ class PredictiveConfig:
             raise InvalidConfig(
                 "target_utilization", f"target_utilization must be in (0, 1], got {self.target_utilization}"
             )
-        for name in ("latency_prior_s", "fallback_ready_s", "sleep_keepalive_s"):
+        for name in ("latency_prior_s", "fallback_ready_s", "sleep_keepalive_s", "stable_window_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise InvalidConfig(name, f"{name} must be a finite number > 0, got {value}")
@@ -90,6 +105,7 @@ class PredictiveState:
     forecast: Forecast = field(default_factory=Forecast)
     histogram: IdleHistogram = field(default_factory=IdleHistogram)
     readies: Peak = ()  # instances READY or coming up in the last sleep_keepalive_s
+    samples: tuple[SecondSample, ...] = ()  # the stable window's seconds
 
 
 def predictive(
@@ -101,7 +117,12 @@ def predictive(
 
     horizon = o.startup.of(o.start_tier)
     rate = fc.rate(now, horizon, c.forecast)
-    latency = o.latency_s if o.latency_s is not None else c.latency_prior_s
+    samples = push_seconds(state.samples, o.seconds, now, c.stable_window_s)
+    arrived = sum(s.arrivals for s in samples)
+    if arrived:
+        latency = sum(s.concurrency for s in samples) / arrived
+    else:
+        latency = o.latency_s if o.latency_s is not None else c.latency_prior_s
     concurrency = rate * latency
     per_instance = c.target_concurrency * c.target_utilization
     need = 0 if concurrency < c.sparse_concurrency else min(instances_for(concurrency, per_instance), c.max)
@@ -133,7 +154,7 @@ def predictive(
     if o.snapshot_id and not stopping and o.sleeping == 0 and slow_start:
         warm = (o.snapshot_id,)
     decision = Decision(ready, sleeping, warm, reason, forecast=rate)
-    return decision, PredictiveState(fc, hist, readies)
+    return decision, PredictiveState(fc, hist, readies, samples)
 
 
 def _last_instance(
@@ -144,8 +165,7 @@ def _last_instance(
         return 0, False, f"idle {idle_for:.0f}s ≥ {c.sleep_keepalive_s:g}s: stop"
     windows = hist.windows(c.histogram)
     if windows is None:
-        longest = hist.percentile(100, c.histogram, upper=True) * (1 + c.histogram.margin)
-        keep = max(c.fallback_ready_s, longest)
+        keep = c.fallback_ready_s
         if idle_for < keep:
             return 1, False, f"histogram not representative ({hist.total:.0f} gaps): ready {keep:.0f}s"
         return 0, True, f"histogram not representative: asleep after {keep:.0f}s idle"
@@ -159,6 +179,14 @@ def _last_instance(
             True,
             f"idle {idle_for:.0f}s: asleep until {wake_at:.0f}s (next arrival from {prewarm:.0f}s)",
         )
+    from_s = max(wake_at, 0.0) if has_instance and wake_at >= c.min_sleep_s else 0.0
+    per_hit = _ready_per_hit(hist, from_s, keep_until, c)
+    if has_instance and per_hit > c.stable_window_s:
+        return (
+            0,
+            True,
+            f"idle {idle_for:.0f}s: asleep (ready until {keep_until:.0f}s: {per_hit:.0f}s per hit)",
+        )
     if idle_for < keep_until:
         return (
             1,
@@ -166,3 +194,20 @@ def _last_instance(
             f"idle {idle_for:.0f}s: ready until {keep_until:.0f}s (pre-warmed at {max(wake_at, 0):.0f}s)",
         )
     return 0, True, f"idle {idle_for:.0f}s > {keep_until:.0f}s: asleep"
+
+
+def _ready_per_hit(hist: IdleHistogram, start: float, end: float, c: PredictiveConfig) -> float:
+    """Expected READY seconds per gap ending inside [start, end), if the last instance is READY
+    from `start` to `end` seconds into every gap; inf when no gap seen ended there."""
+    total = hist.total
+    if total <= 0 or end <= start:
+        return math.inf
+    hits = cost = 0.0
+    for index, n in enumerate(hist.counts):
+        if not n:
+            continue
+        gap = (index + 0.5) * c.histogram.bin_s
+        hits += n if start <= gap < end else 0.0
+        cost += n * min(max(gap - start, 0.0), end - start)
+    cost += hist.out_of_range * (end - start)
+    return cost / hits if hits else math.inf
