@@ -30,6 +30,7 @@ from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager, suppress
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from snapshots.durable import CHUNK_BYTES, write_atomic
 
@@ -98,6 +99,12 @@ class Journal:
 def hash_range(fd: int, offset: int, length: int) -> str:
     """sha256 of `length` bytes of an open file from `offset` (a short file hashes what is there)."""
     digest = hashlib.sha256()
+    hash_into(digest, fd, offset, length)
+    return digest.hexdigest()
+
+
+def hash_into(digest: Any, fd: int, offset: int, length: int) -> int:
+    """Feed `length` bytes of an open file from `offset` to `digest`; return how many there were."""
     done = 0
     while done < length:
         chunk = os.pread(fd, min(CHUNK_BYTES, length - done), offset + done)
@@ -105,7 +112,7 @@ def hash_range(fd: int, offset: int, length: int) -> str:
             break
         digest.update(chunk)
         done += len(chunk)
-    return digest.hexdigest()
+    return done
 
 
 def _lock_blocking(path: Path) -> int:

@@ -15,6 +15,8 @@ A pull, start to visible:
     ranged GETs              part_size each, `concurrency` at once across all files, If-Match the
                              ETag, written in place with pwrite, fsynced, then journaled
     verify                   every file's sha256 against the manifest; a mismatch names the file
+                             (hashed in order as parts land, from the page cache, so the check
+                             adds little after the last part)
     commit                   rename the pull dir onto <id>: all of it appears at once
 
 An interrupted pull (an error, Ctrl-C, SIGKILL) leaves its pull dir and journal for the next pull
@@ -33,7 +35,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -46,7 +48,7 @@ from snapshots.errors import (
     UnsafeFileError,
 )
 from snapshots.manifest import MANIFEST_NAME, FileEntry, Manifest
-from snapshots.pulldir import Journal, Part, exclusive, hash_range, journal_path, lock_path
+from snapshots.pulldir import Journal, Part, exclusive, hash_into, hash_range, journal_path, lock_path
 from snapshots.s3 import S3, RemoteConfig, S3Uri, ShortBody, connect, error_code
 from snapshots.store import SnapshotStore
 from snapshots.weights import PICKLE_SUFFIXES, is_pickle
@@ -380,6 +382,12 @@ class _File:
     entry: FileEntry
     etag: str = ""
     fd: int = -1
+    # The whole-file sha256 follows the parts in order while the pull runs (from the page cache, just
+    # written), so the check before the commit is not a second pass over every byte at the end.
+    digest: Any = field(default_factory=hashlib.sha256)
+    hashed: int = 0  # bytes [0, hashed) are in `digest`
+    done: dict[int, int] = field(default_factory=dict)  # offset -> length of parts on disk, unhashed
+    hashing: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
 class _Pull:
@@ -519,6 +527,7 @@ class _Pull:
 
     async def _fetch_file(self, f: _File, meter: _Meter) -> None:
         done = {p.offset for p in self.kept if p.path == f.entry.path}
+        f.done.update((p.offset, p.length) for p in self.kept if p.path == f.entry.path)
         plan = _parts(f.entry.size, self.config.part_size)
         try:
             await _all(
@@ -531,13 +540,24 @@ class _Pull:
                     f"{self.where.url(f.entry.path)} changed while it was being pulled; pull again"
                 ) from exc
             raise
-        digest = await self._io(hash_range, f.fd, 0, f.entry.size)
-        if digest != f.entry.sha256:
+        await self._follow(f)  # kept parts alone, when nothing was left to fetch
+        if f.hashed != f.entry.size:  # cannot happen when the plan covers the file: check it anyway
+            raise CorruptSnapshot(f"{f.entry.path}: {f.hashed} of {f.entry.size} bytes were pulled")
+        if f.digest.hexdigest() != f.entry.sha256:
             await self._io(self._drop, f)
             raise CorruptSnapshot(
                 f"{f.entry.path}: sha256 of the bytes pulled from {self.where.url(f.entry.path)} does not "
                 "match the manifest; refused (the bucket copy is altered or corrupt)"
             )
+
+    async def _follow(self, f: _File) -> None:
+        """Hash the parts on disk that continue the file's hashed prefix, in order, one follower at a time."""
+        async with f.hashing:
+            while (length := f.done.pop(f.hashed, None)) is not None:
+                got = await self._io(hash_into, f.digest, f.fd, f.hashed, length)
+                f.hashed += got
+                if got != length:
+                    break
 
     def _drop(self, f: _File) -> None:
         """Forget a file's parts, so the next pull fetches it afresh."""
@@ -588,6 +608,8 @@ class _Pull:
         async with self.sem:
             sha = await self.s3.run(attempt, what)
         await self._io(self.journal.append, Part(f.entry.path, offset, length, f.etag, sha))
+        f.done[offset] = length
+        await self._follow(f)
 
 
 def _write_hashing(fd: int, data: bytes, offset: int, digest: Any) -> None:

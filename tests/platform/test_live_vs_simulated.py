@@ -40,14 +40,13 @@ from dataclasses import replace
 from pathlib import Path
 
 import httpx
-import pytest
 
 from warm_pool.policy import ScalingConfig, Tier, TierTimes
 from warm_pool.policy_settings import bind_policy
 from warm_pool.simulate import InstanceModel, Report, simulate
 from warm_pool.trace import TraceRequest, load_trace
 
-TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "azure-llm-code-2023-first29min.csv"
+TRACE = Path(__file__).resolve().parents[1] / "data" / "azure-llm-code-2023-first29min.csv"  # see its README
 THIN, WINDOW_S, TIME_SCALE = 50, (30.0, 915.0), 0.07
 TOKENS = 4
 STABLE_WINDOW_S, IDLE_TIMEOUT_S, MAX = 1.0, 8.0, 1
@@ -55,8 +54,6 @@ SLACK = 2
 
 
 def compressed_trace() -> tuple[TraceRequest, ...]:
-    if not TRACE.is_file():
-        pytest.skip(f"shared trace {TRACE} not present")
     start, end = WINDOW_S
     kept = [r for r in load_trace(TRACE, thin=THIN) if start <= r.t < end]
     return tuple(TraceRequest((r.t - kept[0].t) * TIME_SCALE, 0, TOKENS) for r in kept)

@@ -12,7 +12,7 @@ from warm_pool.policy import ScalingConfig, Tier, TierTimes
 from warm_pool.simulate import GPU, InstanceModel, Prices, Simulation, simulate
 from warm_pool.trace import TraceRequest, load_trace
 
-TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces"
+TRACES = Path(__file__).resolve().parents[1] / "data"  # a copy of the shared trace: see its README
 SMALL = InstanceModel(
     startup=TierTimes(wake=1.0, page_cache=5.0, disk=10.0, object_storage=20.0),
     prefill_tps=100.0,
@@ -25,10 +25,7 @@ SMALL = InstanceModel(
 
 
 def code_trace(thin: int):
-    path = TRACES / "azure-llm-code-2023-first29min.csv"
-    if not path.exists():
-        pytest.skip(f"shared trace {path} not present")
-    return load_trace(path, thin=thin)
+    return load_trace(TRACES / "azure-llm-code-2023-first29min.csv", thin=thin)
 
 
 def test_a_tiny_trace_gives_the_waits_and_seconds_worked_out_by_hand():
