@@ -14,7 +14,7 @@
    − held: slot granted → first content chunk; of which `stoker_cold_start_first_byte_seconds`,
    READY → the instance's first byte, is also reported). Right after each cold request, the same
    request again while the instance is READY gives the warm TTFT.
-2. **Asleep, at the engine level.** The pool does not put instances to sleep yet, so this is one
+2. **Asleep, at the engine level** (written before the pool had a sleeping tier): one
    `stoker engine` on the same snapshot, launched as the pool launches it, without the gateway:
    `POST /sleep?level=L`, then `POST /wake_up` and the same streamed request, timed from the
    `/wake_up` call to the first content chunk; N times per level (1: weights dropped, page cache

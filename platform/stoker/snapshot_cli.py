@@ -129,7 +129,13 @@ def cmd_import(args: argparse.Namespace) -> int:
     store = _store()
     if args.builtin:
         path = builtin_path(args.builtin)
-        record = import_gguf(path, store, args.name or args.builtin, on_convert=_say_converting)
+        record = import_gguf(
+            path,
+            store,
+            args.name or args.builtin,
+            on_convert=_say_converting,
+            generation=dict(BUILTINS[args.builtin].generation),
+        )
     else:
         record = _import_source(args.source, store, args.name)
     if args.json:

@@ -47,11 +47,11 @@ def run_cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
 # when the sources index had no answer, and transformers is imported only by the conversion.
 SECOND_IMPORT = """
 import json, sys
-from snapshots import SnapshotStore, builtin_path, import_gguf
+from snapshots import BUILTINS, SnapshotStore, builtin_path, import_gguf
 from stoker.paths import snapshot_store_dir
 converted = []
 record = import_gguf(builtin_path("smollm2"), SnapshotStore(snapshot_store_dir()), "smollm2",
-                     on_convert=converted.append)
+                     on_convert=converted.append, generation=dict(BUILTINS["smollm2"].generation))
 loaded = "transformers" in sys.modules
 print(json.dumps({"id": record.id, "converted": bool(converted), "transformers": loaded}))
 """
@@ -75,13 +75,17 @@ def test_import_builtin_smollm2(stoker_env: dict[str, str]) -> None:
     for name in ("model.safetensors", "tokenizer.json", "generation_config.json", "chat_template.jinja"):
         assert (path / name).is_file(), name
     assert not list(path.glob("*.bin"))
+    generation = json.loads((path / "generation_config.json").read_text())
+    assert (generation["temperature"], generation["top_p"]) == (0.2, 0.9)  # the model card's sampling
 
     verified = run_cli(stoker_env, "verify", "smollm2")
     assert verified.returncode == 0 and "ok" in verified.stdout, verified.stdout
 
     store_root = Path(stoker_env["STOKER_HOME"]) / "snapshots"
     digest = hashlib.sha256(gguf.read_bytes()).hexdigest()
-    assert (store_root / "sources" / digest).read_text().strip() == imported["id"]
+    settings = json.dumps({"temperature": 0.2, "top_p": 0.9}, sort_keys=True)
+    key = hashlib.sha256(f"{digest}:{settings}".encode()).hexdigest()  # the file plus the settings
+    assert (store_root / "sources" / key).read_text().strip() == imported["id"]
 
     again = subprocess.run(
         [sys.executable, "-c", SECOND_IMPORT], env=stoker_env, capture_output=True, text=True, timeout=120

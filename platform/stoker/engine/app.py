@@ -67,7 +67,7 @@ class CompletionsEndpoint:
         engine = self.engine
         try:
             body = parse_json_object(await read_body(receive, scope, self.max_body_bytes))
-            req = parse_request(self.kind, body)
+            req = parse_request(self.kind, body, engine.sampling_defaults)
             ensure_served(req.model, engine.config.served_model_name)
             engine.check_serving()
             ids = engine.prompt_ids(req)

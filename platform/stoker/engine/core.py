@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import ctypes
 import gc
+import json
 import logging
 import time
 import uuid
@@ -93,6 +94,7 @@ class Engine:
         self.failure: str | None = None
         self.max_model_len = 0
         self.phases: dict[str, float] = {}
+        self.sampling_defaults = sampling_defaults(config.snapshot_dir)
         self.weights_source = ""  # which path loaded the weights: weights.MMAP or weights.FROM_PRETRAINED
         self._model = None
         self._tokenizer = None
@@ -453,6 +455,24 @@ class Generation:
                 engine.metrics.finished("abort")
         engine._draw.forget(self.request_id)
         engine._release()
+
+
+def sampling_defaults(snapshot_dir: Path) -> dict[str, float]:
+    """The sampling parameters the snapshot's generation_config.json sets (temperature, top_p): the
+    defaults for requests that leave them out, as vLLM applies them. Values out of range are ignored."""
+    try:
+        config = json.loads((snapshot_dir / "generation_config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    limits = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0)}
+    out = {}
+    for key, (low, high) in limits.items():
+        value = config.get(key) if isinstance(config, dict) else None
+        if isinstance(value, int | float) and not isinstance(value, bool) and low <= value <= high:
+            out[key] = float(value)
+    if out.get("top_p") == 0.0:
+        del out["top_p"]
+    return out
 
 
 def _forget_handler(manager, request_id: str) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -42,7 +43,10 @@ class GenerationRequest:
     include_usage: bool
 
 
-def parse_request(kind: Kind, body: dict) -> GenerationRequest:
+def parse_request(kind: Kind, body: dict, defaults: Mapping[str, float] | None = None) -> GenerationRequest:
+    """Validate a request body. `defaults` (the model's generation_config: temperature, top_p) stand
+    in for the sampling parameters the request leaves out, as vLLM applies them."""
+    defaults = defaults or {}
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise invalid("'model' is required and must be a non-empty string.", param="model")
@@ -63,8 +67,8 @@ def parse_request(kind: Kind, body: dict) -> GenerationRequest:
         include_usage = _bool(options, "include_usage", False, prefix="stream_options.")
     params = SamplingParams(
         max_tokens=_max_tokens(body),
-        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, open_low=True),
+        temperature=_number(body, "temperature", defaults.get("temperature", 1.0), 0.0, 2.0),
+        top_p=_number(body, "top_p", defaults.get("top_p", 1.0), 0.0, 1.0, open_low=True),
         stop=_stop(body.get("stop")),
         seed=_seed(body.get("seed")),
         ignore_eos=_bool(body, "ignore_eos", False),
