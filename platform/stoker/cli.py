@@ -12,6 +12,7 @@ import sys
 
 from snapshots.errors import SnapshotError
 from stoker.errors import CLIError
+from stoker.paths import use_store
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        use_store(getattr(args, "store", None))
         return int(args.func(args) or 0)
     except (SnapshotError, CLIError) as exc:
         print(f"stoker: error: {exc}", file=sys.stderr)

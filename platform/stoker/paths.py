@@ -1,12 +1,14 @@
 """Where Stoker keeps its data on this machine.
 
 One data dir (`$STOKER_HOME`, default `~/.local/share/stoker`) holds everything that outlives a
-process: the snapshot store now, the deployment registry later. The snapshot store's disk budget
-comes from `$STOKER_SNAPSHOT_BUDGET`.
+process: the deployment registry, instance records, logs, and the snapshot store, which is
+`<data dir>/snapshots` unless `--store DIR` or `$STOKER_SNAPSHOT_STORE` puts it elsewhere (the
+node's NVMe). The snapshot store's disk budget comes from `$STOKER_SNAPSHOT_BUDGET`.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 from pathlib import Path
 
@@ -14,6 +16,7 @@ from snapshots.sizes import parse_size
 from stoker.errors import CLIError
 
 BUDGET_ENV = "STOKER_SNAPSHOT_BUDGET"
+STORE_ENV = "STOKER_SNAPSHOT_STORE"
 
 
 def data_dir() -> Path:
@@ -24,7 +27,26 @@ def data_dir() -> Path:
 
 
 def snapshot_store_dir() -> Path:
-    return data_dir() / "snapshots"
+    store = os.environ.get(STORE_ENV, "").strip()
+    return Path(store).expanduser() if store else data_dir() / "snapshots"
+
+
+def add_store_option(parser: argparse.ArgumentParser) -> None:
+    """`--store DIR` on a command; `stoker.cli` exports it as $STOKER_SNAPSHOT_STORE, so the engine
+    processes a platform starts use the same store."""
+    parser.add_argument(
+        "--store",
+        metavar="DIR",
+        default=argparse.SUPPRESS,  # on a group and its subcommands alike: a later default must not undo it
+        help=f"the snapshot store (default ${STORE_ENV}, else $STOKER_HOME/snapshots)",
+    )
+
+
+def use_store(store: str | None) -> None:
+    if store is not None:
+        if not store.strip():
+            raise CLIError("--store: give a directory")
+        os.environ[STORE_ENV] = str(Path(store).expanduser().resolve())
 
 
 def snapshot_budget(value: str | None = None) -> int | None:

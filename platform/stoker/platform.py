@@ -60,13 +60,14 @@ class Platform:
         self,
         data_dir: Path,
         *,
+        store_dir: Path | None = None,  # the snapshot store; default <data_dir>/snapshots
         activator_config: ActivatorConfig | None = None,
         stable_window_s: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.data_dir = data_dir
         self.registry = Registry(data_dir / "stoker.db")
-        self.store = SnapshotStore(data_dir / "snapshots", budget_bytes=snapshot_budget())
+        self.store = SnapshotStore(store_dir or data_dir / "snapshots", budget_bytes=snapshot_budget())
         self.records = InstanceRecords(data_dir / "instances")
         self.backend = LocalBackend(data_dir / "logs", clock=clock)
         self.gpus = GpuInventory.from_env()

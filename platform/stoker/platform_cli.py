@@ -13,6 +13,7 @@ import urllib.error
 import urllib.request
 
 from stoker.errors import CLIError
+from stoker.paths import add_store_option
 from warm_pool.policies import DEFAULT_POLICY, POLICIES
 
 DEFAULT_URL = "http://127.0.0.1:8080"
@@ -30,6 +31,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         "--hold-deadline", type=float, default=120.0, help="seconds a request may wait for capacity"
     )
     up.add_argument("--max-queued", type=int, default=100, help="requests held per deployment at once")
+    add_store_option(up)
     up.set_defaults(func=cmd_up)
 
     deploy = sub.add_parser("deploy", help="create or update a deployment")
@@ -72,7 +74,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     from activator import ActivatorConfig
     from stoker.gateway import build_gateway
     from stoker.http import make_server, run_server
-    from stoker.paths import data_dir
+    from stoker.paths import data_dir, snapshot_store_dir
     from stoker.platform import Platform
 
     logging.basicConfig(
@@ -82,7 +84,12 @@ def cmd_up(args: argparse.Namespace) -> int:
         activator_config = ActivatorConfig(max_queued=args.max_queued, hold_deadline_s=args.hold_deadline)
     except ValueError as exc:
         raise CLIError(str(exc)) from None
-    platform = Platform(data_dir(), activator_config=activator_config, stable_window_s=args.stable_window)
+    platform = Platform(
+        data_dir(),
+        store_dir=snapshot_store_dir(),
+        activator_config=activator_config,
+        stable_window_s=args.stable_window,
+    )
     app = build_gateway(platform)
     server = make_server(app, host=args.host, port=args.port, log_level=args.log_level, grace_period_s=60)
     return 0 if run_server(server) else 1

@@ -36,7 +36,7 @@ from snapshots.errors import SnapshotNotFound
 from snapshots.sizes import format_size
 from snapshots.usage import GcReport
 from stoker import snapshot_remote_cli
-from stoker.paths import snapshot_budget, snapshot_store_dir
+from stoker.paths import add_store_option, snapshot_budget, snapshot_store_dir
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -86,6 +86,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     warm.set_defaults(func=cmd_warm)
 
     snapshot_remote_cli.add_commands(sub)
+    add_store_option(parser)
+    for command in sub.choices.values():
+        add_store_option(command)
 
 
 def _store() -> SnapshotStore:

@@ -24,7 +24,7 @@ from snapshots import SnapshotStore
 from snapshots.sizes import format_size, parse_size
 from snapshots.store import check_name
 from stoker.errors import CLIError
-from stoker.paths import snapshot_store_dir
+from stoker.paths import snapshot_budget, snapshot_store_dir
 
 if TYPE_CHECKING:
     from snapshots.remote import RemoteConfig
@@ -128,7 +128,7 @@ def cmd_push(args: argparse.Namespace) -> int:
 
     S3Uri.parse(args.uri)
     config = _config(args)
-    store = SnapshotStore(snapshot_store_dir())
+    store = SnapshotStore(snapshot_store_dir(), snapshot_budget())
     with _progress(args, "pushing") as progress:
         report = asyncio.run(push(store, args.ref, args.uri, config, progress))
     if args.json:
@@ -150,7 +150,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
     if args.name is not None:
         check_name(args.name)  # ...and before the download, not after it
     config = _config(args)
-    store = SnapshotStore(snapshot_store_dir())
+    store = SnapshotStore(snapshot_store_dir(), snapshot_budget())
     with _progress(args, "pulling") as progress:
         report = asyncio.run(pull(store, args.uri, config, progress))
     if args.name is not None:

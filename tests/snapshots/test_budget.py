@@ -544,3 +544,21 @@ def test_a_bad_budget_is_a_one_line_error(
 @pytest.mark.parametrize(("value", "fragment"), [("ten", "'ten' is not a size"), ("0", "no room at all")])
 def test_a_bad_gc_budget_flag_is_a_one_line_error(cli: RunCLI, value: str, fragment: str) -> None:
     assert_one_line_error(cli("gc", "--budget", value), "--budget", fragment)
+
+
+def test_the_store_can_live_elsewhere_by_flag_or_environment(
+    cli: RunCLI, home_env: dict[str, str], models: Path, store_root: Path, tmp_path: Path
+) -> None:
+    run = [sys.executable, "-m", "stoker.cli", "snapshot"]
+    nvme = tmp_path / "nvme" / "snapshots"
+    for argv in (
+        ["--store", str(nvme), "import", str(source(models, 0))],
+        ["import", str(source(models, 1)), "--store", str(nvme)],
+    ):
+        proc = subprocess.run([*run, *argv], env=home_env, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr
+    assert snapshot_dirs(store_root) == []  # not in $STOKER_HOME/snapshots
+    by_env = {**home_env, "STOKER_SNAPSHOT_STORE": str(nvme)}
+    listed = subprocess.run([*run, "ls", "--json"], env=by_env, capture_output=True, text=True)
+    assert sorted(e["name"] for e in json.loads(listed.stdout)) == ["m0", "m1"]
+    assert cli_json(cli, "ls") == []

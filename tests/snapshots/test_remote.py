@@ -292,6 +292,15 @@ def test_push_pull_round_trip(
     assert again.stdout.splitlines() == [snapshot.id]
     assert "already in the store" in again.stderr
 
+    # A pull honours the store's budget like an import, and `--store` puts the store elsewhere.
+    tight = {**env, "STOKER_HOME": str(tmp_path / "tight"), "STOKER_SNAPSHOT_BUDGET": "1KiB"}
+    refused = run_cli(tight, "pull", uri, *transfer)
+    assert refused.returncode == 1 and refused.stderr.count("\n") == 1, refused.stderr
+    assert refused.stderr.startswith("stoker: error: ") and "budget" in refused.stderr
+    other = tmp_path / "nvme" / "store"
+    placed = cli_json(elsewhere, "pull", uri, *transfer, "--store", str(other))
+    assert Path(placed["path"]).parent == other and SnapshotStore(other).verify(snapshot.id) == []
+
 
 async def test_push_parts_manifest_last_then_nothing_twice(
     env: dict[str, str], store: SnapshotStore, snapshot: SnapshotRecord, proxy: Proxy, bucket: str
