@@ -110,7 +110,7 @@ def pid_alive(pid: int) -> bool:
     # A zombie still answers kill(0); it is gone as far as serving goes.
     try:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # gone between the open and the read: ESRCH
         return False
 
 

@@ -16,7 +16,7 @@ def pid_gone(pid: int) -> bool:
         return True
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # gone between the open and the read: ESRCH
         return True
     return stat[stat.rindex(")") + 2] == "Z"
 
