@@ -13,6 +13,7 @@ import ctypes
 import json
 import os
 import platform
+import re
 import shlex
 import signal
 import socket
@@ -131,6 +132,34 @@ def fmt_s(x: float | None) -> str:
 
 def fmt_x(x: float | None, digits: int = 2) -> str:
     return "–" if x is None else f"{x:.{digits}f}×"
+
+
+# ---- the disk ----------------------------------------------------------------------------------------
+
+
+def drop_page_cache(path: Path) -> str:
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return "drop_caches"
+    except OSError:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        return "fadvise_dontneed"
+
+
+def dd_read(path: Path) -> dict[str, float]:
+    t0 = time.perf_counter()
+    out = subprocess.run(
+        ["dd", f"if={path}", "of=/dev/null", "bs=16M"], capture_output=True, text=True, check=True
+    )
+    wall = time.perf_counter() - t0
+    m = re.search(r"(\d+) bytes .* copied, ([\d.e+-]+) s", out.stderr)
+    nbytes, seconds = (int(m.group(1)), float(m.group(2))) if m else (path.stat().st_size, wall)
+    return {"seconds": seconds, "wall_s": wall, "bytes": nbytes}
 
 
 # ---- the machine -------------------------------------------------------------------------------------

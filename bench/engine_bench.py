@@ -49,6 +49,8 @@ from common import (
     REPO,
     Processes,
     _interrupt,
+    dd_read,
+    drop_page_cache,
     fmt_s,
     fmt_x,
     free_port,
@@ -177,31 +179,6 @@ def cached_bytes(path: Path) -> int | None:
         text=True,
     )
     return int(out.stdout.split()[0]) if out.returncode == 0 and out.stdout.strip() else None
-
-
-def drop_page_cache(path: Path) -> str:
-    os.sync()
-    try:
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return "drop_caches"
-    except OSError:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-        return "fadvise_dontneed"
-
-
-def dd_read(path: Path) -> dict[str, float]:
-    t0 = time.perf_counter()
-    out = subprocess.run(
-        ["dd", f"if={path}", "of=/dev/null", "bs=16M"], capture_output=True, text=True, check=True
-    )
-    wall = time.perf_counter() - t0
-    m = re.search(r"(\d+) bytes .* copied, ([\d.e+-]+) s", out.stderr)
-    nbytes, seconds = (int(m.group(1)), float(m.group(2))) if m else (path.stat().st_size, wall)
-    return {"seconds": seconds, "wall_s": wall, "bytes": nbytes}
 
 
 # ---- the engine --------------------------------------------------------------------------------------

@@ -39,6 +39,8 @@ from common import (
     HOST,
     REPO,
     Processes,
+    dd_read,
+    drop_page_cache,
     fmt_s,
     fmt_x,
     free_port,
@@ -242,17 +244,6 @@ print(json.dumps({"load_s": t1 - t0, "touch_s": t2 - t1, "path": how}), flush=Tr
 """
 
 
-def drop_caches() -> None:
-    os.sync()
-    Path("/proc/sys/vm/drop_caches").write_text("3\n")
-
-
-def dd(path: Path) -> float:
-    t0 = time.perf_counter()
-    subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=16M"], capture_output=True, check=True)
-    return time.perf_counter() - t0
-
-
 def timed_load(procs: Processes, snapshot: Path, cold: bool) -> dict:
     child = procs.spawn(
         [sys.executable, "-c", LOAD_CHILD, str(snapshot), str(THREADS)],
@@ -264,7 +255,7 @@ def timed_load(procs: Processes, snapshot: Path, cold: bool) -> dict:
         if child.stdout.readline().strip() != "ready":
             raise RuntimeError("load child failed to start")
         if cold:
-            drop_caches()
+            drop_page_cache(snapshot / "model.safetensors")
         child.stdin.write("go\n")
         child.stdin.flush()
         out = json.loads(child.stdout.readline())
@@ -359,10 +350,10 @@ def main(argv: list[str] | None = None) -> int:
 
         weights = pulled / "model.safetensors"
         loads: dict[str, list] = {"warm": [], "cold": [], "dd_warm": [], "dd_cold": []}
-        dd(weights)
+        dd_read(weights)
         for i in range(args.load_reps):
             steps = [
-                lambda: loads["dd_warm"].append(dd(weights)),
+                lambda: loads["dd_warm"].append(dd_read(weights)["seconds"]),
                 lambda: loads["warm"].append(timed_load(procs, pulled, cold=False)),
             ]
             for step in steps if i % 2 == 0 else steps[::-1]:
@@ -370,8 +361,8 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(args.load_reps):
 
             def cold_dd() -> None:
-                drop_caches()
-                loads["dd_cold"].append(dd(weights))
+                drop_page_cache(weights)
+                loads["dd_cold"].append(dd_read(weights)["seconds"])
 
             steps = [cold_dd, lambda: loads["cold"].append(timed_load(procs, pulled, cold=True))]
             for step in steps if i % 2 == 0 else steps[::-1]:
