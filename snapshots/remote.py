@@ -431,7 +431,10 @@ class _Pull:
             await self._io(self._reconcile)
             await self._io(self._allocate)
             meter = _Meter(self.progress, self.manifest.total_bytes, self.reused)
-            await _all(self._fetch_file(f, meter) for f in self.files)
+            # A file that fails its sha256 does not stop the others: their parts stay for the next pull.
+            corrupt = [bad for bad in await _all(self._fetch_file(f, meter) for f in self.files) if bad]
+            if corrupt:
+                raise corrupt[0]
         finally:
             # Shielded and in a thread: waiting for the pool must neither block the loop nor be cut
             # short by a second cancellation.
@@ -525,7 +528,8 @@ class _Pull:
                         raise  # ENOSPC, EFBIG, EDQUOT: the disk cannot hold it
                     # a filesystem without fallocate: blocks are taken as written instead
 
-    async def _fetch_file(self, f: _File, meter: _Meter) -> None:
+    async def _fetch_file(self, f: _File, meter: _Meter) -> CorruptSnapshot | None:
+        """Fetch what is missing of one file and check its sha256: the mismatch is returned, not raised."""
         done = {p.offset for p in self.kept if p.path == f.entry.path}
         f.done.update((p.offset, p.length) for p in self.kept if p.path == f.entry.path)
         plan = _parts(f.entry.size, self.config.part_size)
@@ -545,10 +549,11 @@ class _Pull:
             raise CorruptSnapshot(f"{f.entry.path}: {f.hashed} of {f.entry.size} bytes were pulled")
         if f.digest.hexdigest() != f.entry.sha256:
             await self._io(self._drop, f)
-            raise CorruptSnapshot(
+            return CorruptSnapshot(
                 f"{f.entry.path}: sha256 of the bytes pulled from {self.where.url(f.entry.path)} does not "
                 "match the manifest; refused (the bucket copy is altered or corrupt)"
             )
+        return None
 
     async def _follow(self, f: _File) -> None:
         """Hash the parts on disk that continue the file's hashed prefix, in order, one follower at a time."""
