@@ -95,10 +95,6 @@ def _store() -> SnapshotStore:
     return SnapshotStore(snapshot_store_dir(), snapshot_budget())
 
 
-def _human_bytes(n: int) -> str:
-    return format_size(n)
-
-
 def _default_name(path: Path) -> str | None:
     stem = path.resolve().name if path.is_dir() else path.stem
     name = re.sub(r"[^A-Za-z0-9._-]+", "-", stem).lstrip("._-")[:128]
@@ -148,7 +144,7 @@ def cmd_import(args: argparse.Namespace) -> int:
         print(f"id:    {record.id}")
         print(f"name:  {', '.join(record.names) or '-'}")
         print(f"path:  {record.path}")
-        print(f"size:  {_human_bytes(record.bytes)} ({record.dtype})")
+        print(f"size:  {format_size(record.bytes)} ({record.dtype})")
     return 0
 
 
@@ -306,7 +302,7 @@ def cmd_warm(args: argparse.Namespace) -> int:
         print(json.dumps(out | {"residency_before": before, "residency_after": after}))
     else:
         print(
-            f"warmed {record.id[:12]}: {_human_bytes(report.bytes)} in {report.seconds:.2f} s "
+            f"warmed {record.id[:12]}: {format_size(report.bytes)} in {report.seconds:.2f} s "
             f"({report.gb_per_s:.2f} GB/s); in the page cache before {before:.0%}, after {after:.0%}"
         )
     return 0
