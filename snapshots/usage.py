@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from snapshots import pins, pulldir
+from snapshots.compile_cache import CompileCaches
 from snapshots.durable import fsync_dir
 from snapshots.errors import SnapshotError, SnapshotNotFound, SnapshotPinned, StoreFull, StoreWriteError
 from snapshots.eviction import Plan, Stored, plan_budget, plan_room
@@ -126,6 +127,7 @@ def observe(store: SnapshotStore) -> list[Stored]:
             used = last_used(store, snapshot_id)
         except SnapshotError:  # unreadable manifest, or removed while we looked
             size, used = _disk_bytes(store.path_of(snapshot_id)), 0.0
+        size += CompileCaches(store.root).bytes_of(snapshot_id)  # its compile caches go with it
         out.append(Stored(snapshot_id, size, used, store.is_pinned(snapshot_id)))
     return out
 
@@ -179,6 +181,9 @@ def _to_trash(store: SnapshotStore, snapshot_id: str) -> Path | None:
     _unlink_pointing_at(store.sources_dir, snapshot_id)
     (store.used_dir / snapshot_id).unlink(missing_ok=True)
     pins.retire(store.pins_dir, snapshot_id)
+    # Its compile caches go with it; deleted now (small next to the weights), or by the next gc.
+    if (caches := CompileCaches(store.root).remove(snapshot_id)) is not None:
+        _rmtree(caches)
     return trash
 
 
@@ -243,7 +248,7 @@ def make_room(store: SnapshotStore, nbytes: int) -> builtins.list[str]:
 class Removed:
     """One thing gc removed (or, in a dry run, would remove)."""
 
-    kind: str  # snapshot | temp | pull | trash | name | source | used | pin
+    kind: str  # snapshot | temp | pull | trash | compile | name | source | used | pin
     path: Path
     bytes: int
     id: str | None = None  # the evicted snapshot's id
@@ -293,6 +298,8 @@ def _hidden_leftovers(store: SnapshotStore, dry_run: bool) -> builtins.list[Remo
     pulls = {m.group(1) for n in names if (m := _PULL.fullmatch(n))}
     for snapshot_id in sorted(pulls):
         out.extend(_stale_pull(store, snapshot_id, dry_run))
+    for path in CompileCaches(store.root).leftovers(set(store.ids())):
+        out.append(Removed("compile", path, _disk_bytes(path)))
     if not dry_run:
         for item in out:
             if item.kind != "pull":  # _stale_pull removes its own, under the pull's lock
