@@ -121,6 +121,9 @@ class Observation:
     startup: TierTimes = TierTimes()  # measured seconds to READY from each tier
     start_tier: Tier = Tier.DISK  # where an instance would come from now (WAKE if one is sleeping)
     snapshot_id: str | None = None  # the deployment's snapshot, for `Decision.warm`
+    can_sleep: bool = True  # False: the engine has no sleep mode (vLLM's CPU build); never WAKE
+    engine_waiting: int = 0  # requests waiting inside the READY instances' engines, summed
+    kv_cache_usage: float | None = None  # their KV caches' mean fill, 0..1; None: none reports one
 
 
 @dataclass(frozen=True)

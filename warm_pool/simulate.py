@@ -7,6 +7,8 @@ at once when a request arrives to find no free slot, as the live pool is poked.
 
 The instance model (`InstanceModel`; two presets, `GPU` the default and `CPU`):
 
+- an engine can sleep unless `can_sleep` is False (vLLM's CPU build has no sleep mode): then the
+  observation says so and no instance is ever put to sleep, whatever a decision asks;
 - a start takes `startup.<tier>` seconds, the tier being where the snapshot is when it begins: page
   cache while any instance of the deployment exists or for `page_cache_ttl_s` after the last one
   stopped or the snapshot was warmed, else local disk (or object storage, until the first start or
@@ -59,6 +61,7 @@ class InstanceModel:
     jitter: float = 0.1
     max_queue: int = 100
     deadline_s: float = 120.0
+    can_sleep: bool = True
 
     def __post_init__(self) -> None:
         for name in ("prefill_tps", "decode_tps", "deadline_s", "page_cache_ttl_s"):
@@ -371,6 +374,7 @@ class Simulation:
             waking=counts["waking"],
             cached_tier=self._cached_tier(),
             snapshot_id=SNAPSHOT_ID,
+            can_sleep=self.model.can_sleep,
         )
         decision, self._state = self.policy.decide(observation, self._state, now)
         self._apply(decision.ready, decision.sleeping, bool(decision.warm))
@@ -408,7 +412,7 @@ class Simulation:
                 surplus -= 1
             going_to_sleep = sum(1 for i in insts if i.leaving == "sleep")
             for inst in sorted(ready, key=lambda i: (i.busy, -i.id))[:surplus]:
-                if len(asleep) + going_to_sleep < want_sleeping:
+                if self.model.can_sleep and len(asleep) + going_to_sleep < want_sleeping:
                     inst.leaving, going_to_sleep = "sleep", going_to_sleep + 1
                 else:
                     inst.leaving = "stop"

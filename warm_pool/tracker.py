@@ -119,11 +119,18 @@ class ObservationTracker:
         waking: int = 0,
         cached_tier: Tier | str = Tier.DISK,
         snapshot_id: str | None = None,
+        can_sleep: bool = True,
+        engine_waiting: int = 0,
+        kv_cache_usage: float | None = None,
     ) -> Observation:
         """The observation at `now`; what it reports as new (arrivals, seconds, gaps) is then cleared.
 
         `cached_tier` is where a fresh process would load the snapshot from (page cache, disk or
-        object storage); a sleeping instance, when there is one, is faster and wins."""
+        object storage); a sleeping instance, when there is one and the engine can sleep, is faster
+        and wins. Without sleep mode there is nothing to wake, whatever `sleeping` says, so the
+        start tier (the predictive policy's lead time) is always a fresh process's.
+        `engine_waiting` and `kv_cache_usage` are the READY engines' own figures
+        (`warm_pool.engine_signals.engine_totals`), passed through."""
         self._advance(now)
         seconds, gaps, arrivals = tuple(self._pending), tuple(self._gaps), self._arrivals
         self._pending.clear()
@@ -143,8 +150,11 @@ class ObservationTracker:
             waking=waking,
             latency_s=self._latency,
             startup=self._startup,
-            start_tier=Tier.WAKE if sleeping > 0 else Tier(cached_tier),
+            start_tier=Tier.WAKE if sleeping > 0 and can_sleep else Tier(cached_tier),
             snapshot_id=snapshot_id,
+            can_sleep=can_sleep,
+            engine_waiting=max(0, engine_waiting),
+            kv_cache_usage=kv_cache_usage,
         )
 
     # ---- per-second samples --------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 | name | what it is | sleeps? |
 |---|---|---|
-| `predictive` (default) | damped Holt forecast at the start-up horizon, Little's law, idle-gap histogram, sleeping tier | yes |
+| `predictive` (default) | damped Holt forecast at the start-up horizon, Little's law, idle-gap histogram, sleeping tier | yes, if the engine can |
 | `kpa` | Knative's KPA: 60 s stable / 6 s panic windows, 200 % panic threshold, 70 % target utilization | no |
 | `keepalive` | every instance kept 600 s after the last second that needed it | no |
 | `histogram` | Shahrad et al.'s hybrid histogram: pre-warm at the 5th, keep until the 99th percentile of idle gaps | no |
@@ -11,7 +11,9 @@
 Each is a pure function `(observation, state, now, config) -> (decision, state)`. `make_policy`
 binds the config with `functools.partial`, wraps the result in `rules.with_rules` and hands back the
 initial state with it; `target_concurrency` and `max` come from the deployment's `ScalingConfig`
-(and kpa's stable window from its `stable_window_s`), anything else from keyword overrides.
+(and kpa's stable window from its `stable_window_s`), anything else from keyword overrides. An
+engine without sleep mode (`Observation.can_sleep` False) gets no SLEEPING from any of them: the
+shared rules see to it (`rules.py`, rule 5), and predictive plans stops and starts instead.
 """
 
 from __future__ import annotations

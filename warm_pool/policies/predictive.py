@@ -52,6 +52,20 @@ Each call:
    window, minus READY now), so the next burst wakes them in a second instead of starting them.
 5. Page cache: while the deployment is active and has no sleeping instance, ask for its snapshot
    to be warmed into the page cache when a new instance would otherwise read disk or object storage.
+6. Without sleep mode (`Observation.can_sleep` False: vLLM's CPU build) every "asleep" above is
+   "stopped", and the way back is a fresh start from the tier the snapshot is in now (page cache,
+   disk, object storage), whose measured start-up time is the lead, never a wake:
+   - the last instance is stopped at the start of a gap and started again at prewarm − start
+     only if that stop lasts at least one start-up time (and `min_sleep_s`): an instance let go
+     for less than a start takes is a flap (the shared rules' down delay, and the ski-rental
+     break-even). Gaps of ~100 s, disk start 28 s: prewarm 90 s, stopped 0–62 s, READY from 90 s
+     until keep_until. Gaps of ~40 s: prewarm 36 s, a stop of 8 s < 28 s: READY throughout;
+   - READY over the window is weighed against stopping for the whole gap at the same rate of one
+     stable window per hit: kpa's rate, whose alternative is also a cold start;
+   - not representative: READY for `fallback_ready_s`, then stopped; idle for
+     `sleep_keepalive_s`: stopped, as with sleep;
+   - stopped between arrivals the policy still asks for the page cache to be warmed: the fastest
+     tier an engine without sleep has.
 
 State is bounded: Holt's two numbers, the 1440-slot profile, the histogram's bins, a running
 peak of at most max + 1 entries and the stable window's per-second samples (60).
@@ -134,7 +148,7 @@ def predictive(
     )
 
     demand = o.in_flight + o.queued
-    sleep_last = False
+    parked = False  # the last instance is asleep (or, without sleep mode, stopped) between arrivals
     if need > 0 or demand > 0:
         ready = max(need, 1)
     elif o.idle_since is None and o.last_arrival is None:
@@ -142,12 +156,15 @@ def predictive(
     else:
         since = o.idle_since if o.idle_since is not None else o.last_arrival
         idle_for = max(0.0, now - since)
-        ready, sleep_last, reason = _last_instance(o, hist, idle_for, c)
+        if o.can_sleep:
+            ready, parked, reason = _last_instance(o, hist, idle_for, c)
+        else:
+            ready, parked, reason = _last_instance_without_sleep(o, hist, idle_for, c)
 
     readies = push_peak(state.readies, now, min(max(ready, present), c.max), c.sleep_keepalive_s)
     recent = peak(readies, now, c.sleep_keepalive_s)
-    stopping = ready == 0 and not sleep_last
-    sleeping = 0 if stopping else max(recent - ready, 1 if sleep_last else 0)
+    stopping = ready == 0 and not parked
+    sleeping = 0 if stopping or not o.can_sleep else max(recent - ready, 1 if parked else 0)
 
     warm: tuple[str, ...] = ()
     slow_start = o.start_tier in (Tier.DISK, Tier.OBJECT_STORAGE)
@@ -194,6 +211,48 @@ def _last_instance(
             f"idle {idle_for:.0f}s: ready until {keep_until:.0f}s (pre-warmed at {max(wake_at, 0):.0f}s)",
         )
     return 0, True, f"idle {idle_for:.0f}s > {keep_until:.0f}s: asleep"
+
+
+def _last_instance_without_sleep(
+    o: Observation, hist: IdleHistogram, idle_for: float, c: PredictiveConfig
+) -> tuple[int, bool, str]:
+    """(READY, stopped between arrivals?, reason) for an idle deployment whose engine cannot sleep:
+    every way back is a start from `o.start_tier` (step 6 of the module docstring)."""
+    if idle_for >= c.sleep_keepalive_s:
+        return 0, False, f"idle {idle_for:.0f}s ≥ {c.sleep_keepalive_s:g}s: stop"
+    windows = hist.windows(c.histogram)
+    if windows is None:
+        keep = c.fallback_ready_s
+        if idle_for < keep:
+            return 1, False, f"histogram not representative ({hist.total:.0f} gaps): ready {keep:.0f}s"
+        return 0, True, f"histogram not representative: stopped after {keep:.0f}s idle (no sleep mode)"
+    prewarm, keep_until = windows
+    lead = o.startup.of(o.start_tier)
+    start_at = prewarm - lead
+    # Stopped first only if the stop outlasts a start; the same test whether or not an instance is
+    # up now, so that stopping one never turns the next call's answer into starting one.
+    stop_first = start_at >= max(c.min_sleep_s, lead)
+    has_instance = o.ready + o.starting + o.waking + o.sleeping > 0
+    if idle_for < start_at and (stop_first or not has_instance):
+        return (
+            0,
+            True,
+            f"idle {idle_for:.0f}s: stopped, started at {start_at:.0f}s ({o.start_tier} {lead:.0f}s)",
+        )
+    per_hit = _ready_per_hit(hist, start_at if stop_first else 0.0, keep_until, c)
+    if per_hit > c.stable_window_s:
+        return (
+            0,
+            True,
+            f"idle {idle_for:.0f}s: stopped (ready until {keep_until:.0f}s: {per_hit:.0f}s per hit)",
+        )
+    if idle_for < keep_until:
+        return (
+            1,
+            False,
+            f"idle {idle_for:.0f}s: ready until {keep_until:.0f}s (started at {max(start_at, 0):.0f}s)",
+        )
+    return 0, True, f"idle {idle_for:.0f}s > {keep_until:.0f}s: stopped"
 
 
 def _ready_per_hit(hist: IdleHistogram, start: float, end: float, c: PredictiveConfig) -> float:
