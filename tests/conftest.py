@@ -29,8 +29,11 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tiny_model(out: Path, *, max_positions: int = 2048, seed: int = 0) -> Path:
-    """Write a tiny random Llama in Hugging Face layout (safetensors) to `out`."""
+def build_tiny_model(
+    out: Path, *, max_positions: int = 2048, seed: int = 0, head_dim: int | None = None
+) -> Path:
+    """Write a tiny random Llama in Hugging Face layout (safetensors) to `out`. `head_dim` defaults to
+    hidden / heads = 16; vLLM's CPU attention needs one of its sizes (32, 64, …)."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -60,6 +63,7 @@ def build_tiny_model(out: Path, *, max_positions: int = 2048, seed: int = 0) -> 
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
+        head_dim=head_dim or 16,
         max_position_embeddings=max_positions,
         bos_token_id=fast.bos_token_id,
         eos_token_id=fast.eos_token_id,

@@ -5,7 +5,8 @@
     ├── InvalidConfig          a setting out of range; also a ValueError, `field` names the setting
     │   └── InvalidScalingConfig   a ScalingConfig field (min_warm, max, target_concurrency, ...)
     ├── StartFailed            an engine process exited, or was not ready in time; message has its log tail
-    └── NoGpuAvailable         the GPU inventory cannot give an instance the GPUs it needs
+    ├── NoGpuAvailable         the GPU inventory cannot give an instance the GPUs it needs
+    └── EngineUnavailable      the engine a deployment asks for cannot run here (no vLLM, no GPU, ...)
 
 Process and HTTP errors (OSError, aiohttp's) are translated into these where they enter the pool.
 """
@@ -47,3 +48,7 @@ class StartFailed(PoolError):
 
 class NoGpuAvailable(PoolError):
     """Fewer free GPUs than an instance needs."""
+
+
+class EngineUnavailable(PoolError):
+    """The engine cannot run on this machine; the message is one line that says why."""

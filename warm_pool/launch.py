@@ -1,8 +1,8 @@
 """Engine launch specs (what command starts an instance) and the GPU inventory that feeds vLLM's.
 
 A `LaunchSpec` is plain data: the backend runs it, tests compare it. The CPU engine is
-`stoker engine`; on GPUs it is `vllm serve` with sleep mode, `CUDA_VISIBLE_DEVICES` naming the GPUs
-the inventory handed this instance.
+`stoker engine`; vLLM is `vllm serve`: on GPUs with sleep mode and `CUDA_VISIBLE_DEVICES` naming the
+GPUs the inventory handed this instance, on a CPU (vLLM's CPU build) without either.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ class LaunchSpec:
     argv: tuple[str, ...]
     env: Mapping[str, str] = field(default_factory=dict)  # additions to the parent's environment
     health_path: str = "/health"
+    cwd: Path | None = None  # None: the platform's own
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "argv", tuple(self.argv))
@@ -65,22 +66,46 @@ def vllm_spec(
     gpus: Sequence[int],
     *,
     host: str = "127.0.0.1",
+    dtype: str = "auto",
+    max_model_len: int | None = None,
+    sleep_mode: bool = True,
+    cache_root: Path | None = None,
+    cpu_kv_cache_gib: float = 1.0,
     extra_args: Sequence[str] = (),
-    vllm_executable: str = "vllm",
+    vllm_command: Sequence[str] = ("vllm",),
 ) -> LaunchSpec:
-    if not gpus:
-        raise ValueError("vllm_spec needs at least one GPU")
-    argv = [vllm_executable, "serve", str(snapshot_dir), "--host", host, "--port", str(port)]
-    argv += ["--served-model-name", served_name, "--enable-sleep-mode"]
-    if len(gpus) > 1:
-        argv += ["--tensor-parallel-size", str(len(gpus))]
-    env = {
-        **_UNBUFFERED,
-        "CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in gpus),
-        # vLLM serves /sleep, /wake_up and /is_sleeping only in its dev mode; the pool needs them.
-        "VLLM_SERVER_DEV_MODE": "1",
-    }
-    return LaunchSpec(tuple([*argv, *extra_args]), env=env)
+    """`vllm serve` on a snapshot. With GPUs: `CUDA_VISIBLE_DEVICES`, tensor parallel over them, and
+    sleep mode (served only in vLLM's dev mode). Without (vLLM's CPU build): a KV cache of
+    `cpu_kv_cache_gib` in host memory, and no sleep mode, which the CPU build refuses.
+
+    The model is named relative to the store (the process starts in the snapshot's parent dir):
+    vLLM hashes the model's path into its compile cache key, and `<snapshot id>` is the same on
+    every node, where `/var/lib/…/<snapshot id>` need not be. A cache built on one node then loads
+    on another."""
+    argv = [*vllm_command, "serve", snapshot_dir.name, "--host", host, "--port", str(port)]
+    argv += ["--served-model-name", served_name, "--dtype", dtype]
+    if max_model_len is not None:
+        argv += ["--max-model-len", str(max_model_len)]
+    env = dict(_UNBUFFERED)
+    if gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
+        if len(gpus) > 1:
+            argv += ["--tensor-parallel-size", str(len(gpus))]
+    else:
+        env["VLLM_CPU_KVCACHE_SPACE"] = f"{cpu_kv_cache_gib:g}"
+    if sleep_mode:
+        if not gpus:
+            raise ValueError("vLLM's sleep mode needs a GPU")
+        argv.append("--enable-sleep-mode")
+        # vLLM serves /sleep, /wake_up and /server_info only in its dev mode; the pool needs them.
+        env["VLLM_SERVER_DEV_MODE"] = "1"
+    if cache_root is not None:
+        # Where vLLM keeps its torch.compile artifacts: a directory of the snapshot store, keyed by
+        # snapshot, vLLM version and the arguments that change compilation (snapshots.compile_cache).
+        env["VLLM_CACHE_ROOT"] = str(cache_root)
+        # Inductor's own cache too (by default /tmp/torchinductor_<user>, shared and not kept).
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(cache_root / "inductor")
+    return LaunchSpec(tuple([*argv, *extra_args]), env=env, cwd=snapshot_dir.parent)
 
 
 class GpuInventory:

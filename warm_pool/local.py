@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -27,9 +28,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from warm_pool.errors import PoolError, StartFailed
 from warm_pool.launch import LaunchSpec
+from warm_pool.vllm import startup_phases
 
 STARTUP_PHASE_METRIC = "stoker_engine_startup_phase_seconds"
 _LOG_TAIL_LINES = 5
+_LOG_PHASE_BYTES = 1 << 20  # vLLM logs a few hundred lines while it starts; its phases are in them
+_MAX_INFO_BYTES = 1 << 20  # vLLM's /server_info holds its whole config and environment: ~20 KB
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,46 @@ def read_start_ticks(pid: int) -> int | None:
     return int(fields[19])
 
 
+@dataclass(frozen=True)
+class EngineCapabilities:
+    """What an engine said it can do. An engine that said nothing can do nothing optional."""
+
+    sleep_levels: tuple[int, ...] = ()
+
+    @property
+    def can_sleep(self) -> bool:
+        return 1 in self.sleep_levels
+
+    @classmethod
+    def parse(cls, body: bytes) -> EngineCapabilities:
+        try:
+            doc = json.loads(body)
+        except (ValueError, UnicodeDecodeError):
+            return cls()
+        if not isinstance(doc, dict):
+            return cls()
+        levels = doc.get("sleep_levels")
+        if isinstance(levels, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in levels):
+            return cls(tuple(sorted(set(levels))))
+        config = doc.get("vllm_config")
+        model = config.get("model_config") if isinstance(config, dict) else None
+        if isinstance(model, dict) and model.get("enable_sleep_mode") is True:
+            return cls((1, 2))  # vLLM's sleep mode: level 1 offloads weights to host, level 2 drops them
+        return cls()
+
+
+def _phases_from_log(path: Path) -> dict[str, float]:
+    """vLLM's start phases from the tail of its log (the last start in it, if it was restarted)."""
+    try:
+        with path.open("rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - _LOG_PHASE_BYTES))
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return {}
+    return startup_phases(text)
+
+
 def log_tail(path: Path, lines: int = _LOG_TAIL_LINES) -> str:
     """The last non-empty lines of a log, joined by " | " to keep messages on one line."""
     try:
@@ -103,6 +147,7 @@ class LocalBackend:
                 stdout=log,
                 stderr=asyncio.subprocess.STDOUT,
                 start_new_session=True,
+                cwd=spec.cwd,
             )
         ticks = read_start_ticks(process.pid)
         # start_new_session makes the child a session and group leader: its pgid is its pid.
@@ -199,9 +244,37 @@ class LocalBackend:
         """Wake the engine at `url`: weights back, ready for requests when this returns."""
         await _post(url, "/wake_up", timeout_s)
 
-    async def read_startup_phases(self, url: str) -> dict[str, float]:
-        """`{phase: seconds}` from the engine's `stoker_engine_startup_phase_seconds`; `{}` if the
-        engine has no such metric (vLLM) or cannot be read: these numbers are informative only."""
+    async def read_startup_phases(self, url: str, instance_id: str | None = None) -> dict[str, float]:
+        """`{phase: seconds}` from the engine's `stoker_engine_startup_phase_seconds`, else (vLLM)
+        from the phases vLLM logged (`warm_pool.vllm.startup_phases`); `{}` if neither can be read:
+        these numbers are informative only."""
+        phases = await self._phases_from_metrics(url)
+        if not phases and instance_id is not None:
+            phases = await asyncio.to_thread(_phases_from_log, self.log_path(instance_id))
+        return phases
+
+    async def read_capabilities(self, url: str) -> EngineCapabilities:
+        """What the engine at `url` says it can do (`GET /server_info?config_format=json`): the CPU
+        engine lists its sleep levels; vLLM reports its config, whose `enable_sleep_mode` means levels
+        1 and 2. An engine without that route (vLLM outside dev mode, where /sleep is not served
+        either) cannot be put to sleep."""
+        try:
+            async with (
+                aiohttp.ClientSession() as session,
+                session.get(
+                    url + "/server_info",
+                    params={"config_format": "json"},
+                    timeout=aiohttp.ClientTimeout(total=10),
+                ) as r,
+            ):
+                if r.status != 200:
+                    return EngineCapabilities()
+                body = await r.content.read(_MAX_INFO_BYTES + 1)
+        except (aiohttp.ClientError, TimeoutError):
+            return EngineCapabilities()
+        return EngineCapabilities.parse(body[:_MAX_INFO_BYTES] if len(body) <= _MAX_INFO_BYTES else b"")
+
+    async def _phases_from_metrics(self, url: str) -> dict[str, float]:
         try:
             async with (
                 aiohttp.ClientSession() as session,

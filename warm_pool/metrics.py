@@ -19,7 +19,14 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from warm_pool.states import InstanceState
 
-COLD_START_PHASES = ("snapshot_local", "process_start", "model_load", "total_to_ready")
+COLD_START_PHASES = (
+    "snapshot_local",
+    "process_start",
+    "model_load",
+    "engine_init",
+    "compile",
+    "total_to_ready",
+)
 COLD_START_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 START_OUTCOMES = ("ready", "failed")
 TIERS = ("wake", "page_cache", "disk", "object_storage")  # warm_pool.policy.Tier's values
@@ -31,20 +38,32 @@ def split_cold_start(
 ) -> dict[str, float]:
     """Cold-start phases from what the pool timed and what the engine reported.
 
-    model_load is the engine's weight_load + warm_up; process_start is the rest of spawn→ready
-    (interpreter, imports, binding the port, the health poll's granularity). E.g. snapshot 0.2 s,
-    spawn→ready 9.0 s, engine weight_load 2.5 s + warm_up 0.5 s → process_start 6.0, model_load 3.0,
-    total_to_ready 9.2. Without engine phases (vLLM) all of spawn→ready counts as model_load.
+    The CPU engine reports weight_load and warm_up: model_load is their sum, process_start the rest
+    of spawn→ready (interpreter, imports, binding the port, the health poll's granularity). E.g.
+    snapshot 0.2 s, spawn→ready 9.0 s, weight_load 2.5 s + warm_up 0.5 s → process_start 6.0,
+    model_load 3.0, total_to_ready 9.2.
+
+    vLLM's log gives weights, engine_init (profiling, KV cache, warm-up, torch.compile) and compile
+    (part of engine_init): model_load is weights, and engine_init and compile are phases of their
+    own; process_start is what is left (imports, engine core and worker processes, the API server).
+    E.g. spawn→ready 93 s, weights 1.7, engine_init 60.8 of which compile 54 → process_start 30.5.
+    Without engine phases all of spawn→ready counts as model_load.
     """
+    extra: dict[str, float] = {}
     if "weight_load" in engine_phases:
         model_load = engine_phases["weight_load"] + engine_phases.get("warm_up", 0.0)
-        model_load = min(model_load, spawn_to_ready_s)
+    elif "weights" in engine_phases:
+        model_load = engine_phases["weights"]
+        extra = {k: engine_phases[k] for k in ("engine_init", "compile") if k in engine_phases}
     else:
         model_load = spawn_to_ready_s
+    model_load = min(model_load, spawn_to_ready_s)
+    rest = max(0.0, spawn_to_ready_s - model_load - extra.get("engine_init", 0.0))
     return {
         "snapshot_local": snapshot_local_s,
-        "process_start": spawn_to_ready_s - model_load,
+        "process_start": rest,
         "model_load": model_load,
+        **extra,
         "total_to_ready": snapshot_local_s + spawn_to_ready_s,
     }
 
@@ -65,7 +84,7 @@ class PoolMetrics:
         )
         self.cold_start = Histogram(
             "stoker_cold_start_seconds",
-            "Instance start time by phase: snapshot_local, process_start, model_load, total_to_ready.",
+            "Instance start time by phase: snapshot_local, process_start, model_load, engine_init and compile (vLLM), total_to_ready.",
             ["deployment", "phase"],
             buckets=COLD_START_BUCKETS,
             registry=registry,

@@ -36,12 +36,16 @@ from typing import NamedTuple, Protocol
 
 from cachetools import LRUCache
 
-from snapshots import SnapshotError, WarmReport, pagecache
+from snapshots import SnapshotError, WarmReport, compile_remote, pagecache
+from snapshots.compile_cache import CompileCaches, CompileKey
+from snapshots.errors import StoreWriteError
 from snapshots.pins import Pin
+from snapshots.s3 import RemoteConfig
 from warm_pool.backoff import restart_delay
+from warm_pool.engine_signals import EngineScraper, EngineTotals, engine_totals
 from warm_pool.errors import PoolError, StartFailed
 from warm_pool.launch import GpuInventory, LaunchSpec, cpu_engine_spec, vllm_spec
-from warm_pool.local import ProcessHandle, free_port
+from warm_pool.local import EngineCapabilities, ProcessHandle, free_port
 from warm_pool.metrics import PoolMetrics, split_cold_start
 from warm_pool.policies import DEFAULT_POLICY
 from warm_pool.policy import Decision, ScalingConfig, Tier
@@ -50,6 +54,7 @@ from warm_pool.records import InstanceRecord, InstanceRecords
 from warm_pool.snapshot import SnapshotSource
 from warm_pool.states import Instance, InstanceState, new_instance_id
 from warm_pool.tracker import ObservationTracker
+from warm_pool.vllm import VllmLaunch, snapshot_shape
 
 log = logging.getLogger("stoker.pool")
 
@@ -88,7 +93,9 @@ class Backend(Protocol):
 
     async def stop(self, handle: ProcessHandle, term_timeout_s: float) -> int | None: ...
 
-    async def read_startup_phases(self, url: str) -> dict[str, float]: ...
+    async def read_startup_phases(self, url: str, instance_id: str | None = None) -> dict[str, float]: ...
+
+    async def read_capabilities(self, url: str) -> EngineCapabilities: ...
 
     async def sleep(self, url: str, level: int, timeout_s: float) -> None: ...
 
@@ -108,6 +115,27 @@ class PoolSpec:
     kill_timeout_s: float = 10.0  # after SIGTERM, before SIGKILL
     host: str = "127.0.0.1"
     threads: int | None = None
+    vllm: VllmLaunch | None = None  # how this machine runs vLLM (engine "vllm" only)
+
+
+@dataclass(frozen=True)
+class _CompileUse:
+    """One vLLM instance's working copy of its snapshot's compile cache (its VLLM_CACHE_ROOT)."""
+
+    caches: CompileCaches
+    key: CompileKey
+    work: Path
+    hit: bool  # seeded from a kept cache
+
+
+def _read_json(path: Path) -> dict:
+    import json
+
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise StartFailed(f"cannot read {path.name} of the snapshot: {exc}") from None
+    return doc if isinstance(doc, dict) else {}
 
 
 class Phase(StrEnum):
@@ -160,6 +188,7 @@ class Pool:
         self._instances: dict[str, Instance] = {}
         self._handles: dict[str, ProcessHandle] = {}
         self._pins: dict[str, Pin] = {}  # each instance's hold on its snapshot files
+        self._compile: dict[str, _CompileUse] = {}  # vLLM instances' compile cache copies
         self._phases: dict[str, Phase] = {}  # instances in the middle of a sleep or a wake
         # Where each instance's latest READY came from, for counting cold starts by tier. Bounded:
         # a request can only outlive its instance by the grace period, so 256 is plenty.
@@ -176,6 +205,12 @@ class Pool:
         self._warming: asyncio.Future[WarmReport] | None = None  # the snapshot's page-cache warm in flight
         self._warm_asked_at = -WARM_EVERY_S
         self._tier_seen: tuple[float, Tier] | None = None  # (when, tier) of the last measurement
+        # False once an engine reports no sleep levels (vLLM's CPU build): then nothing is put to sleep.
+        self.can_sleep: bool = True
+        # The READY engines' own queue and KV-cache figures, for the rules' saturation rule: read in
+        # the background (`_engine_totals`), each engine at most every 5 s of this pool's clock.
+        self._engines = EngineScraper(clock)
+        self._scrape: asyncio.Task | None = None
 
     # ---- the activator's InstanceSource -------------------------------------------------------------
 
@@ -265,15 +300,19 @@ class Pool:
         """Stop the loop and every instance, sleeping ones too: draining (grace period) or at once."""
         self._closing = True
         self._wake.set()
-        for task in [*self._launches.values(), *self._ops.values(), *self._background]:
+        scrape = [self._scrape] if self._scrape is not None else []
+        for task in [*self._launches.values(), *self._ops.values(), *self._background, *scrape]:
             task.cancel()
         await asyncio.gather(
             *self._launches.values(),
             *self._ops.values(),
             *self._background,
             *self._stops.values(),
+            *scrape,
             return_exceptions=True,
         )
+        self._scrape = None
+        await self._engines.aclose()
         self._phases.clear()
         grace = self.spec.grace_period_s if drain else 0.0
         await asyncio.gather(
@@ -291,6 +330,7 @@ class Pool:
         self._reap_dead(now)
         load = self._demand.load()
         census = self._census()
+        engines = self._engine_totals(census.routing)
         observation = self._tracker.observe(
             now,
             in_flight=load.in_flight,
@@ -301,6 +341,9 @@ class Pool:
             waking=len(census.waking),
             cached_tier=self._snapshot_tier(now),
             snapshot_id=self.spec.snapshot.snapshot_id,
+            can_sleep=self.can_sleep,
+            engine_waiting=engines.waiting,
+            kv_cache_usage=engines.kv_cache_usage,
         )
         decision, self._policy_state = self._bound.decide(observation, self._policy_state, now)
         if log.isEnabledFor(logging.DEBUG):
@@ -311,6 +354,22 @@ class Pool:
         if self.spec.snapshot.snapshot_id in decision.warm:
             self._warm_in_background(now)
         self._account(now)
+
+    def _engine_totals(self, routing: list[Instance]) -> EngineTotals:
+        """The READY engines' latest figures; starts a scrape of those due if none is in flight. The
+        tick never waits for it: what it reads shows at the next tick, a second later."""
+        targets = {inst.id: inst.url for inst in routing}
+        self._engines.retain(targets)
+        if (task := self._scrape) is not None and task.done():
+            self._scrape = None
+            # An engine's fault is never raised (that engine just has no figures): this is a bug.
+            if not task.cancelled() and (exc := task.exception()) is not None:
+                log.error("pool %s: engine scrape failed: %r", self.spec.deployment, exc)
+        if self._scrape is None and self._engines.due(targets):
+            self._scrape = asyncio.create_task(
+                self._engines.scrape(targets), name=f"scrape-{self.spec.deployment}"
+            )
+        return engine_totals(self._engines.latest.values())
 
     def _census(self) -> Census:
         c = Census([], [], [], [], [], [])
@@ -354,7 +413,8 @@ class Pool:
                 surplus -= 1
             sleepers = c.sleeping
             for inst in sorted(c.routing, key=lambda i: (outstanding.get(i.id, 0), -i.created_at))[:surplus]:
-                if sleepers < decision.sleeping:
+                # can_sleep: the rules ask no sleep of an engine without sleep mode; this holds even if not.
+                if self.can_sleep and sleepers < decision.sleeping:
                     self._begin_sleep(inst)
                     sleepers += 1
                 else:
@@ -442,7 +502,7 @@ class Pool:
                     snapshot_s,
                 )
             inst.port = free_port(spec.host)
-            launch = self._launch_spec(inst, snapshot_dir)
+            launch = await self._launch_spec(inst, snapshot_dir)
             self._move(inst, S.STARTING, clock())
             handle = await self._backend.start(inst.id, launch)
             self._handles[inst.id], inst.pid = handle, handle.pid
@@ -463,8 +523,10 @@ class Pool:
                 handle, inst.url, spec.start_timeout_s, health_path=launch.health_path
             )
             t2 = clock()
-            phases = await self._backend.read_startup_phases(inst.url)
-        except (StartFailed, PoolError, OSError) as exc:
+            phases = await self._backend.read_startup_phases(inst.url, inst.id)
+            await self._learn_capabilities(inst)
+            await self._keep_compile_cache(inst)
+        except (StartFailed, PoolError, OSError, SnapshotError) as exc:
             log.error("instance %s failed to start: %s", inst.id, exc)
             self._metrics.start_finished(spec.deployment, "failed")
             self._move(inst, S.FAILED, clock())
@@ -489,11 +551,10 @@ class Pool:
         self._metrics.observe_startup(self.spec.deployment, tier.value, now - asked_at)
         self._demand.capacity_changed()
 
-    def _launch_spec(self, inst: Instance, snapshot_dir: Path) -> LaunchSpec:
+    async def _launch_spec(self, inst: Instance, snapshot_dir: Path) -> LaunchSpec:
         spec = self.spec
         if spec.engine == "vllm":
-            gpus = self._gpus.acquire(1, inst.id)
-            return vllm_spec(snapshot_dir, inst.port, spec.deployment, gpus, host=spec.host)
+            return await self._vllm_spec(inst, snapshot_dir)
         extra = (
             "--max-num-seqs",
             str(spec.instance_concurrency),
@@ -503,6 +564,87 @@ class Pool:
         return cpu_engine_spec(
             snapshot_dir, inst.port, spec.deployment, host=spec.host, threads=spec.threads, extra_args=extra
         )
+
+    async def _vllm_spec(self, inst: Instance, snapshot_dir: Path) -> LaunchSpec:
+        """vLLM on the snapshot, with what the snapshot says (dtype, context length) and a copy of the
+        snapshot's compile cache for this vLLM and these arguments, if one was kept."""
+        spec, vllm = self.spec, self.spec.vllm
+        if vllm is None:
+            raise StartFailed(f"deployment {spec.deployment}: no vLLM on this machine")
+        gpus = [] if vllm.runtime.cpu_build else self._gpus.acquire(1, inst.id)
+        snapshot = spec.snapshot.store.manifest(spec.snapshot.snapshot_id)
+        shape = snapshot_shape(
+            snapshot.dtype, await asyncio.to_thread(_read_json, snapshot_dir / "config.json")
+        )
+        max_len = None if vllm.sets("--max-model-len") else shape.max_model_len
+        key = CompileKey.of(
+            spec.snapshot.snapshot_id,
+            "vllm",
+            vllm.runtime.version,
+            {
+                "dtype": shape.dtype,
+                "max_model_len": str(max_len),
+                "gpus": str(len(gpus)),
+                "args": " ".join(vllm.args),
+            },
+        )
+        caches = CompileCaches(spec.snapshot.store.root)
+        work, hit = await asyncio.to_thread(caches.checkout, key)
+        self._compile[inst.id] = _CompileUse(caches, key, work, hit)
+        return vllm_spec(
+            snapshot_dir,
+            inst.port,
+            spec.deployment,
+            gpus,
+            host=spec.host,
+            dtype=shape.dtype,
+            max_model_len=max_len,
+            sleep_mode=not vllm.runtime.cpu_build,
+            cache_root=work,
+            cpu_kv_cache_gib=vllm.cpu_kv_cache_gib,
+            extra_args=vllm.args,
+            vllm_command=vllm.runtime.command,
+        )
+
+    async def _learn_capabilities(self, inst: Instance) -> None:
+        """What the engine says it can do decides the tiers the policy gets: an engine without sleep
+        (vLLM's CPU build) is never put to sleep; its idle instances stop instead."""
+        caps = await self._backend.read_capabilities(inst.url)
+        if self.can_sleep != caps.can_sleep:
+            log.info(
+                "pool %s: engine sleep levels %s: %s",
+                self.spec.deployment,
+                list(caps.sleep_levels) or "none",
+                "idle instances sleep" if caps.can_sleep else "idle instances stop instead of sleeping",
+            )
+        self.can_sleep = caps.can_sleep
+
+    async def _keep_compile_cache(self, inst: Instance) -> None:
+        """A READY vLLM has compiled (or loaded) what it needs: keep its cache for the next start,
+        unless one is kept already. A failure to keep it costs the next start time, nothing else."""
+        use = self._compile.get(inst.id)
+        if use is None or use.hit:
+            return
+        try:
+            if not await asyncio.to_thread(use.caches.commit, use.key, use.work):
+                return
+        except StoreWriteError as exc:
+            log.warning("instance %s: compile cache not kept: %s", inst.id, exc)
+            return
+        log.info("instance %s: compile cache %s kept", inst.id, use.key.digest[:12])
+        if (remote := self.spec.snapshot.remote) is not None:  # other nodes pull it with the snapshot
+            task = asyncio.create_task(self._upload_compile_cache(use, remote), name=f"upload-{inst.id}")
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _upload_compile_cache(self, use: _CompileUse, remote: str) -> None:
+        config = self.spec.snapshot.remote_config or RemoteConfig.from_env()
+        try:
+            sent = await compile_remote.upload(use.caches, use.key.snapshot_id, remote, config)
+        except SnapshotError as exc:
+            log.warning("pool %s: compile cache not pushed to %s: %s", self.spec.deployment, remote, exc)
+            return
+        log.info("pool %s: %d compile cache(s) pushed to %s", self.spec.deployment, sent.pushed, remote)
 
     def _begin_sleep(self, inst: Instance) -> None:
         self._phases[inst.id] = Phase.TO_SLEEP
@@ -578,6 +720,8 @@ class Pool:
             await asyncio.shield(self._backend.stop(handle, term))
         self._records.remove(inst.id)
         self._gpus.release(inst.id)
+        if (use := self._compile.pop(inst.id, None)) is not None:
+            await asyncio.to_thread(use.caches.discard, use.work)
         if (pin := self._pins.pop(inst.id, None)) is not None:
             pin.release()
         if to is not None and inst.state != to:

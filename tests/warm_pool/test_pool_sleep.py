@@ -19,7 +19,7 @@ from snapshots import SnapshotStore, import_hf_dir
 from tests.activator.conftest import eventually
 from warm_pool.errors import PoolError
 from warm_pool.launch import LaunchSpec
-from warm_pool.local import ProcessHandle
+from warm_pool.local import EngineCapabilities, ProcessHandle
 from warm_pool.metrics import PoolMetrics
 from warm_pool.policy import ScalingConfig
 from warm_pool.pool import Pool, PoolSpec
@@ -35,6 +35,7 @@ class MemoryBackend:
     alive: set[ProcessHandle] = field(default_factory=set)
     calls: list[tuple[str, str]] = field(default_factory=list)  # (action, url)
     fail: set[str] = field(default_factory=set)  # "sleep", "wake"
+    sleep_levels: tuple[int, ...] = (1, 2)  # what its engines say they can do
     pids: itertools.count = field(default_factory=lambda: itertools.count(1000))
 
     async def start(self, instance_id: str, spec: LaunchSpec) -> ProcessHandle:
@@ -53,8 +54,11 @@ class MemoryBackend:
         self.alive.discard(handle)
         return 0
 
-    async def read_startup_phases(self, url: str) -> dict[str, float]:
+    async def read_startup_phases(self, url: str, instance_id: str | None = None) -> dict[str, float]:
         return {}
+
+    async def read_capabilities(self, url: str) -> EngineCapabilities:
+        return EngineCapabilities(self.sleep_levels)
 
     async def sleep(self, url: str, level: int, timeout_s: float) -> None:
         await self._call("sleep", url)
@@ -161,6 +165,18 @@ async def test_an_idle_instance_sleeps_and_wakes_on_demand(rig: Rig) -> None:
     assert rig.sample("stoker_instance_startup_seconds_count", tier="wake") == 1
     assert rig.sample("stoker_instance_starts_total", outcome="ready") == 1
     assert rig.sample("stoker_instance_seconds_total", state="SLEEPING") == pytest.approx(15.0)
+
+
+async def test_an_engine_without_sleep_is_stopped_when_idle_never_put_to_sleep(rig: Rig) -> None:
+    rig.backend.sleep_levels = ()  # as vLLM's CPU build answers
+    first = await rig.serve_one(0.0)
+    assert rig.pool.can_sleep is False  # learned from the engine at READY
+    await rig.tick(5.0)
+    await eventually(lambda: not any(rig.pool.counts().values()))  # drained and stopped
+    assert [action for action, _ in rig.backend.calls] == []  # no sleep was ever asked
+    assert rig.pool.last_decision.sleeping == 0
+    assert await rig.serve_one(20.0) != first  # a fresh start, not a wake
+    assert rig.sample("stoker_cold_start_requests_total", tier="wake") == 0
 
 
 async def test_a_failed_sleep_fails_the_instance_and_the_next_request_starts_another(rig: Rig) -> None:

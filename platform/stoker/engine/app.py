@@ -27,6 +27,10 @@ from stoker.openai_errors import APIError, error_response, invalid
 
 log = logging.getLogger("stoker.engine")
 
+# Level 1 frees the weights (on a GPU: to pinned host memory); level 2 also drops them from the page
+# cache. vLLM numbers its levels the same way.
+SLEEP_LEVELS = (1, 2)
+
 SSE_HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
     (b"cache-control", b"no-cache"),
@@ -155,7 +159,7 @@ def build_app(
 
     async def sleep(request: Request) -> Response:
         raw = request.query_params.get("level", "1")
-        if raw not in ("1", "2"):
+        if raw not in {str(level) for level in SLEEP_LEVELS}:
             return error_response(invalid(f"'level' must be 1 or 2, got {raw!r}.", param="level"))
         try:
             await engine.sleep(int(raw))
@@ -174,6 +178,11 @@ def build_app(
     async def is_sleeping(request: Request) -> Response:
         return JSONResponse({"is_sleeping": engine.state == "sleeping"})
 
+    async def server_info(request: Request) -> Response:
+        # What the pool asks every engine at READY (vLLM answers the same route with its config):
+        # the sleep levels this engine serves, so the policy only plans tiers that exist.
+        return JSONResponse({"engine": "stoker", "sleep_levels": list(SLEEP_LEVELS)})
+
     routes = [
         Route("/v1/chat/completions", CompletionsEndpoint(engine, "chat", max_body_bytes), methods=["POST"]),
         Route("/v1/completions", CompletionsEndpoint(engine, "completion", max_body_bytes), methods=["POST"]),
@@ -183,6 +192,7 @@ def build_app(
         Route("/sleep", sleep, methods=["POST"]),
         Route("/wake_up", wake_up, methods=["POST"]),
         Route("/is_sleeping", is_sleeping, methods=["GET"]),
+        Route("/server_info", server_info, methods=["GET"]),
     ]
 
     @contextlib.asynccontextmanager

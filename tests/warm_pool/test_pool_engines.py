@@ -1,0 +1,165 @@
+"""The pool and its engines' capabilities and figures, on a fake clock: an engine without sleep mode
+is never put to sleep, and the READY engines' own /metrics, read over real HTTP on loopback, reach
+the decision. The real `Pool`, policy and scraper; the in-memory `Backend` and `Demand` of
+test_pool_sleep, whose engines here also serve /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+
+from snapshots import SnapshotStore, import_hf_dir
+from tests.activator.conftest import eventually
+from tests.warm_pool.test_pool_sleep import MemoryBackend, MemoryDemand, Rig
+from warm_pool.launch import LaunchSpec
+from warm_pool.local import EngineCapabilities, ProcessHandle
+from warm_pool.metrics import PoolMetrics
+from warm_pool.policy import Decision, ScalingConfig
+from warm_pool.pool import Pool, PoolSpec
+from warm_pool.records import InstanceRecords
+from warm_pool.snapshot import SnapshotSource
+
+IDLE = "vllm:num_requests_waiting 0\nvllm:num_requests_running 1\nvllm:kv_cache_usage_perc 0.1\n"
+FULL = "vllm:num_requests_waiting 3\nvllm:num_requests_running 8\nvllm:kv_cache_usage_perc 0.97\n"
+
+
+@dataclass
+class NoSleepBackend(MemoryBackend):
+    """Engines that report no sleep levels, as vLLM's CPU build does."""
+
+    async def read_capabilities(self, url: str) -> EngineCapabilities:
+        return EngineCapabilities(sleep_levels=())
+
+
+@dataclass
+class MetricsBackend(MemoryBackend):
+    """Engines that also serve `/metrics` on the port the pool gave them: a real HTTP server each."""
+
+    exposition: str = IDLE
+    hits: dict[int, int] = field(default_factory=dict)  # port → scrapes
+    servers: dict[ProcessHandle, web.AppRunner] = field(default_factory=dict)
+
+    async def start(self, instance_id: str, spec: LaunchSpec) -> ProcessHandle:
+        handle = await super().start(instance_id, spec)
+        port = int(spec.argv[spec.argv.index("--port") + 1])
+
+        async def metrics(_: web.Request) -> web.Response:
+            self.hits[port] = self.hits.get(port, 0) + 1
+            return web.Response(text=self.exposition)
+
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        self.servers[handle] = runner
+        return handle
+
+    async def stop(self, handle: ProcessHandle, term_timeout_s: float) -> int | None:
+        if (runner := self.servers.pop(handle, None)) is not None:
+            await runner.cleanup()
+        return await super().stop(handle, term_timeout_s)
+
+
+@contextlib.asynccontextmanager
+async def running_pool(
+    tmp_path: Path, model_dir: Path, backend: MemoryBackend, scaling: ScalingConfig
+) -> AsyncIterator[Rig]:
+    store = SnapshotStore(tmp_path / "store")
+    record = import_hf_dir(model_dir, store)
+    registry, clock, demand = CollectorRegistry(), [0.0], MemoryDemand()
+    pool = Pool(
+        PoolSpec("d", SnapshotSource(store, record.id), scaling=scaling, grace_period_s=5),
+        backend,
+        InstanceRecords(tmp_path / "instances"),
+        PoolMetrics(registry),
+        clock=lambda: clock[0],
+        tick_s=3600,  # ticks only when poked
+    )
+    pool.attach(demand)
+    loop = asyncio.create_task(pool.run())
+    try:
+        yield Rig(pool, backend, demand, clock, registry)
+    finally:
+        await pool.close(drain=False)
+        await loop
+
+
+async def decided(rig: Rig, at: float, condition: Callable[[Decision], bool]) -> Decision:
+    """Tick at `at` until the decision meets `condition` (a scrape runs in the background: its
+    figures show at a later tick)."""
+    async with asyncio.timeout(5):
+        while True:
+            await rig.tick(at)
+            if condition(rig.pool.last_decision):
+                return rig.pool.last_decision
+            await asyncio.sleep(0.01)
+
+
+async def test_without_sleep_mode_an_idle_instance_is_stopped_and_never_put_to_sleep(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    scaling = ScalingConfig(max=1, idle_timeout_s=600, stable_window_s=1)
+    async with running_pool(tmp_path, tiny_model_dir, NoSleepBackend(), scaling) as rig:
+        rig.pool.can_sleep = False  # what `_launch` learns from the engine; said here before any launch
+        first = await rig.serve_one(0.0)
+        await rig.tick(5.0)  # with sleep mode this instance would go to sleep here (test_pool_sleep)
+        assert (rig.pool.last_decision.ready, rig.pool.last_decision.sleeping) == (0, 0)
+        await eventually(lambda: not any(rig.pool.counts().values()))
+        assert rig.backend.calls == [] and not rig.backend.alive
+        assert await rig.serve_one(20.0) != first  # a fresh start, not a wake
+        assert [action for action, _ in rig.backend.calls] == []
+
+
+async def test_the_pool_itself_never_sleeps_an_engine_without_sleep_mode(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    scaling = ScalingConfig(max=1, idle_timeout_s=600, stable_window_s=1)
+    async with running_pool(tmp_path, tiny_model_dir, NoSleepBackend(), scaling) as rig:
+        rig.pool.can_sleep = False
+        await rig.serve_one(0.0)
+        # A policy that skips the shared rules and asks for a sleep anyway (none of ours does):
+        # the pool's own guard drains and stops the instance instead.
+        asks_sleep = replace(rig.pool._bound, decide=lambda o, state, now: (Decision(0, 1), state))
+        rig.pool._bound = asks_sleep
+        await rig.tick(5.0)
+        await eventually(lambda: not any(rig.pool.counts().values()))
+        assert rig.backend.calls == [] and not rig.backend.alive
+
+
+async def test_engines_reporting_waiting_requests_get_another_instance(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    backend = MetricsBackend(exposition=FULL)
+    scaling = ScalingConfig(max=2, idle_timeout_s=600, stable_window_s=1)
+    async with running_pool(tmp_path, tiny_model_dir, backend, scaling) as rig:
+        rig.pool.request_arrived()
+        rig.demand.now.queued = 1
+        await rig.tick(0.0)
+        await eventually(lambda: bool(rig.pool.endpoints()))
+        [first] = rig.pool.endpoints()
+        # one request in flight: the activator's counts ask for one instance, the engine's figures
+        # (3 waiting inside it, KV cache 97 % full) for one more
+        rig.demand.now.queued, rig.demand.now.in_flight = 0, 1
+        rig.demand.now.outstanding = {first.id: 1}
+        d = await decided(rig, 1.0, lambda d: d.ready == 2)
+        assert d.reason == "saturated: 3 waiting inside the engines: 1 READY + 1"
+        await eventually(lambda: len(rig.pool.endpoints()) == 2)
+        # the first engine was read once however often the loop ticked: at most once per 5 s of
+        # the pool's clock
+        for _ in range(5):
+            await rig.tick(5.9)
+        assert backend.hits[first.port] == 1
+        await rig.tick(6.0)
+        await eventually(lambda: backend.hits[first.port] == 2)
+        # both engines fine now: the figures no longer ask for more; the count alone keeps one
+        # (after the rules' down delay, min(30, window) = 1 s, from the last step up)
+        backend.exposition = IDLE
+        d = await decided(rig, 12.0, lambda d: d.ready == 1)
+        assert "saturated" not in d.reason
