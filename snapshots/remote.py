@@ -39,6 +39,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from snapshots.compile_cache import CompileCaches
+from snapshots.compile_remote import pull_caches, push_caches
 from snapshots.errors import (
     CorruptSnapshot,
     RemoteError,
@@ -70,6 +72,7 @@ class PushReport:
     bytes_uploaded: int
     bytes_skipped: int  # already in the bucket with the same size and sha256
     seconds: float
+    compile_caches: int = 0  # compile caches uploaded with it (snapshots.compile_remote)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -84,6 +87,7 @@ class PullReport:
     bytes_reused: int  # kept from an earlier, interrupted pull after re-hashing
     seconds: float
     shared: bool = False  # another pull of this snapshot finished it while this one waited
+    compile_caches: int = 0  # compile caches downloaded with it (snapshots.compile_remote)
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "path": str(self.path)}
@@ -193,9 +197,16 @@ async def push(
                 Body=raw,
                 ContentType="application/json",
             )
+            caches = await push_caches(s3, where, CompileCaches(store.root), record.id)
     store.remember_remote(record.id, str(where))
     return PushReport(
-        record.id, str(where), len(manifest.files), uploaded, skipped, time.monotonic() - started
+        record.id,
+        str(where),
+        len(manifest.files),
+        uploaded,
+        skipped,
+        time.monotonic() - started,
+        caches.pushed,
     )
 
 
@@ -337,11 +348,16 @@ async def pull(
     started = time.monotonic()
     where = S3Uri.parse(uri)
 
-    def report(sid: str, downloaded: int = 0, reused: int = 0, shared: bool = False) -> PullReport:
+    async def report(sid: str, downloaded: int = 0, reused: int = 0, shared: bool = False) -> PullReport:
         store.touch(sid)
         store.remember_remote(sid, str(where))
+        # The snapshot's compile caches come along (a node's first start then does not compile),
+        # also when the snapshot itself was here already: another node may have compiled since.
+        caches = await pull_caches(s3, where, CompileCaches(store.root), sid)
         seconds = time.monotonic() - started
-        return PullReport(sid, store.path_of(sid), str(where), downloaded, reused, seconds, shared)
+        return PullReport(
+            sid, store.path_of(sid), str(where), downloaded, reused, seconds, shared, caches.pulled
+        )
 
     async with connect(config) as s3:
         manifest, raw = await _get_manifest(s3, where)
@@ -352,7 +368,7 @@ async def pull(
             )
         _refuse_pickles(manifest, where)
         if store.path_of(sid).is_dir():
-            return report(sid)
+            return await report(sid)
         pull_dir = store.pull_dir(sid)
         try:
             store.root.mkdir(parents=True, exist_ok=True)
@@ -360,7 +376,7 @@ async def pull(
             raise StoreWriteError(f"cannot create {store.root}: {exc.strerror or exc}") from exc
         async with exclusive(lock_path(pull_dir)):
             if store.path_of(sid).is_dir():  # a concurrent pull finished it while we waited
-                return report(sid, shared=True)
+                return await report(sid, shared=True)
             job = _Pull(s3, where, manifest, raw, store, pull_dir, config, progress)
             try:
                 await job.run()
@@ -374,7 +390,7 @@ async def pull(
             except StoreWriteError:
                 job.discard()
                 raise
-            return report(sid, job.downloaded, job.reused)
+            return await report(sid, job.downloaded, job.reused)
 
 
 @dataclass

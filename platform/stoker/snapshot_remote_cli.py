@@ -138,6 +138,7 @@ def cmd_push(args: argparse.Namespace) -> int:
         f"pushed {report.id[:12]} to {report.uri}: {report.files} files, "
         f"{format_size(report.bytes_uploaded)} uploaded, {format_size(report.bytes_skipped)} already there, "
         f"{report.seconds:.1f} s ({_rate(report.bytes_uploaded, report.seconds)})"
+        + (f", {report.compile_caches} compile cache(s)" if report.compile_caches else "")
     )
     return 0
 
@@ -165,6 +166,8 @@ def cmd_pull(args: argparse.Namespace) -> int:
         how += f", {report.seconds:.1f} s ({_rate(report.bytes_downloaded, report.seconds)})"
     else:
         how = "already in the store" + (" (pulled meanwhile by another pull)" if report.shared else "")
+    if report.compile_caches:
+        how += f"; {report.compile_caches} compile cache(s)"
     print(f"pulled {report.uri}: {how}\npath: {report.path}", file=sys.stderr)
     print(report.id)
     return 0
