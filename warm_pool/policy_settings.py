@@ -23,11 +23,12 @@ from typing import Any
 from warm_pool.policies import BoundPolicy, make_policy
 from warm_pool.policies.rules import RulesConfig
 from warm_pool.policy import ScalingConfig, TierTimes
-from warm_pool.simulate import CPU, GPU
+from warm_pool.simulate import CPU, GPU, VLLM_CPU
 
 KPA_MIN_WINDOW_S = 6.0  # KpaConfig's lower bound (Knative's own)
 
-STARTUP_PRIORS: dict[str, TierTimes] = {"cpu": CPU.startup, "vllm": GPU.startup}
+# Keyed by engine; "vllm-cpu" is vLLM's CPU build (the pool tells it by the version vLLM reports).
+STARTUP_PRIORS: dict[str, TierTimes] = {"cpu": CPU.startup, "vllm": GPU.startup, "vllm-cpu": VLLM_CPU.startup}
 
 
 def bind_policy(name: str, scaling: ScalingConfig) -> BoundPolicy:

