@@ -17,7 +17,7 @@ def test_cpu_engine_command():
     spec = cpu_engine_spec(SNAP, 41234, "smollm2", threads=2, stoker_executable="/opt/bin/stoker")
     assert spec.argv == (
         "/opt/bin/stoker", "engine", "--snapshot", "/data/snapshots/abc123", "--port", "41234",
-        "--host", "127.0.0.1", "--served-model-name", "smollm2", "--threads", "2",
+        "--host", "127.0.0.1", "--served-model-name", "smollm2", "--device", "cpu", "--threads", "2",
     )  # fmt: skip
     assert dict(spec.env) == {"PYTHONUNBUFFERED": "1"}
     assert spec.health_path == "/health"
@@ -28,7 +28,7 @@ def test_cpu_engine_defaults_to_the_stoker_script_beside_this_python():
     assert spec.argv[0] == str(Path(sys.executable).with_name("stoker"))
     assert spec.argv[1:] == (
         "engine", "--snapshot", str(SNAP), "--port", "8001", "--host", "::1", "--served-model-name", "m",
-        "--grace-period", "5",
+        "--device", "cpu", "--grace-period", "5",
     )  # fmt: skip
 
 
@@ -56,9 +56,14 @@ def test_vllm_cpu_build_has_no_sleep_mode_and_a_host_kv_cache():
     )  # fmt: skip
     assert spec.argv == (
         "/v/bin/vllm", "serve", "abc123", "--host", "127.0.0.1", "--port", "8000",
-        "--served-model-name", "m", "--dtype", "float32", "--enforce-eager",
+        "--served-model-name", "m", "--dtype", "float32", "--distributed-executor-backend", "uni",
+        "--enforce-eager",
     )  # fmt: skip
-    assert dict(spec.env) == {"PYTHONUNBUFFERED": "1", "VLLM_CPU_KVCACHE_SPACE": "2"}
+    assert dict(spec.env) == {
+        "PYTHONUNBUFFERED": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "2",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    }
     with pytest.raises(ValueError, match="sleep mode needs a GPU"):
         vllm_spec(SNAP, 8000, "m", [], sleep_mode=True)
 
