@@ -3,6 +3,10 @@
 The process serves HTTP at once and loads the model on a background thread; `/health` answers
 200 only once the model is loaded and warmed up. SIGTERM stops accepting connections, lets
 in-flight requests finish within `--grace-period`, and exits 0. A load that fails exits 1.
+
+`--device auto` (the default) runs it on a CUDA GPU when torch sees one, on the CPU otherwise:
+the same engine, with bf16 weights by default on the GPU. `--device cuda` without a GPU exits 1
+with a one-line reason.
 """
 
 from __future__ import annotations
@@ -26,7 +30,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--served-model-name", help="model name clients send (default: the snapshot's name)")
     p.add_argument("--threads", type=_positive_int, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "cpu", "cuda"],
+        help="where the model runs (default auto: cuda when torch sees a GPU, else cpu)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        help="weights' dtype (default: float32 on cpu, bfloat16 on cuda)",
+    )
     p.add_argument(
         "--max-model-len", type=_positive_int, help="context window (default: model's, at most 4096)"
     )
@@ -63,8 +77,9 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
+    from stoker.engine import weights
     from stoker.engine.app import build_app
-    from stoker.engine.core import Engine, EngineConfig
+    from stoker.engine.core import DEFAULT_DTYPES, Engine, EngineConfig
     from stoker.engine.metrics import EngineMetrics
     from stoker.http import make_server, run_server
 
@@ -72,10 +87,12 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
+        device = weights.choose_device(args.device, torch.cuda.is_available())
         config = EngineConfig(
             snapshot_dir=snapshot_dir,
             served_model_name=name,
-            dtype=args.dtype,
+            dtype=args.dtype or DEFAULT_DTYPES[device],
+            device=device,
             max_model_len=args.max_model_len,
             max_num_seqs=args.max_num_seqs,
             max_waiting=args.max_waiting,
@@ -96,9 +113,10 @@ def run(args: argparse.Namespace) -> int:
             server.should_exit = True
             return
         log.info(
-            "ready: serving %r from %s on http://%s:%d (imports %.2fs, weights %.2fs, warm-up %.2fs)",
+            "ready: serving %r from %s on %s at http://%s:%d (imports %.2fs, weights %.2fs, warm-up %.2fs)",
             name,
             snapshot_dir,
+            config.device,
             args.host,
             args.port,
             engine.phases["imports"],

@@ -1,6 +1,7 @@
-"""The CPU engine: one process serving one snapshot over vLLM's OpenAI-compatible HTTP surface.
+"""Stoker's engine: one process serving one snapshot over vLLM's OpenAI-compatible HTTP surface.
 
-It exists for machines without a GPU (development, tests, the embedded default model) and speaks
+It exists for machines without a GPU (development, tests, the embedded default model; the platform
+runs it as the "cpu" engine) and runs on a CUDA GPU too (`--device`), by the same code. It speaks
 exactly what the platform expects of vLLM: the OpenAI routes, `/health`, `/metrics` with vLLM's
 metric names, and `/sleep`, `/wake_up`, `/is_sleeping`. Generation is transformers' continuous
 batching; this package adds admission, streaming, stop strings, sleep and metrics around it.

@@ -8,11 +8,15 @@ comes back to the loop through `register_result_handler` (`call_soon_threadsafe`
   for at most `queue_timeout_s`; beyond that a request is refused at once (503, `queue_full`).
 - Cancellation: leaving `generate` early (client gone, stop string) cancels the request in the
   manager, so its slot and its KV blocks are freed.
+- Device: the CPU, or a CUDA GPU, chosen once at start (`EngineConfig.device`); everything else is
+  the same code on both.
 - Load: the weights are memory-mapped from the snapshot's safetensors into a model built without
-  allocating any (`stoker.engine.weights`), so they load from the page cache when it is warm.
-- Sleep: the manager (and its KV cache) is stopped and every weight tensor is dropped; the model's
-  module tree, tokenizer and all imports stay. Wake maps the weights in again the same way and
-  starts a new manager.
+  allocating any (`stoker.engine.weights`), so they load from the page cache when it is warm; on a
+  GPU those mapped views are copied to the device.
+- Sleep: the manager (and its KV cache) is stopped and the weights leave the device as
+  `weights.sleep_plan` says: dropped (both levels on the CPU, level 2 on a GPU) or, level 1 on a
+  GPU, copied to pinned host memory. The model's module tree, tokenizer and all imports stay. Wake
+  puts the weights back (mapped again, or one copy from pinned memory) and starts a new manager.
 """
 
 from __future__ import annotations
@@ -20,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
-import gc
 import json
 import logging
 import time
@@ -45,6 +48,9 @@ from stoker.openai_errors import SERVER_ERROR, APIError, invalid, unavailable
 log = logging.getLogger("stoker.engine")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# This CPU has no bf16 instructions (bf16 prompt processing is ~10x slower than fp32); GPUs compute in
+# bf16 natively, and fp32 would double both the weights' memory and every copy of them.
+DEFAULT_DTYPES = {"cpu": "float32", "cuda": "bfloat16"}
 PAGE_SIZE = 32  # tokens per KV block: small pages waste little memory on short CPU requests
 
 
@@ -52,7 +58,8 @@ PAGE_SIZE = 32  # tokens per KV block: small pages waste little memory on short 
 class EngineConfig:
     snapshot_dir: Path
     served_model_name: str
-    dtype: str = "float32"  # this CPU has no bf16 instructions: bf16 prompt processing is ~10x slower
+    dtype: str = "float32"  # DEFAULT_DTYPES says why
+    device: str = "cpu"  # "cpu" or "cuda": resolved from `--device auto` before this is built
     max_model_len: int | None = None  # default: the model's own, capped at 4096 for CPU speed
     max_num_seqs: int = 8
     max_waiting: int = 64
@@ -66,6 +73,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.device not in weights.DEVICES:
+            raise ValueError(f"device must be one of {list(weights.DEVICES)}, got {self.device!r}")
         for name in ("max_num_seqs", "max_prefill_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -99,7 +108,8 @@ class Engine:
         self._model = None
         self._tokenizer = None
         self._manager = None
-        self._draw = draw_mod.PerRequestDraw()
+        self._draw = draw_mod.PerRequestDraw(config.device)
+        self._asleep: weights.SleepPlan | None = None  # how the weights left the device, while asleep
         self._eos: set[int] = set()
         self._slots = asyncio.Semaphore(config.max_num_seqs)
         self._running = 0
@@ -115,7 +125,7 @@ class Engine:
         cfg = self.config
         t0 = self.clock()
         self._tokenizer = AutoTokenizer.from_pretrained(cfg.snapshot_dir)
-        self._model, self.weights_source = weights.load_model(cfg.snapshot_dir, DTYPES[cfg.dtype])
+        self._model, self.weights_source = weights.load_model(cfg.snapshot_dir, DTYPES[cfg.dtype], cfg.device)
         t1 = self.clock()
         model_cfg = self._model.config.get_text_config()
         limit = getattr(model_cfg, "max_position_embeddings", None) or 4096
@@ -157,6 +167,10 @@ class Engine:
             max_queue_size=self.config.max_num_seqs,
             q_padding_interval_size=0,  # padding serves CUDA graphs; on the CPU it only adds work
             kv_padding_interval_size=0,
+            # No CUDA graphs on a GPU: transformers captures the forward, the logits processors and
+            # the sampling as one graph, and the per-request draw (draw.py) reads each row's token on
+            # the host, which a capture cannot replay. On the CPU there are none anyway.
+            use_cuda_graph=False,
         )
         manager = self._model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
         draw_mod.install(manager, self._draw)
@@ -284,7 +298,10 @@ class Engine:
     # ---- sleep, wake, stop -------------------------------------------------------------------------
 
     async def sleep(self, level: int = 1, drain_timeout_s: float = 30.0) -> None:
-        """Free the KV cache and the weights. Level 2 also drops the snapshot from the page cache."""
+        """Free the KV cache and take the weights off the device (`weights.sleep_plan` has the table).
+
+        Level 1 on a GPU keeps the weights in pinned host memory; otherwise they are dropped. Level 2
+        also drops the snapshot from the page cache."""
         async with self._lifecycle:
             if self.state == "sleeping":
                 return
@@ -297,17 +314,12 @@ class Engine:
             self.metrics.sleeping.set(1)
 
     def _unload(self, level: int) -> None:
+        plan = self._asleep = weights.sleep_plan(level, self.config.device)
         self._manager.stop(block=True, timeout=30)  # in-flight requests (after the drain timeout) fail
         self._manager = None
-        # Shapes stay (on the meta device, which holds no memory) so the reload can assign into them.
-        for module in self._model.modules():
-            for name, param in module._parameters.items():
-                if param is not None:
-                    meta = torch.empty(param.shape, dtype=param.dtype, device="meta")
-                    module._parameters[name] = torch.nn.Parameter(meta, requires_grad=False)
-        gc.collect()
+        weights.put_to_sleep(self._model, plan)
         _trim_heap()
-        if level >= 2:
+        if plan.drop_page_cache:
             for path in self.config.snapshot_dir.glob("*.safetensors"):
                 pagecache.drop(path)
 
@@ -315,21 +327,25 @@ class Engine:
         async with self._lifecycle:
             if self.state != "sleeping":
                 return
-            t0 = self.clock()
+            t0, from_host = self.clock(), self._asleep.to_host
             await asyncio.to_thread(self._reload)
             self.phases["wake_up"] = self.clock() - t0
             self.metrics.phase("wake_up", self.phases["wake_up"])
             self.metrics.sleeping.set(0)
             self.state = "ready"
+            if from_host:  # serving first: unpinning gigabytes of host memory need not delay the wake
+                await asyncio.to_thread(weights.release_pinned)
 
     def _reload(self) -> None:
-        snapshot_dir, dtype = self.config.snapshot_dir, DTYPES[self.config.dtype]
-        if self.weights_source != weights.MMAP:  # the first load needed transformers' conversions
-            self._model = weights.from_pretrained(snapshot_dir, dtype)
-        elif reason := weights.assign_weights(self._model, snapshot_dir):
+        cfg = self.config
+        snapshot_dir, dtype, plan = cfg.snapshot_dir, DTYPES[cfg.dtype], self._asleep
+        if not plan.to_host and self.weights_source != weights.MMAP:  # it needed transformers' conversions
+            self._model = weights.from_pretrained(snapshot_dir, dtype, cfg.device)
+        elif reason := weights.wake(self._model, plan, snapshot_dir, cfg.device):
             log.warning("weights: %s; reloading through transformers' from_pretrained instead", reason)
-            self._model = weights.from_pretrained(snapshot_dir, dtype)
+            self._model = weights.from_pretrained(snapshot_dir, dtype, cfg.device)
             self.weights_source = weights.FROM_PRETRAINED
+        self._asleep = None
         # No warm-up here: measured, a warm-up on wake cost as much as the first request it was
         # meant to speed up (wake → first token 0.84 s with it, 0.56-0.61 s without).
         self._start_manager()

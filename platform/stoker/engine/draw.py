@@ -31,7 +31,8 @@ class PerRequestDraw(ContinuousBatchingLogitsProcessor):
     supported_kwargs: dict[str, type] = {}  # noqa: RUF012 (the ABC declares these as class attributes)
     ignored_kwargs: tuple[str, ...] = ()
 
-    def __init__(self) -> None:
+    def __init__(self, device: str = "cpu") -> None:
+        self._device = device  # where the scores are: a generator must live on the same device
         self._draws: dict[str, _Draw] = {}
         self._rows: list[_Draw | None] = []
         self._lock = threading.Lock()  # requests are registered from the event loop, used on the CB thread
@@ -41,7 +42,7 @@ class PerRequestDraw(ContinuousBatchingLogitsProcessor):
             return
         generator = None
         if not greedy:
-            generator = torch.Generator(device="cpu")
+            generator = torch.Generator(device=self._device)
             generator.manual_seed(seed % 2**64)
         with self._lock:
             self._draws[request_id] = _Draw(greedy, generator)
