@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import time
@@ -32,6 +33,7 @@ from warm_pool.vllm import startup_phases
 
 STARTUP_PHASE_METRIC = "stoker_engine_startup_phase_seconds"
 _LOG_TAIL_LINES = 5
+_LOG_TAIL_BYTES = 64 * 1024  # a crash's traceback plus what follows it
 _LOG_PHASE_BYTES = 1 << 20  # vLLM logs a few hundred lines while it starts; its phases are in them
 _MAX_INFO_BYTES = 1 << 20  # vLLM's /server_info holds its whole config and environment: ~20 KB
 
@@ -112,16 +114,30 @@ def _phases_from_log(path: Path) -> dict[str, float]:
     return startup_phases(text)
 
 
+# Lines a dying vLLM prints after its error that say nothing about it: nanobind's leak report at
+# interpreter exit (dozens of lines) and vLLM's own shutdown chatter.
+_NOISE = re.compile(
+    r"^nanobind: |^- leaked|^- \.\.\. skipped|\[shutdown\]|^INFO: |resource_tracker|warnings\.warn|refleaks"
+)
+_ERROR = re.compile(r"\w(Error|Exception)\b|\bERROR\b")
+
+
 def log_tail(path: Path, lines: int = _LOG_TAIL_LINES) -> str:
-    """The last non-empty lines of a log, joined by " | " to keep messages on one line."""
+    """The last meaningful lines of a log, joined by " | " to keep messages on one line. The last
+    line that names an error leads, if the tail itself does not hold it."""
     try:
         with path.open("rb") as f:
             f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 8192))
+            f.seek(max(0, f.tell() - _LOG_TAIL_BYTES))
             text = f.read().decode("utf-8", "replace")
     except OSError:
         return ""
-    return " | ".join([line.strip() for line in text.splitlines() if line.strip()][-lines:])
+    kept = [line.strip() for line in text.splitlines() if line.strip() and not _NOISE.search(line.strip())]
+    tail = kept[-lines:]
+    errors = [line for line in kept if _ERROR.search(line) and " WARNING " not in line]
+    if errors and errors[-1] not in tail:
+        tail = [errors[-1], *tail[-(lines - 1) :]]
+    return " | ".join(line[:300] for line in tail)
 
 
 class LocalBackend:

@@ -15,7 +15,7 @@ from aiohttp import web
 
 from warm_pool.errors import StartFailed
 from warm_pool.launch import LaunchSpec, cpu_engine_spec
-from warm_pool.local import EngineCapabilities, LocalBackend, free_port, read_start_ticks
+from warm_pool.local import EngineCapabilities, LocalBackend, free_port, log_tail, read_start_ticks
 
 from .support import SLEEPER, STUBBORN_WITH_CHILD, pid_gone, python, read_pid_line, wait_gone
 
@@ -174,6 +174,32 @@ async def test_an_engine_says_which_sleep_levels_it_has(tmp_path, status, body, 
     finally:
         await runner.cleanup()
     assert caps.sleep_levels == levels and caps.can_sleep is bool(levels)
+
+
+def test_a_vllm_that_died_shows_its_error_not_the_leak_report_after_it(tmp_path):
+    log = tmp_path / "v.log"
+    log.write_text(
+        "(APIServer pid=1) WARNING 11-30 19:54:28 [system_utils.py:255] failed to raise ulimit: OSError\n"
+        "(EngineCore pid=2) ERROR 11-30 19:54:02 [core.py:1512] RuntimeError: Worker failed with error "
+        "'Unsupported CPU attention configuration: head_dim=16 isa=2 kv_cache_idx=0'\n"
+        "(APIServer pid=1) INFO 11-30 19:54:02 [core_client.py:770] [shutdown] MPClient: start timeout=0s\n"
+        "nanobind: leaked 4 instances!\n"
+        + "".join(f' - leaked type "triton._C.t{i}"\n' for i in range(60))
+        + " - ... skipped remainder\n"
+        "nanobind: this is likely caused by a reference counting issue in the binding code.\n"
+        "See https://nanobind.readthedocs.io/en/latest/refleaks.html\n"
+    )
+    error = (
+        "(EngineCore pid=2) ERROR 11-30 19:54:02 [core.py:1512] RuntimeError: Worker failed with error "
+        "'Unsupported CPU attention configuration: head_dim=16 isa=2 kv_cache_idx=0'"
+    )
+    ulimit = "(APIServer pid=1) WARNING 11-30 19:54:28 [system_utils.py:255] failed to raise ulimit: OSError"
+    assert log_tail(log) == f"{ulimit} | {error}"
+    # Further back than the last lines, the error still leads (a warning is not an error).
+    log.write_text(log.read_text() + "".join(f"(APIServer pid=1) INFO line {i}\n" for i in range(6)))
+    assert (
+        log_tail(log, lines=3) == f"{error} | (APIServer pid=1) INFO line 4 | (APIServer pid=1) INFO line 5"
+    )
 
 
 def test_free_port_can_be_bound():
