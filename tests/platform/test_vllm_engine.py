@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
 import threading
 from pathlib import Path
@@ -130,18 +131,27 @@ def _fake_vllm(tmp_path: Path, version: str) -> Path:
 
 
 @pytest.mark.parametrize(
-    ("vllm", "reason"),
+    ("vllm", "model", "reason"),
     [
-        ("missing", "the vLLM command '/nonexistent/vllm' is not an executable file"),
-        ("gpu-build", "vLLM 0.32.0 is a GPU build and no GPU was found"),
+        ("missing", "tiny", "the vLLM command '/nonexistent/vllm' is not an executable file"),
+        ("0.32.0", "tiny", "vLLM 0.32.0 is a GPU build and no GPU was found"),
+        ("0.32.0+cpu", "no-architectures", "vLLM cannot load snapshot"),
     ],
 )
 def test_vllm_where_it_cannot_run_is_refused_in_one_line(
-    platform_factory, tiny_model_dir, tmp_path, vllm, reason
+    platform_factory, tiny_model_dir, tmp_path, vllm, model, reason
 ):
-    command = "/nonexistent/vllm" if vllm == "missing" else str(_fake_vllm(tmp_path, "0.32.0"))
+    command = "/nonexistent/vllm" if vllm == "missing" else str(_fake_vllm(tmp_path, vllm))
+    if model == "tiny":
+        source = tiny_model_dir
+    else:  # a model directory Stoker imports but vLLM could not load: its config names no architecture
+        source = tmp_path / "model"
+        shutil.copytree(tiny_model_dir, source)
+        config = json.loads((source / "config.json").read_text())
+        del config["architectures"]
+        (source / "config.json").write_text(json.dumps(config))
     p = platform_factory("--vllm", command)
-    out = p.cli("deploy", "m", "--model", str(tiny_model_dir), "--engine", "vllm", check=False)
+    out = p.cli("deploy", "m", "--model", str(source), "--engine", "vllm", check=False)
     assert out.returncode != 0
     assert reason in out.stderr and len(out.stderr.strip().splitlines()) == 1
     assert p.deployments() == {}
