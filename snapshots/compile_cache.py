@@ -38,6 +38,7 @@ from pathlib import Path
 
 from snapshots.durable import fsync_dir
 from snapshots.errors import StoreWriteError
+from snapshots.owner import is_stale, private_name
 
 COMPILE_DIR = "compile"
 INFO_NAME = "cache.json"
@@ -80,16 +81,6 @@ class CacheInfo:
     key: dict[str, object]  # cache.json's content ({} if unreadable)
 
 
-def _host_tag() -> str:
-    import socket
-
-    return re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname())[:64] or "host"
-
-
-def _private_name(prefix: str) -> str:
-    return f"{prefix}{_host_tag()}-{os.getpid()}-{secrets.token_hex(4)}"
-
-
 def disk_bytes(path: Path) -> int:
     total = 0
     for root, _dirs, files in os.walk(path):
@@ -99,18 +90,6 @@ def disk_bytes(path: Path) -> int:
             except OSError:
                 continue
     return total
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class CompileCaches:
@@ -159,7 +138,7 @@ class CompileCaches:
         """A fresh working dir for one instance, seeded with the committed cache of `key` if there is
         one; returns it and whether it was seeded (a hit)."""
         directory = self.snapshot_dir(key.snapshot_id)
-        work = directory / _private_name(WORK_PREFIX)
+        work = directory / private_name(WORK_PREFIX)
         try:
             directory.mkdir(parents=True, exist_ok=True)
             committed = self.path(key)
@@ -181,7 +160,7 @@ class CompileCaches:
         if self.has(key):
             return False
         directory = self.snapshot_dir(key.snapshot_id)
-        tmp = directory / _private_name(TMP_PREFIX)
+        tmp = directory / private_name(TMP_PREFIX)
         try:
             shutil.copytree(work, tmp, symlinks=True)
             (tmp / INFO_NAME).write_text(json.dumps(key.to_dict(), indent=2, sort_keys=True) + "\n")
@@ -207,7 +186,7 @@ class CompileCaches:
     def new_tmp(self, snapshot_id: str) -> Path:
         directory = self.snapshot_dir(snapshot_id)
         directory.mkdir(parents=True, exist_ok=True)
-        tmp = directory / _private_name(TMP_PREFIX)
+        tmp = directory / private_name(TMP_PREFIX)
         tmp.mkdir()
         return tmp
 
@@ -238,19 +217,14 @@ class CompileCaches:
             names = sorted(os.listdir(self.root))
         except FileNotFoundError:
             return out
-        host = _host_tag()
         for name in names:
             path = self.root / name
             if name.startswith(".trash-") or (_KEY.fullmatch(name) and name not in present):
                 out.append(path)
-                continue
-            if not _KEY.fullmatch(name) or not path.is_dir():
-                continue
-            for inner in sorted(os.listdir(path)):
-                for prefix in (WORK_PREFIX, TMP_PREFIX):
-                    if inner.startswith(prefix):
-                        parts = inner[len(prefix) :].split("-")
-                        if len(parts) == 3 and parts[0] == host and parts[1].isdigit():
-                            if not _pid_alive(int(parts[1])):
-                                out.append(path / inner)
+            elif _KEY.fullmatch(name) and path.is_dir():
+                out += [
+                    path / inner
+                    for inner in sorted(os.listdir(path))
+                    if is_stale(inner, WORK_PREFIX) or is_stale(inner, TMP_PREFIX)
+                ]
         return out

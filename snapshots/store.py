@@ -25,9 +25,7 @@ import builtins
 import errno
 import os
 import re
-import secrets
 import shutil
-import socket
 import stat
 import time
 from collections.abc import Callable, Iterator
@@ -47,6 +45,7 @@ from snapshots.errors import (
     StoreWriteError,
 )
 from snapshots.manifest import MANIFEST_NAME, Manifest
+from snapshots.owner import is_stale, private_name
 from snapshots.verify import Problem, verify_dir
 
 TMP_PREFIX = ".tmp-"
@@ -95,23 +94,6 @@ class SnapshotRecord:
             "created": self.created,
             "source": self.source,
         }
-
-
-def _host_tag() -> str:
-    # No '-' in the tag, so a temp dir name splits unambiguously into host, pid and random part.
-    return re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname())[:64] or "host"
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    return True
 
 
 def _remove_tree(path: Path) -> None:
@@ -345,7 +327,7 @@ class SnapshotStore:
         Whatever happens inside the block, the temp dir does not outlive it: committed (renamed
         away), or removed. An OSError (disk full, permissions) becomes a StoreWriteError.
         """
-        tmp = self.root / f"{TMP_PREFIX}{_host_tag()}-{os.getpid()}-{secrets.token_hex(4)}"
+        tmp = self.root / private_name(TMP_PREFIX)
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             tmp.mkdir()
@@ -403,26 +385,19 @@ class SnapshotStore:
     def remove_stale_tmp(self, *, dry_run: bool = False) -> builtins.list[Path]:
         """Remove temp dirs left by imports that were killed; return what was (or would be) removed.
 
-        Staleness is judged by the writer's pid, not by age: a single multi-GB file copy or a 40 s
-        GGUF conversion leaves the temp dir's mtime untouched for minutes, so "older than a minute"
-        would delete live imports. Only dirs written on this host are judged (the name carries the
-        host), since another host's or container's pids mean nothing here. A reused pid merely keeps
-        a dead dir until that process exits too, which costs disk, never data.
+        Staleness is judged by the writer's pid, not by age (`snapshots.owner`): a single multi-GB
+        file copy or a 40 s GGUF conversion leaves the temp dir's mtime untouched for minutes, so
+        "older than a minute" would delete live imports.
         """
         removed: builtins.list[Path] = []
         try:
             entries = builtins.list(os.scandir(self.root))
         except FileNotFoundError:
             return removed
-        host = _host_tag()
         for entry in entries:
-            if not entry.name.startswith(TMP_PREFIX) or not entry.is_dir(follow_symlinks=False):
+            if not entry.is_dir(follow_symlinks=False) or not is_stale(entry.name, TMP_PREFIX):
                 continue
-            parts = entry.name[len(TMP_PREFIX) :].split("-")
-            if len(parts) != 3 or parts[0] != host or not parts[1].isdigit():
-                continue
-            if not _pid_alive(int(parts[1])):
-                if not dry_run:
-                    _remove_tree(Path(entry.path))
-                removed.append(Path(entry.path))
+            if not dry_run:
+                _remove_tree(Path(entry.path))
+            removed.append(Path(entry.path))
         return removed

@@ -102,16 +102,21 @@ class EngineCapabilities:
         return cls()
 
 
-def _phases_from_log(path: Path) -> dict[str, float]:
-    """vLLM's start phases from the tail of its log (the last start in it, if it was restarted)."""
+def _read_tail(path: Path, nbytes: int) -> str | None:
+    """The last `nbytes` of a file as text; None if it cannot be read."""
     try:
         with path.open("rb") as f:
             f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - _LOG_PHASE_BYTES))
-            text = f.read().decode("utf-8", "replace")
+            f.seek(max(0, f.tell() - nbytes))
+            return f.read().decode("utf-8", "replace")
     except OSError:
-        return {}
-    return startup_phases(text)
+        return None
+
+
+def _phases_from_log(path: Path) -> dict[str, float]:
+    """vLLM's start phases from the tail of its log (the last start in it, if it was restarted)."""
+    text = _read_tail(path, _LOG_PHASE_BYTES)
+    return startup_phases(text) if text is not None else {}
 
 
 # Lines a dying vLLM prints after its error that say nothing about it: nanobind's leak report at
@@ -125,12 +130,8 @@ _ERROR = re.compile(r"\w(Error|Exception)\b|\bERROR\b")
 def log_tail(path: Path, lines: int = _LOG_TAIL_LINES) -> str:
     """The last meaningful lines of a log, joined by " | " to keep messages on one line. The last
     line that names an error leads, if the tail itself does not hold it."""
-    try:
-        with path.open("rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - _LOG_TAIL_BYTES))
-            text = f.read().decode("utf-8", "replace")
-    except OSError:
+    text = _read_tail(path, _LOG_TAIL_BYTES)
+    if text is None:
         return ""
     kept = [line.strip() for line in text.splitlines() if line.strip() and not _NOISE.search(line.strip())]
     tail = kept[-lines:]

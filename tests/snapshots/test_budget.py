@@ -22,8 +22,9 @@ from safetensors.numpy import save_file
 from snapshots import SnapshotRecord, SnapshotStore, import_hf_dir, pulldir
 from snapshots.errors import SnapshotNotFound, SnapshotPinned, StoreFull
 from snapshots.eviction import Stored, plan_budget, plan_room
+from snapshots.owner import host_tag as _host_tag
 from snapshots.sizes import format_size, parse_size
-from snapshots.store import TMP_PREFIX, _host_tag
+from snapshots.store import TMP_PREFIX
 from snapshots.usage import disk_free
 from tests.snapshots.support import RunCLI, assert_one_line_error, snapshot_dirs
 

@@ -18,7 +18,8 @@ from snapshots import (
     SnapshotStore,
     import_hf_dir,
 )
-from snapshots.store import TMP_PREFIX, _host_tag
+from snapshots.owner import host_tag as _host_tag
+from snapshots.store import TMP_PREFIX
 from tests.snapshots.support import snapshot_dirs
 
 
