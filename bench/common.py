@@ -218,3 +218,71 @@ def write_results(out: Path, results: dict, md: str, digits: int = 4) -> None:
     out.with_suffix(".md").write_text(md + "\n")
     print(md)
     say(f"done in {results['elapsed_s']:.0f} s; wrote {out} and {out.with_suffix('.md')}")
+
+
+# ---- the snapshot ------------------------------------------------------------------------------------
+
+
+def import_builtin_snapshot(home: Path, name: str = "smollm2") -> dict:
+    """`stoker snapshot import --builtin NAME --name NAME` into `home` (as `STOKER_HOME`): its record
+    (`id`, `name`, `path`, `bytes`, `dtype`). The first import converts the GGUF (about a minute);
+    later ones find the snapshot in the store and return at once."""
+    home.mkdir(parents=True, exist_ok=True)
+    say(f"snapshot {name}: importing into {home} if missing (the first time converts the GGUF, ~1 min)")
+    env = {**os.environ, "STOKER_HOME": str(home)}
+    cmd = [*stoker_command(), "snapshot", "import", "--builtin", name, "--name", name, "--json"]
+    return run_json(cmd, env)
+
+
+# ---- the CPU, shared ---------------------------------------------------------------------------------
+
+
+def _group_cpu_seconds(pgids: set[int]) -> float:
+    """utime + stime + cutime + cstime of every live process in these process groups: a server's
+    own children (vLLM's engine core and workers) count while they run, and through their parent's
+    cutime once it has reaped them."""
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            f = stat.read_text().rsplit(")", 1)[1].split()
+            if int(f[2]) in pgids:  # field 5, pgrp
+                total += sum(int(x) for x in f[11:15])
+    return total / CLK_TCK
+
+
+class CpuShare:
+    """CPU used during each named section by this benchmark's process groups and by everything else.
+
+    others = all busy CPU time (/proc/stat) − ours (this process, its reaped children, and every
+    live process in the groups it started, grandchildren included); in cores, averaged over the
+    section. Another workload on this shared machine shows up there, and so does hypervisor steal.
+    """
+
+    def __init__(self, procs: Processes) -> None:
+        self.procs = procs
+        self.sections: dict[str, dict] = {}
+
+    def _sample(self) -> tuple[float, float, float, float]:
+        v = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+        user, nice, system, _idle, _iowait, irq, softirq, steal = v
+        t = os.times()
+        ours = t.user + t.system + t.children_user + t.children_system
+        ours += _group_cpu_seconds({p.pid for p in self.procs.live()})  # each spawned in its own group
+        return time.perf_counter(), (user + nice + system + irq + softirq) / CLK_TCK, steal / CLK_TCK, ours
+
+    @contextlib.contextmanager
+    def section(self, name: str):
+        t0, busy0, steal0, ours0 = self._sample()
+        try:
+            yield
+        finally:
+            t1, busy1, steal1, ours1 = self._sample()
+            wall = max(t1 - t0, 1e-9)
+            self.sections[name] = {
+                "wall_s": wall,
+                "busy_cores": (busy1 - busy0) / wall,
+                "ours_cores": (ours1 - ours0) / wall,
+                "others_cores": max(0.0, (busy1 - busy0) - (ours1 - ours0)) / wall,
+                "steal_cores": (steal1 - steal0) / wall,
+                "loadavg_1m_end": os.getloadavg()[0],
+            }

@@ -44,9 +44,9 @@ from pathlib import Path
 
 import httpx
 from common import (
-    CLK_TCK,
     HOST,
     REPO,
+    CpuShare,
     Processes,
     _interrupt,
     dd_read,
@@ -108,47 +108,6 @@ SECTIONS = ("startup", "weight_load", "first_load", "serving")
 
 
 # ---- processes ---------------------------------------------------------------------------------------
-
-
-class Conditions:
-    """CPU used during each section by this benchmark's processes and by everything else.
-
-    others = all busy CPU time (/proc/stat) − ours (this process, its waited children, its live
-    children); in cores, averaged over the section. Another workload on this shared machine shows
-    up there, and so does hypervisor steal.
-    """
-
-    def __init__(self, procs: Processes) -> None:
-        self.procs = procs
-        self.sections: dict[str, dict] = {}
-
-    def _sample(self) -> tuple[float, float, float, float]:
-        v = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
-        user, nice, system, _idle, _iowait, irq, softirq, steal = v
-        t = os.times()
-        ours = t.user + t.system + t.children_user + t.children_system
-        for p in self.procs.live():
-            with contextlib.suppress(OSError, IndexError, ValueError):
-                f = Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()
-                ours += sum(int(x) for x in f[11:15]) / CLK_TCK  # utime stime cutime cstime
-        return time.perf_counter(), (user + nice + system + irq + softirq) / CLK_TCK, steal / CLK_TCK, ours
-
-    @contextlib.contextmanager
-    def section(self, name: str):
-        t0, busy0, steal0, ours0 = self._sample()
-        try:
-            yield
-        finally:
-            t1, busy1, steal1, ours1 = self._sample()
-            wall = max(t1 - t0, 1e-9)
-            self.sections[name] = {
-                "wall_s": wall,
-                "busy_cores": (busy1 - busy0) / wall,
-                "ours_cores": (ours1 - ours0) / wall,
-                "others_cores": max(0.0, (busy1 - busy0) - (ours1 - ours0)) / wall,
-                "steal_cores": (steal1 - steal0) / wall,
-                "loadavg_1m_end": os.getloadavg()[0],
-            }
 
 
 def proc_memory(pid: int) -> dict[str, float]:
@@ -1005,7 +964,7 @@ async def bench_sleep_wake(
 
 
 async def bench_serving(
-    plan: Plan, engine: EngineProcess, hf: HFBaseline, weights: Path, cond: Conditions
+    plan: Plan, engine: EngineProcess, hf: HFBaseline, weights: Path, cond: CpuShare
 ) -> dict:
     limits = httpx.Limits(max_connections=plan.streams + 4, max_keepalive_connections=plan.streams + 4)
     async with httpx.AsyncClient(base_url=engine.base, timeout=300.0, limits=limits) as client:
@@ -1225,7 +1184,7 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, "STOKER_HOME": str(args.home)}
     args.home.mkdir(parents=True, exist_ok=True)
     procs = Processes()
-    cond = Conditions(procs)
+    cond = CpuShare(procs)
     t_start = time.perf_counter()
     results: dict = {
         "machine": machine_info(("torch", "transformers", "safetensors"), mem_total=True),
@@ -1279,7 +1238,7 @@ def main(argv: list[str] | None = None) -> int:
     results["machine"]["loadavg_end"] = os.getloadavg()
     results["elapsed_s"] = time.perf_counter() - t_start
     results["conditions"] = {
-        "what": Conditions.__doc__.split("\n\n")[1].replace("\n", " ").strip(),
+        "what": CpuShare.__doc__.split("\n\n")[1].replace("\n", " ").strip(),
         "sections": cond.sections,
     }
     order = [
