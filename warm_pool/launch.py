@@ -95,12 +95,11 @@ def vllm_spec(
             argv += ["--tensor-parallel-size", str(len(gpus))]
     else:
         env["VLLM_CPU_KVCACHE_SPACE"] = f"{cpu_kv_cache_gib:g}"
-        # One process instead of three: by default vLLM runs its engine core and its one worker in
-        # processes of their own, and each imports torch and vLLM again. In-process, a start with
-        # the compile cache took 18.3 s to healthy against 25.9 s (SmolLM2, this 2-core machine),
-        # and a CPU build has one worker anyway. (`--vllm-args` come later and win.)
+        # The one worker in the engine-core process (vLLM's uniprocess executor): by default it is
+        # a process of its own that imports torch and vLLM again. Two processes instead of three:
+        # a start with the compile cache took 18.3 s to healthy against 25.9 s (SmolLM2, this 2-core
+        # machine). A CPU build has one worker anyway. (`--vllm-args` come later and win.)
         argv += ["--distributed-executor-backend", "uni"]
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if sleep_mode:
         if not gpus:
             raise ValueError("vLLM's sleep mode needs a GPU")
