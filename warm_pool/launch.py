@@ -97,9 +97,14 @@ def vllm_spec(
         env["VLLM_CPU_KVCACHE_SPACE"] = f"{cpu_kv_cache_gib:g}"
         # The one worker in the engine-core process (vLLM's uniprocess executor): by default it is
         # a process of its own that imports torch and vLLM again. Two processes instead of three:
-        # a start with the compile cache took 18.3 s to healthy against 25.9 s (SmolLM2, this 2-core
-        # machine). A CPU build has one worker anyway. (`--vllm-args` come later and win.)
+        # a start with the compile cache took 17-18 s to healthy against 23-26 s (SmolLM2, this
+        # 2-core machine). vLLM's CPU platform turns `uni` back into `mp` unless
+        # VLLM_ENABLE_V1_MULTIPROCESSING is 0 (its reason: OpenMP's settings are applied per worker
+        # process); the API server's engine core stays a process of its own either way, and the
+        # decode figures of bench/engines_bench.py were measured with this launch.
+        # (`--vllm-args` come later and win.)
         argv += ["--distributed-executor-backend", "uni"]
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if sleep_mode:
         if not gpus:
             raise ValueError("vLLM's sleep mode needs a GPU")

@@ -59,7 +59,11 @@ def test_vllm_cpu_build_has_no_sleep_mode_and_a_host_kv_cache():
         "--served-model-name", "m", "--dtype", "float32", "--distributed-executor-backend", "uni",
         "--enforce-eager",
     )  # fmt: skip
-    assert dict(spec.env) == {"PYTHONUNBUFFERED": "1", "VLLM_CPU_KVCACHE_SPACE": "2"}
+    assert dict(spec.env) == {
+        "PYTHONUNBUFFERED": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "2",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # else vLLM's CPU platform turns `uni` back into `mp`
+    }
     with pytest.raises(ValueError, match="sleep mode needs a GPU"):
         vllm_spec(SNAP, 8000, "m", [], sleep_mode=True)
 
