@@ -51,10 +51,13 @@ def test_an_idle_instance_sleeps_and_a_request_wakes_it_as_a_cold_start(platform
         for t in ("page_cache", "disk")
     )
     assert started_cold == 1  # the first request, on the first start
-    assert p.metric("stoker_instance_startup_seconds_count", deployment="tiny", tier="wake") == 1
+    # At least this wake. With a 1 s window the policy may put the instance to sleep again and wake
+    # it ahead of the next expected arrival before these lines run (a loaded machine saw 2): the
+    # requests' counts above are what this test pins, these only that wakes were measured.
+    assert p.metric("stoker_instance_startup_seconds_count", deployment="tiny", tier="wake") >= 1
     assert p.metric("stoker_instance_startup_seconds_sum", deployment="tiny", tier="wake") > 0
     assert p.metric("stoker_instance_sleep_wake_total", action="sleep", outcome="ok") >= 1
-    assert p.metric("stoker_instance_sleep_wake_total", action="wake", outcome="ok") == 1
+    assert p.metric("stoker_instance_sleep_wake_total", action="wake", outcome="ok") >= 1
     assert p.metric("stoker_instance_seconds_total", deployment="tiny", state="SLEEPING") > 0
     assert p.metric("stoker_instance_starts_total", deployment="tiny", outcome="ready") == 1
 
