@@ -88,7 +88,9 @@ def vllm_spec(
     argv += ["--served-model-name", served_name, "--dtype", dtype]
     if max_model_len is not None:
         argv += ["--max-model-len", str(max_model_len)]
-    env = dict(_UNBUFFERED)
+    # vLLM reports usage statistics to its project's server unless told not to: a platform that
+    # serves its users' models does not send out what they run.
+    env = {**_UNBUFFERED, "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1"}
     if gpus:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
         if len(gpus) > 1:

@@ -42,6 +42,8 @@ def test_vllm_on_one_gpu_with_sleep_mode():
     assert spec.cwd == Path("/data/snapshots")  # the model is named relative to the store
     assert dict(spec.env) == {
         "PYTHONUNBUFFERED": "1",
+        "VLLM_NO_USAGE_STATS": "1",  # nothing about what runs is sent to vLLM's usage server
+        "VLLM_DO_NOT_TRACK": "1",
         "CUDA_VISIBLE_DEVICES": "3",
         "VLLM_SERVER_DEV_MODE": "1",
         "VLLM_CACHE_ROOT": "/c/w",
@@ -61,6 +63,8 @@ def test_vllm_cpu_build_has_no_sleep_mode_and_a_host_kv_cache():
     )  # fmt: skip
     assert dict(spec.env) == {
         "PYTHONUNBUFFERED": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "VLLM_DO_NOT_TRACK": "1",
         "VLLM_CPU_KVCACHE_SPACE": "2",
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # else vLLM's CPU platform turns `uni` back into `mp`
     }
