@@ -28,6 +28,7 @@ from stoker.openai_errors import (
     error_response,
     invalid,
 )
+from stoker.openapi import openapi_schema
 from stoker.platform import Platform
 from stoker.registry import not_found
 
@@ -104,6 +105,11 @@ def build_gateway(platform: Platform, *, on_shutdown: Callable[[], object] | Non
     async def healthz(request: Request) -> Response:
         return JSONResponse({"status": "ok", "deployments": len(platform.list())})
 
+    schema = openapi_schema()
+
+    async def openapi(request: Request) -> Response:
+        return JSONResponse(schema)
+
     async def metrics(request: Request) -> Response:
         return Response(generate_latest(platform.metrics_registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -144,6 +150,7 @@ def build_gateway(platform: Platform, *, on_shutdown: Callable[[], object] | Non
         Route("/v1/models", models, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        Route("/openapi.json", openapi, methods=["GET"]),
         Route("/admin/v1/deployments", list_deployments, methods=["GET"]),
         Route("/admin/v1/deployments", create_deployment, methods=["POST"]),
         Route("/admin/v1/deployments/{name}", get_deployment, methods=["GET"]),

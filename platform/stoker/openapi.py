@@ -1,0 +1,251 @@
+"""The OpenAPI 3.1 description of the gateway and the admin API, served at `/openapi.json`.
+
+Written out rather than derived: the routes are pure ASGI endpoints that read bodies themselves,
+so no framework knows their shapes. It says what the platform accepts and answers, with the ranges
+its validation enforces (the engines' `protocol.py` for generation, `registry.FIELDS` for deploys),
+so a client generator or a fuzzer (schemathesis, in the tests) can be pointed at a running platform.
+Every error is OpenAI's error object.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from stoker.engine.protocol import MAX_STOP_SEQUENCES
+from stoker.registry import ENGINES, FIELDS, NAME
+from warm_pool.policies import POLICIES
+
+_ERROR = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]},
+            },
+        }
+    },
+}
+
+_SAMPLING = {
+    "max_tokens": {"type": "integer", "minimum": 1},
+    "max_completion_tokens": {"type": "integer", "minimum": 1},
+    "temperature": {"type": "number", "minimum": 0, "maximum": 2},
+    "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+    "stream": {"type": "boolean"},
+    "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
+    "stop": {
+        "oneOf": [
+            {"type": "string", "minLength": 1},
+            {
+                "type": "array",
+                "items": {"type": "string", "minLength": 1},
+                "minItems": 1,
+                "maxItems": MAX_STOP_SEQUENCES,
+            },
+        ]
+    },
+    "seed": {"type": "integer"},
+    "n": {"type": "integer", "const": 1},
+    "user": {"type": "string"},
+}
+
+_TEXT = {"type": "string", "minLength": 1}
+_CONTENT = {
+    "oneOf": [
+        {"type": "string"},
+        {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["type", "text"],
+                "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+            },
+        },
+    ]
+}
+
+_CHAT_REQUEST = {
+    "type": "object",
+    "required": ["model", "messages"],
+    "properties": {
+        "model": _TEXT,
+        "messages": {
+            "type": "array",
+            "minItems": 1,
+            "items": {
+                "type": "object",
+                "required": ["role", "content"],
+                "properties": {"role": {"enum": ["system", "user", "assistant"]}, "content": _CONTENT},
+            },
+        },
+        **_SAMPLING,
+    },
+}
+
+_COMPLETION_REQUEST = {
+    "type": "object",
+    "required": ["model", "prompt"],
+    "properties": {
+        "model": _TEXT,
+        "prompt": {
+            "oneOf": [
+                {"type": "string", "minLength": 1},
+                {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+            ]
+        },
+        **_SAMPLING,
+    },
+}
+
+_USAGE = {
+    "type": "object",
+    "properties": {
+        "prompt_tokens": {"type": "integer"},
+        "completion_tokens": {"type": "integer"},
+        "total_tokens": {"type": "integer"},
+    },
+}
+
+_COMPLETION_RESPONSE = {
+    "type": "object",
+    "required": ["id", "object", "choices"],
+    "properties": {
+        "id": {"type": "string"},
+        "object": {"type": "string"},
+        "created": {"type": "integer"},
+        "model": {"type": "string"},
+        "choices": {"type": "array"},
+        "usage": _USAGE,
+    },
+}
+
+
+def _deploy_request() -> dict[str, Any]:
+    fields: dict[str, Any] = {}
+    for name, (kind, low, high, _default) in FIELDS.items():
+        fields[name] = {"type": "integer" if kind is int else "number", "minimum": low, "maximum": high}
+    return {
+        "type": "object",
+        "required": ["name", "model"],
+        "additionalProperties": False,
+        "properties": {
+            "name": {"type": "string", "pattern": f"^{NAME.pattern}$"},
+            "model": {
+                "type": "string",
+                "minLength": 1,
+                "description": "a snapshot name or id, s3://bucket/prefix, or a local model dir or .gguf file",
+            },
+            "engine": {"enum": list(ENGINES)},
+            "policy": {"enum": list(POLICIES)},
+            **fields,
+        },
+    }
+
+
+def _json(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"content": {"application/json": {"schema": schema}}}
+
+
+def _errors(*codes: int) -> dict[str, Any]:
+    return {str(c): {"description": "an error, in OpenAI's shape", **_json(_ERROR)} for c in codes}
+
+
+def _generation(summary: str, request: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "post": {
+            "summary": summary,
+            "requestBody": {"required": True, **_json(request)},
+            "responses": {
+                "200": {
+                    "description": "the answer; with `stream: true`, server-sent events ending in `data: [DONE]`",
+                    "content": {
+                        "application/json": {"schema": _COMPLETION_RESPONSE},
+                        "text/event-stream": {"schema": {"type": "string"}},
+                    },
+                },
+                **_errors(400, 404, 413, 500, 502, 503),
+            },
+        }
+    }
+
+
+def openapi_schema() -> dict[str, Any]:
+    deployment = {"type": "object", "required": ["name", "model"], "properties": {"name": {"type": "string"}}}
+    name_param = [{"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}]
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "Stoker",
+            "version": "1",
+            "description": "OpenAI-compatible serving and the admin API",
+        },
+        "paths": {
+            "/v1/chat/completions": _generation(
+                "Chat completion from the deployment named by `model`", _CHAT_REQUEST
+            ),
+            "/v1/completions": _generation(
+                "Text completion from the deployment named by `model`", _COMPLETION_REQUEST
+            ),
+            "/v1/models": {
+                "get": {
+                    "summary": "The deployments, as OpenAI's model list",
+                    "responses": {"200": {"description": "the list", **_json({"type": "object"})}},
+                }
+            },
+            "/healthz": {
+                "get": {"summary": "The gateway is up", "responses": {"200": {"description": "up"}}}
+            },
+            "/metrics": {
+                "get": {
+                    "summary": "Prometheus metrics",
+                    "responses": {"200": {"description": "text exposition", "content": {"text/plain": {}}}},
+                }
+            },
+            "/admin/v1/deployments": {
+                "get": {
+                    "summary": "Every deployment",
+                    "responses": {
+                        "200": {"description": "the list", **_json({"type": "array", "items": deployment})}
+                    },
+                },
+                "post": {
+                    "summary": "Create a deployment, or update its settings",
+                    "requestBody": {"required": True, **_json(_deploy_request())},
+                    "responses": {
+                        "200": {"description": "updated", **_json(deployment)},
+                        "201": {"description": "created", **_json(deployment)},
+                        **_errors(400, 409, 413),
+                    },
+                },
+            },
+            "/admin/v1/deployments/{name}": {
+                "get": {
+                    "summary": "One deployment",
+                    "parameters": name_param,
+                    "responses": {"200": {"description": "it", **_json(deployment)}, **_errors(404)},
+                },
+                "delete": {
+                    "summary": "Drain and remove a deployment",
+                    "parameters": name_param,
+                    "responses": {
+                        "200": {
+                            "description": "removed",
+                            **_json(
+                                {
+                                    "type": "object",
+                                    "properties": {"name": {"type": "string"}, "deleted": {"const": True}},
+                                }
+                            ),
+                        },
+                        **_errors(404),
+                    },
+                },
+            },
+        },
+    }
