@@ -14,13 +14,14 @@ from collections.abc import Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from activator import ActivatorError, DeadlineExceeded, QueueFull, UpstreamError
-from stoker.http import ClientGone, openai_exception_handlers, parse_json_object, read_body
+from stoker.http import ClientGone, InternalErrors, openai_exception_handlers, parse_json_object, read_body
 from stoker.openai_errors import (
     SERVER_ERROR,
     UNAVAILABLE,
@@ -167,6 +168,7 @@ def build_gateway(platform: Platform, *, on_shutdown: Callable[[], object] | Non
 
     return Starlette(
         routes=routes,
-        exception_handlers=openai_exception_handlers("gateway"),
+        exception_handlers=openai_exception_handlers(),
+        middleware=[Middleware(InternalErrors, component="gateway")],
         lifespan=lifespan,
     )

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import signal
 
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.types import Receive, Scope
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from stoker.openai_errors import INVALID_REQUEST, NOT_FOUND, SERVER_ERROR, APIError, error_response, invalid
 
@@ -39,19 +40,100 @@ async def read_body(receive: Receive, scope: Scope, limit: int) -> bytes:
             return b"".join(chunks)
 
 
-def parse_json_object(raw: bytes) -> dict:
-    """A request body that must be one JSON object, or a 400 in OpenAI's shape."""
+# Deeper than any OpenAI request needs (a chat message's content part sits at depth 4), shallow
+# enough that nothing that walks a body, ours or a library's, can run out of stack.
+MAX_JSON_DEPTH = 64
+
+# A string, or an unterminated one up to the end: a pattern that may fail at a quote would be retried
+# at every later quote, quadratic on a body of escaped quotes.
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*(?:"|\\?\Z)', re.S)
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def parse_json_object(raw: bytes, max_depth: int = MAX_JSON_DEPTH) -> dict:
+    """A request body that must be one JSON object, or a 400 in OpenAI's shape.
+
+    Sizes are bounded before this (`read_body`); here the rest is: UTF-8 only, nesting at most
+    `max_depth` deep (checked before `json` parses, since it recurses and would die of a
+    RecursionError at ~1000 levels), numbers of at most 4300 digits (Python's own limit), no
+    NaN/Infinity (not JSON), and no string that cannot be encoded back to UTF-8: a lone surrogate
+    escape such as "\\ud800" parses to a str that every later encode (tokenizer, response) fails on.
+    """
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise invalid(f"The request body is not valid UTF-8: {exc}", code="invalid_json") from None
+    if nesting_exceeds(raw, max_depth):
+        raise invalid(f"The request body nests deeper than {max_depth} levels.", code="invalid_json")
+    try:
+        body = json.loads(text, parse_constant=_refuse_constant)
+    except ValueError as exc:  # JSONDecodeError, and the 4300-digit limit on integers
         raise invalid(f"The request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise invalid("The request body must be a JSON object.", code="invalid_json")
+    if _SURROGATE_ESCAPE.search(raw):  # the only way a surrogate gets in once the bytes are UTF-8
+        _refuse_surrogates(body)
     return body
 
 
-def openai_exception_handlers(component: str) -> dict:
-    """Starlette exception handlers that answer routing errors and crashes in OpenAI's error shape."""
+def nesting_exceeds(raw: bytes, max_depth: int) -> bool:
+    """Whether the JSON text `raw` nests arrays and objects deeper than `max_depth`, without recursing.
+
+    Strings are cut out, everything but brackets is dropped, and each pass removes the innermost
+    pairs: `[[],[[]]]` is empty after 3 passes, its depth. Whatever still holds a pair after
+    `max_depth` passes is deeper. Each pass is one C-speed `replace` (about 10 ms on 4 MiB of
+    brackets); `max_depth` + 1 opening brackets in a row end it early. Unbalanced text is left to
+    the parser.
+    """
+    shape = _STRING.sub(b"", raw).translate(None, _NOT_BRACKETS)
+    shape = shape.replace(b"{", b"[").replace(b"}", b"]")
+    too_deep = b"[" * (max_depth + 1)  # a plain chain is caught at once, not after max_depth passes
+    for _ in range(max_depth):
+        if not shape:
+            return False
+        if too_deep in shape:
+            return True
+        shape = shape.replace(b"[]", b"")
+    return b"[]" in shape
+
+
+def _refuse_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def _refuse_surrogates(body: dict) -> None:
+    """A 400 naming the first string field (or key) holding a lone surrogate, as `a.b[2].c`."""
+    todo: list[tuple[str, object]] = [("", body)]
+    while todo:
+        path, value = todo.pop()
+        if isinstance(value, str):
+            if not _encodable(value):
+                raise invalid(
+                    f"'{path}' holds a lone UTF-16 surrogate, which is not valid Unicode text.", param=path
+                )
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                name = f"{path}.{key}" if path else key
+                if not _encodable(key):
+                    where = path or "the request body"
+                    raise invalid(f"A key in {where} holds a lone UTF-16 surrogate.", param=path or None)
+                todo.append((name, item))
+        elif isinstance(value, list):
+            todo.extend((f"{path}[{i}]", item) for i, item in enumerate(value))
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def openai_exception_handlers() -> dict:
+    """Starlette exception handlers that answer our errors and routing errors in OpenAI's shape.
+    Anything else is `InternalErrors`' to answer."""
 
     async def api_error(request: Request, exc: APIError) -> Response:
         return error_response(exc)
@@ -61,11 +143,45 @@ def openai_exception_handlers(component: str) -> dict:
         message = f"{exc.detail}: {request.method} {request.url.path}"
         return error_response(APIError(exc.status_code, message, type=kind))
 
-    async def server_error(request: Request, exc: Exception) -> Response:
-        log.exception("unhandled error on %s", request.url.path)
-        return error_response(APIError(500, f"Internal error in the {component}.", type=SERVER_ERROR))
+    return {APIError: api_error, HTTPException: http_error}
 
-    return {APIError: api_error, HTTPException: http_error, Exception: server_error}
+
+def internal_error(component: str) -> APIError:
+    return APIError(500, f"Internal error in the {component}.", type=SERVER_ERROR)
+
+
+class InternalErrors:
+    """Pure ASGI middleware: an unexpected exception fails its own request, with a 500 in OpenAI's
+    shape, and nothing else.
+
+    Starlette's outermost `ServerErrorMiddleware` would answer the same 500 but then re-raise, and
+    uvicorn closes a connection whose app raised: the client's next request on it is reset. So the
+    exception stops here. Once the response has started it is re-raised: closing the connection is
+    then the only way left to tell the client its body is broken.
+    """
+
+    def __init__(self, app: ASGIApp, component: str) -> None:
+        self.app = app
+        self.component = component
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception:
+            if started:
+                raise
+            log.exception("unhandled error on %s", scope.get("path"))
+            await error_response(internal_error(self.component))(scope, receive, send)
 
 
 def make_server(app, *, host: str, port: int, log_level: str, grace_period_s: float):

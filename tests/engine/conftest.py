@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
@@ -12,6 +13,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -54,6 +56,29 @@ class EngineProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
         return self.proc.wait()
+
+
+class OneConnection:
+    """HTTP/1.1 requests on one kept-alive socket, to show that an answer did not cost the connection:
+    a server that closed it fails the next request (or makes http.client open another, caught here)."""
+
+    def __init__(self, url: str) -> None:
+        parts = urlsplit(url)
+        self.conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=120)
+        self.sock = None
+
+    def post(self, path: str, body: dict | bytes) -> tuple[int, dict, dict]:
+        """(status, headers, JSON body) of one POST."""
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        self.conn.request("POST", path, body=content, headers={"content-type": "application/json"})
+        response = self.conn.getresponse()
+        answer = json.loads(response.read())
+        self.sock = self.sock or self.conn.sock
+        assert self.conn.sock is self.sock, "the server closed the connection"
+        return response.status, dict(response.getheaders()), answer
+
+    def close(self) -> None:
+        self.conn.close()
 
 
 def launch_engine(snapshot: Path, log_dir: Path, *extra: str, env: dict | None = None) -> EngineProcess:

@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -22,7 +23,14 @@ from starlette.types import Receive, Scope, Send
 
 from stoker.engine.core import Engine, Generation
 from stoker.engine.protocol import Kind, ResponseShape, ensure_served, parse_request, sse
-from stoker.http import ClientGone, openai_exception_handlers, parse_json_object, read_body
+from stoker.http import (
+    ClientGone,
+    InternalErrors,
+    internal_error,
+    openai_exception_handlers,
+    parse_json_object,
+    read_body,
+)
 from stoker.openai_errors import APIError, error_response, invalid
 
 log = logging.getLogger("stoker.engine")
@@ -95,8 +103,8 @@ class CompletionsEndpoint:
         try:
             async for delta in generation:
                 parts.append(delta.text)
-        except APIError as exc:
-            await error_response(exc)(scope, receive, send)
+        except Exception as exc:
+            await error_response(_as_api_error(exc, generation))(scope, receive, send)
             return
         body = shape.whole(
             "".join(parts), generation.finish_reason, generation.prompt_tokens, generation.completion_tokens
@@ -121,11 +129,21 @@ class CompletionsEndpoint:
                     await emit(shape.chunk("", delta.finish_reason))
             if include_usage:
                 await emit(shape.usage_chunk(generation.prompt_tokens, generation.completion_tokens))
-        except APIError as exc:  # after the first byte an error can only travel as an event
-            log.warning("stream %s ended by an error: %s", generation.request_id, exc.message)
-            await emit(exc.body())
+        except Exception as exc:  # after the first byte an error can only travel as an event
+            error = _as_api_error(exc, generation)
+            log.warning("stream %s ended by an error: %s", generation.request_id, error.message)
+            await emit(error.body())
         await emit("[DONE]")
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def _as_api_error(exc: Exception, generation: Generation) -> APIError:
+    """An error during generation, as the client sees it: ours as they are, anything else a 500 for
+    this request only (logged with its traceback)."""
+    if isinstance(exc, APIError):
+        return exc
+    log.error("request %s failed", generation.request_id, exc_info=exc)
+    return internal_error("engine")
 
 
 def _response_id(kind: Kind, request_id: str) -> str:
@@ -150,6 +168,7 @@ def build_app(
         return JSONResponse({"object": "list", "data": [card]})
 
     async def health(request: Request) -> Response:
+        engine.check_loop()
         if engine.state == "ready":
             return Response(status_code=200)
         return JSONResponse({"status": engine.state, "error": engine.failure}, status_code=503)
@@ -203,6 +222,7 @@ def build_app(
 
     return Starlette(
         routes=routes,
-        exception_handlers=openai_exception_handlers("engine"),
+        exception_handlers=openai_exception_handlers(),
+        middleware=[Middleware(InternalErrors, component="engine")],
         lifespan=lifespan,
     )

@@ -194,19 +194,27 @@ class Engine:
     # ---- requests ----------------------------------------------------------------------------------
 
     def prompt_ids(self, req: GenerationRequest) -> list[int]:
+        """The prompt's token ids, at least one, each in the vocabulary: transformers' generation
+        loop dies on an empty prompt (a zero-length forward) and takes every request with it."""
         if req.messages is not None:
             ids = self._tokenizer.apply_chat_template(
                 list(req.messages), add_generation_prompt=True, tokenize=True, return_dict=False
             )
-            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-        if isinstance(req.prompt, tuple):
-            vocab = len(self._tokenizer)
-            if max(req.prompt) >= vocab:
-                raise invalid(
-                    f"'prompt' has a token id outside the vocabulary (size {vocab}).", param="prompt"
-                )
-            return list(req.prompt)
-        return self._tokenizer.encode(req.prompt, add_special_tokens=True)
+            ids, param = list(ids["input_ids"] if hasattr(ids, "keys") else ids), "messages"
+        elif isinstance(req.prompt, tuple):
+            ids, param = list(req.prompt), "prompt"
+        else:  # as vLLM: special tokens added, so a tokenizer with a BOS serves "" as [BOS]
+            ids, param = self._tokenizer.encode(req.prompt, add_special_tokens=True), "prompt"
+        if not ids:
+            raise invalid(
+                f"The prompt cannot be empty: '{param}' encodes to no tokens, and a completion needs at "
+                "least one.",
+                param=param,
+            )
+        vocab = len(self._tokenizer)
+        if max(ids) >= vocab:
+            raise invalid(f"'{param}' has a token id outside the vocabulary (size {vocab}).", param=param)
+        return ids
 
     def budget(self, prompt_tokens: int, params: SamplingParams) -> int:
         """How many tokens this request may generate; refuses requests that cannot fit the context."""
@@ -231,12 +239,22 @@ class Engine:
         return params.max_tokens
 
     def check_serving(self) -> None:
+        self.check_loop()
         if self.state == "sleeping":
             self.metrics.rejected("asleep")
             raise unavailable("The engine is asleep; wake it with POST /wake_up.", code="engine_asleep")
         if self.state != "ready":
             self.metrics.rejected(self.state)
             raise unavailable(f"The engine is not ready ({self.state}).", code=f"engine_{self.state}")
+
+    def check_loop(self) -> None:
+        """Fail the engine for good if its generation loop died while it was ready (transformers ends
+        the loop's thread on any error in a step): `/health` then answers 503 and the pool replaces
+        this instance, instead of routing to it requests that can only fail."""
+        if self.state == "ready" and self._manager is not None and not self._manager.is_running():
+            self.state = "failed"
+            self.failure = "the generation loop stopped"
+            log.error("the generation loop stopped; this engine is failed and serves no more requests")
 
     async def start(self, prompt_ids: list[int], params: SamplingParams, max_new: int) -> Generation:
         """Admit one request and hand it to the batching manager.
@@ -393,6 +411,7 @@ class Generation:
             eos_token_id=-1 if params.ignore_eos else None,  # -1: no EOS for this request
         )
         if accepted is None:
+            engine.check_loop()
             raise APIError(500, "The engine's generation loop is not running.", type=SERVER_ERROR)
         engine.metrics.prompt_tokens.inc(self.prompt_tokens)
 

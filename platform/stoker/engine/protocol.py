@@ -87,7 +87,7 @@ def _messages(value: Any) -> tuple[dict, ...]:
         if not isinstance(msg, dict):
             raise invalid(f"'{where}' must be an object.", param=where)
         role = msg.get("role")
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:  # an object or array is unhashable
             raise invalid(
                 f"'{where}.role' must be one of {sorted(ROLES)}, got {role!r}.", param=f"{where}.role"
             )
@@ -121,7 +121,9 @@ def _prompt(value: Any) -> str | tuple[int, ...]:
         value = value[0]  # a batch of one
     if isinstance(value, str):
         return value
-    if isinstance(value, list) and value and all(type(t) is int and t >= 0 for t in value):
+    if value == []:
+        raise invalid("The prompt cannot be empty: 'prompt' has no token ids.", param="prompt")
+    if isinstance(value, list) and all(type(t) is int and t >= 0 for t in value):
         return tuple(value)
     raise invalid(
         "'prompt' must be a string, or an array of token ids (one prompt per request).", param="prompt"
