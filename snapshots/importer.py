@@ -4,7 +4,10 @@ Either way the files are written into a hidden staging dir inside the store root
 a manifest, and renamed into place in one step (see `store`). Refused up front, before a byte is
 written: pickled weights, symlinks leading out of the source, a directory without `config.json` or
 without `*.safetensors`. Safetensors bytes are copied exactly as given; the manifest records their
-dominant dtype.
+dominant dtype. The copy reads each file through a descriptor opened without following symlinks and
+checked to be the very file the scan approved, so swapping a file for a link to something else
+while a large model copies is refused rather than copied; a stored file is never more readable
+than its source.
 
 A GGUF is converted (about a minute for SmolLM2), so the store keeps `sources/<sha256 of the GGUF>`
 -> id; importing the same file again costs one hash of it (~0.3 s for 98 MB).
@@ -16,6 +19,7 @@ import datetime
 import hashlib
 import json
 import os
+import stat
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +37,8 @@ GGUF_MAGIC = b"GGUF"
 class SourceFile:
     rel: str  # POSIX path inside the snapshot
     path: Path  # where its bytes are read from (a symlink's target, already checked)
+    identity: tuple[int, int] = (0, 0)  # (dev, ino) the check approved: the copy reads this file or none
+    size: int = 0
 
 
 def _in_hf_cache_blobs(root: Path, target: Path) -> bool:
@@ -43,6 +49,11 @@ def _in_hf_cache_blobs(root: Path, target: Path) -> bool:
     """
     repo = root.parent.parent
     return root.parent.name == "snapshots" and target.parent == repo / "blobs"
+
+
+# A model directory holds tens of files (a sharded 405B model: a few hundred); a tree with more is
+# something else, and walking it is what a hostile deploy (`"model": "/"`) would make the platform do.
+MAX_ENTRIES = 10_000
 
 
 def scan_hf_dir(src: Path) -> list[SourceFile]:
@@ -56,9 +67,17 @@ def scan_hf_dir(src: Path) -> list[SourceFile]:
         raise InvalidSource(f"no such file or directory: {src}")
     if not src.is_dir():
         raise InvalidSource(f"{src} is neither a model directory nor a .gguf file")
+    # Before walking anything: a deploy names its model by path, and `/` or a home directory must
+    # be refused at once, not walked file by file. The walk below still checks every file.
+    if not (src / "config.json").is_file():
+        raise InvalidSource(f"{src} is not a Hugging Face model directory: it has no config.json")
     root = src.resolve()
     found: list[SourceFile] = []
+    seen = 0
     for dirpath, dirnames, filenames in os.walk(src):
+        seen += len(dirnames) + len(filenames)
+        if seen > MAX_ENTRIES:
+            raise InvalidSource(f"{src} holds more than {MAX_ENTRIES} entries: not a model directory")
         here = Path(dirpath)
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
         for d in dirnames:
@@ -80,9 +99,13 @@ def scan_hf_dir(src: Path) -> list[SourceFile]:
                     f"refusing {rel}: pickled weights ({kinds}) are never loaded, since unpickling runs "
                     "code; convert them to safetensors"
                 )
-            if not target.is_file():
+            try:
+                st = target.stat()
+            except OSError as exc:
+                raise InvalidSource(f"cannot read {rel} in {src}: {exc.strerror or exc}") from exc
+            if not stat.S_ISREG(st.st_mode):
                 raise InvalidSource(f"{rel} in {src} is not a regular file")
-            found.append(SourceFile(rel, target))
+            found.append(SourceFile(rel, target, (st.st_dev, st.st_ino), st.st_size))
     rels = {f.rel for f in found}
     if "config.json" not in rels:
         raise InvalidSource(f"{src} is not a Hugging Face model directory: it has no config.json")
@@ -122,13 +145,15 @@ def import_hf_dir(src: Path, store: SnapshotStore, name: str | None = None) -> S
     files = scan_hf_dir(src)
     dtype = dominant_dtype(f.path for f in files if f.rel.endswith(".safetensors"))
     store.remove_stale_tmp()
-    store.make_room(sum(f.path.stat().st_size for f in files))  # StoreFull now beats ENOSPC halfway
+    store.make_room(sum(f.size for f in files))  # StoreFull now beats ENOSPC halfway
     with store.staging() as tmp:
         entries = []
         for f in files:
             dst = tmp / f.rel
             dst.parent.mkdir(parents=True, exist_ok=True)
-            size, digest = copy_hashing(f.path, dst)
+            # Through a descriptor of the very file the scan approved: a file swapped for a symlink
+            # (or another file) since is refused, not copied (see `open_regular_nofollow`).
+            size, digest = copy_hashing(f.path, dst, expect=f.identity)
             entries.append(FileEntry(f.rel, size, digest))
         snapshot_id = _commit(store, tmp, entries, dtype, source=str(src.resolve()))
     if name is not None:

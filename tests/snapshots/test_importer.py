@@ -147,6 +147,29 @@ def test_incomplete_model_dirs_are_refused(
     assert snapshot_dirs(store.root) == []
 
 
+def test_a_tree_that_is_no_model_is_refused_without_walking_it(
+    store: SnapshotStore, tmp_path: Path, monkeypatch
+) -> None:
+    # `"model": "/"` on the admin API: refused at once, never walked (os.walk is not called).
+    import os
+
+    walked: list[str] = []
+    real_walk = os.walk
+    monkeypatch.setattr(os, "walk", lambda top, *a, **k: walked.append(str(top)) or real_walk(top, *a, **k))
+    with pytest.raises(InvalidSource, match=r"it has no config\.json"):
+        import_hf_dir(Path("/"), store)
+    assert walked == []
+    # A tree with a config.json but far more entries than any model: refused once the count is passed.
+    big = tmp_path / "home"
+    (big / "a").mkdir(parents=True)
+    (big / "config.json").write_text("{}")
+    for i in range(10_001):
+        (big / "a" / f"f{i}").touch()
+    with pytest.raises(InvalidSource, match="more than 10000 entries"):
+        import_hf_dir(big, store)
+    assert snapshot_dirs(store.root) == []
+
+
 def test_bad_name_is_refused_before_copying(tiny_model_dir: Path, store: SnapshotStore) -> None:
     with pytest.raises(InvalidName):
         import_hf_dir(tiny_model_dir, store, name="../escape")
