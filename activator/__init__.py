@@ -12,7 +12,14 @@ packages: the composition root wires it to the warm pool through the protocols i
 from activator.activator import Activator
 from activator.balancer import pick
 from activator.config import ActivatorConfig
-from activator.errors import ActivatorError, DeadlineExceeded, NoCapacity, QueueFull, UpstreamError
+from activator.errors import (
+    ActivatorError,
+    DeadlineExceeded,
+    NoCapacity,
+    QueueFull,
+    Unavailable,
+    UpstreamError,
+)
 from activator.metrics import ActivatorMetrics
 from activator.source import Endpoint, InstanceSource, Load
 
@@ -27,6 +34,7 @@ __all__ = [
     "Load",
     "NoCapacity",
     "QueueFull",
+    "Unavailable",
     "UpstreamError",
     "pick",
 ]

@@ -9,6 +9,8 @@
 Held requests wait on a future that `Slots` resolves, in arrival order, when `capacity_changed()`
 is called or a request finishes. A task watches `receive()` the whole time: a client that leaves
 cancels the work at once, which takes it out of the queue or closes the upstream connection.
+When the source says no instance can start (`set_unavailable`, e.g. a corrupt snapshot), held
+requests are answered 503 with its reason at once, and new ones are not held.
 
 The source hears of every request twice, `request_arrived` and `request_finished` (with the seconds
 it held instances, and the instance it was a cold start on): the scaler's tracker counts arrivals,
@@ -31,7 +33,14 @@ import aiohttp
 
 from activator import proxy
 from activator.config import ActivatorConfig
-from activator.errors import ActivatorError, DeadlineExceeded, NoCapacity, QueueFull, UpstreamError
+from activator.errors import (
+    ActivatorError,
+    DeadlineExceeded,
+    NoCapacity,
+    QueueFull,
+    Unavailable,
+    UpstreamError,
+)
 from activator.metrics import ActivatorMetrics
 from activator.slots import Key, Slots, key
 from activator.source import Endpoint, InstanceSource, Load
@@ -102,12 +111,21 @@ class Activator:
         self._queue_length = metrics.queue_length.labels(deployment)
         self._queue_wait = metrics.queue_wait.labels(deployment)
         self._cold_first_byte = metrics.cold_start_first_byte.labels(deployment)
+        self._unavailable: str | None = None  # why no instance can start, while the source says so
 
     # -- what the pool and the scaler see ------------------------------------------------------
 
     def capacity_changed(self) -> None:
         """The routing set changed (an instance became READY, or left): wake held requests."""
         self._slots.dispatch()
+
+    def set_unavailable(self, reason: str | None) -> None:
+        """The source cannot start an instance (`reason`, one line), or can again (None). Meanwhile
+        held requests are answered `Unavailable(reason)` at once, and so is every request that finds
+        no free slot, instead of waiting out the hold deadline for an instance that will not come."""
+        self._unavailable = reason
+        if reason is not None:
+            self._slots.fail_held(lambda: Unavailable(reason, self._config.retry_after_s))
 
     def load(self) -> Load:
         return Load(
@@ -218,6 +236,8 @@ class Activator:
     async def _hold(self, ex: _Exchange, exclude: tuple[Key, ...], front: bool) -> Endpoint:
         """Wait for a slot in FIFO order, within `hold_deadline_s`; keep a held stream alive."""
         config = self._config
+        if self._unavailable is not None:
+            raise Unavailable(self._unavailable, config.retry_after_s)
         waiter = self._slots.hold(exclude, front)
         self._source.poke()  # at once: the pool must not wait for its next tick
         self._queue_length.inc()

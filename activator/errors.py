@@ -14,7 +14,8 @@ class ActivatorError(Exception):
         ActivatorError                     code               gateway answers
         ├── NoCapacity                     (retry_after_s)
         │   ├── QueueFull                  "queue_full"       503 + Retry-After
-        │   └── DeadlineExceeded           "hold_deadline"    503 + Retry-After
+        │   ├── DeadlineExceeded           "hold_deadline"    503 + Retry-After
+        │   └── Unavailable                "deployment_unavailable"  503 + Retry-After
         └── UpstreamError                  "upstream_failed"  502
 
     `code` is OpenAI's error `code` field; `str(exc)` is a one-line message for the client.
@@ -61,4 +62,16 @@ class UpstreamError(ActivatorError):
 
     def __init__(self, reason: str) -> None:
         super().__init__(f"The model instance failed before answering: {reason}")
+        self.reason = reason
+
+
+class Unavailable(NoCapacity):
+    """The source said it cannot bring up an instance (say, its snapshot is corrupt), so held
+    requests stop waiting now, and new ones are not held, instead of each waiting out its deadline.
+    The message carries the source's reason."""
+
+    code = "deployment_unavailable"
+
+    def __init__(self, reason: str, retry_after_s: int) -> None:
+        super().__init__(f"No instance can start: {reason}", retry_after_s)
         self.reason = reason

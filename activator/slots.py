@@ -71,8 +71,9 @@ class Slots:
         try:
             self._waiters.remove(waiter)
         except ValueError:
-            if waiter.future.done() and not waiter.future.cancelled():
-                self.release(waiter.future.result().id)
+            future = waiter.future
+            if future.done() and not future.cancelled() and future.exception() is None:
+                self.release(future.result().id)
             return
         waiter.future.cancel()
 
@@ -84,6 +85,11 @@ class Slots:
         else:
             self.outstanding.pop(endpoint_id, None)
         self.dispatch()
+
+    def fail_held(self, error: Callable[[], BaseException]) -> None:
+        """Every held request stops waiting: its future raises a fresh `error()`."""
+        while self._waiters:
+            self._waiters.popleft().future.set_exception(error())
 
     def dispatch(self) -> None:
         """Grant free slots to held requests in arrival order. One that may not use what is free

@@ -9,6 +9,7 @@ Layout under the store root (`$STOKER_HOME/snapshots`):
     .pull-<id>/             a pull from object storage in progress or interrupted; kept for resume,
                             never listed (with .pull-<id>.journal and .pull-<id>.lock beside it)
     .tmp-<host>-<pid>-<rnd>/  a snapshot being written; hidden, never listed
+    verified/<id>           each file's (size, mtime_ns, ctime_ns, inode) when it last hashed sound
     used/<id>               empty; its mtime is the snapshot's last use (the LRU order, see `usage`)
     pins/<id>               flock'd shared by each holder of a pin; pins/<id>.holder-* name them
     .trash-<rnd>/           a snapshot being deleted (renamed here first, so it vanishes at once)
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import builtins
 import errno
+import json
 import os
 import re
 import shutil
@@ -35,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from snapshots import pins, usage
-from snapshots.durable import fsync_dir, fsync_file, write_atomic
+from snapshots.durable import READ_BITS, fsync_dir, fsync_file, write_atomic
 from snapshots.errors import (
     AmbiguousRef,
     CorruptSnapshot,
@@ -46,7 +48,7 @@ from snapshots.errors import (
 )
 from snapshots.manifest import MANIFEST_NAME, Manifest
 from snapshots.owner import is_stale, private_name
-from snapshots.verify import Problem, verify_dir
+from snapshots.verify import FileStat, Problem, check_dir, file_stat
 
 TMP_PREFIX = ".tmp-"
 PULL_PREFIX = ".pull-"
@@ -120,6 +122,7 @@ class SnapshotStore:
         self.names_dir = self.root / "names"
         self.sources_dir = self.root / "sources"
         self.remotes_dir = self.root / "remotes"
+        self.verified_dir = self.root / "verified"
 
     # --- reading ---------------------------------------------------------------------------------
 
@@ -209,7 +212,46 @@ class SnapshotStore:
         path = self.path_of(snapshot_id)
         if not path.is_dir():
             raise SnapshotNotFound(f"no snapshot {snapshot_id} in {self.root}")
-        return verify_dir(path, snapshot_id)
+        problems, sound = check_dir(path, snapshot_id, {})
+        self._remember_verified(snapshot_id, sound)
+        return problems
+
+    def check_for_start(self, snapshot_id: str) -> None:
+        """Before an engine loads the snapshot: raise CorruptSnapshot unless every file checks out.
+
+        Every file's size is compared with the manifest, and its sha256 too unless the file is
+        unchanged since it last hashed sound (`verified/<id>`, see `verify.check_dir`): a start
+        after an import, a pull or a verify costs a stat per file, not a read of the weights.
+        """
+        path = self.path_of(snapshot_id)
+        if not path.is_dir():
+            raise SnapshotNotFound(f"no snapshot {snapshot_id} in {self.root}")
+        problems, sound = check_dir(path, snapshot_id, self._verified(snapshot_id))
+        self._remember_verified(snapshot_id, sound)
+        if problems:
+            shown = "; ".join(str(p) for p in problems[:3])
+            more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+            raise CorruptSnapshot(
+                f"snapshot {snapshot_id[:12]} is corrupt: {shown}{more}; pull or import it again "
+                f"(`stoker snapshot verify {snapshot_id[:12]}` lists every bad file)"
+            )
+
+    def _verified(self, snapshot_id: str) -> dict[str, FileStat]:
+        try:
+            doc = json.loads((self.verified_dir / snapshot_id).read_bytes())
+            return {str(k): (int(a), int(b), int(c), int(d)) for k, (a, b, c, d) in doc["files"].items()}
+        except (OSError, ValueError, TypeError, KeyError, AttributeError):
+            return {}  # none, or unreadable: everything is hashed, which is only slower
+
+    def _remember_verified(self, snapshot_id: str, sound: dict[str, FileStat]) -> None:
+        if not _ID.fullmatch(snapshot_id):
+            raise ValueError(f"not a snapshot id: {snapshot_id!r}")
+        data = json.dumps({"files": sound}, sort_keys=True).encode()
+        try:
+            self.verified_dir.mkdir(parents=True, exist_ok=True)
+            write_atomic(self.verified_dir / snapshot_id, data)
+        except (OSError, StoreWriteError):
+            pass  # a read-only store still starts; the next check hashes again
 
     def lookup_source(self, digest: str) -> str | None:
         """The id previously made from a source file with this sha256, if that snapshot still exists."""
@@ -369,7 +411,8 @@ class SnapshotStore:
         for dirpath, _dirnames, filenames in os.walk(tmpdir, topdown=False):
             for filename in filenames:
                 path = Path(dirpath) / filename
-                path.chmod(stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH)  # a snapshot is exact bytes
+                # A snapshot is exact bytes: read-only, and never more readable than it was written.
+                path.chmod(stat.S_IMODE(path.lstat().st_mode) & READ_BITS)
                 fsync_file(path)  # cheap when the writer fsynced already; not every writer does
             fsync_dir(Path(dirpath))
         try:
@@ -380,6 +423,10 @@ class SnapshotStore:
                 return snapshot_id
             raise
         fsync_dir(self.root)
+        # Every writer hashed these bytes on their way in (an import as it copied, a pull before
+        # this commit): the first start needs to stat them, not hash them again.
+        hashed = {e.path: file_stat(os.lstat(target / e.path)) for e in manifest.files}
+        self._remember_verified(snapshot_id, hashed)
         return snapshot_id
 
     def remove_stale_tmp(self, *, dry_run: bool = False) -> builtins.list[Path]:

@@ -180,6 +180,7 @@ def _to_trash(store: SnapshotStore, snapshot_id: str) -> Path | None:
     _unlink_pointing_at(store.names_dir, snapshot_id)
     _unlink_pointing_at(store.sources_dir, snapshot_id)
     (store.used_dir / snapshot_id).unlink(missing_ok=True)
+    (store.verified_dir / snapshot_id).unlink(missing_ok=True)
     pins.retire(store.pins_dir, snapshot_id)
     # Its compile caches go with it; deleted now (small next to the weights), or by the next gc.
     if (caches := CompileCaches(store.root).remove(snapshot_id)) is not None:

@@ -5,6 +5,7 @@
     ├── InvalidConfig          a setting out of range; also a ValueError, `field` names the setting
     │   └── InvalidScalingConfig   a ScalingConfig field (min_warm, max, target_concurrency, ...)
     ├── StartFailed            an engine process exited, or was not ready in time; message has its log tail
+    ├── SnapshotCorrupt        the deployment's snapshot failed its start-time check: no start can succeed
     ├── NoGpuAvailable         the GPU inventory cannot give an instance the GPUs it needs
     └── EngineUnavailable      the engine a deployment asks for cannot run here (no vLLM, no GPU, ...)
 
@@ -44,6 +45,14 @@ class StartFailed(PoolError):
         super().__init__(message)
         self.exit_code = exit_code
         self.log_tail = log_tail
+
+
+class SnapshotCorrupt(PoolError):
+    """The snapshot an instance would load does not match its manifest (a truncated or changed file).
+
+    Unlike a process that crashed, retrying cannot help: the pool starts no more instances of the
+    deployment until it is deployed again, and its held requests are refused with this message.
+    """
 
 
 class NoGpuAvailable(PoolError):

@@ -17,9 +17,11 @@ observes, decides and applies, as the simulator does (`warm_pool.simulate`), thr
   stopped. A snapshot the policy wants warm is read into the page cache in the background.
 
 A failed start, sleep or wake, or a process that dies (READY or SLEEPING), makes the instance FAILED:
-it is stopped and replaced after an exponential backoff. The pool is the activator's
-`InstanceSource`; it tells the activator through `Demand.capacity_changed` whenever its routing set
-changes.
+it is stopped and replaced after an exponential backoff. A start that fails because the snapshot
+is corrupt is not retried: the pool starts nothing more and the activator refuses held and new
+requests with that reason (`Demand.set_unavailable`) until the deployment is deployed again. The
+pool is the activator's `InstanceSource`; it tells the activator through `Demand.capacity_changed`
+whenever its routing set changes.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from snapshots.pins import Pin
 from snapshots.s3 import RemoteConfig
 from warm_pool.backoff import restart_delay
 from warm_pool.engine_signals import EngineScraper, EngineTotals, engine_totals
-from warm_pool.errors import PoolError, StartFailed
+from warm_pool.errors import PoolError, SnapshotCorrupt, StartFailed
 from warm_pool.launch import GpuInventory, LaunchSpec, cpu_engine_spec, vllm_spec
 from warm_pool.local import EngineCapabilities, ProcessHandle, free_port
 from warm_pool.metrics import PoolMetrics, split_cold_start
@@ -78,6 +80,8 @@ class Demand(Protocol):
     def load(self) -> LoadView: ...
 
     def capacity_changed(self) -> None: ...
+
+    def set_unavailable(self, reason: str | None) -> None: ...  # no start can succeed (why), or None
 
 
 class Backend(Protocol):
@@ -202,6 +206,7 @@ class Pool:
         self._closing = False
         self._failures = 0  # consecutive failed starts, for the restart backoff
         self._not_before = 0.0  # no new start before this time (backoff after a failure)
+        self._corrupt: str | None = None  # set when a start found the snapshot corrupt: no more starts
         self.last_decision: Decision | None = None
         self._warming: asyncio.Future[WarmReport] | None = None  # the snapshot's page-cache warm in flight
         self._warm_asked_at = -WARM_EVERY_S
@@ -250,6 +255,10 @@ class Pool:
             self._policy_state = bound.initial_state
         self._bound = bound
         self.spec = replace(self.spec, scaling=scaling, policy=policy)
+        if self._corrupt is not None:  # deployed again: the snapshot gets one more start to check out
+            self._corrupt = None
+            if self._demand is not None:
+                self._demand.set_unavailable(None)
         self._wake.set()
 
     @property
@@ -403,7 +412,7 @@ class Pool:
             for inst in sorted(c.asleep, key=lambda i: i.created_at, reverse=True)[:need]:
                 self._begin_wake(inst)
                 need -= 1
-            if need > 0 and now >= self._not_before:
+            if need > 0 and now >= self._not_before and self._corrupt is None:
                 for _ in range(need):
                     self._start_instance(now)
         elif decision.ready < active:
@@ -532,6 +541,10 @@ class Pool:
             self._metrics.start_finished(spec.deployment, "failed")
             self._move(inst, S.FAILED, clock())
             self._failed_start(clock())
+            if isinstance(exc, SnapshotCorrupt) and self._corrupt is None:
+                self._corrupt = str(exc)  # retrying cannot help: no more starts until a redeploy
+                log.error("pool %s: starts no more instances: %s", spec.deployment, exc)
+                self._demand.set_unavailable(f"deployment {spec.deployment!r}: {exc}")
             await self._forget(inst, to=S.STOPPED)
             return
         except asyncio.CancelledError:

@@ -8,18 +8,24 @@ eviction and `stoker snapshot gc` never take the files from under a running engi
 
 `tier()` says where a start would load from right now (object storage, local disk, page cache):
 the scaler's lead time depends on it.
+
+Before a start uses the files, `SnapshotStore.check_for_start` compares every file's size with the
+manifest, and its sha256 unless it is unchanged since it last hashed sound (a stat per file on the
+usual start): a truncated or altered file fails the start with `SnapshotCorrupt` instead of an
+engine that crashes at load, over and over.
 """
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from pathlib import Path
 
-from snapshots import SnapshotError, SnapshotNotFound, SnapshotStore, pagecache
+from snapshots import CorruptSnapshot, SnapshotError, SnapshotNotFound, SnapshotStore, pagecache
 from snapshots.pins import Pin
 from snapshots.remote import PullReport, pull
 from snapshots.s3 import RemoteConfig
-from warm_pool.errors import PoolError
+from warm_pool.errors import PoolError, SnapshotCorrupt
 from warm_pool.policy import Tier
 
 # At least this much of the snapshot in the page cache counts as a start at memory speed.
@@ -59,10 +65,14 @@ class SnapshotSource:
         return Tier.PAGE_CACHE if resident >= RESIDENT_ENOUGH else Tier.DISK
 
     async def acquire(self, holder: str) -> Acquired:
-        """Pin the snapshot for `holder`, pulling it first if it is not local. PoolError if neither."""
+        """Pin the snapshot for `holder`, pulling it first if it is not local, and check its files.
+
+        PoolError if it is neither local nor pullable; SnapshotCorrupt if its files are not what
+        the manifest lists.
+        """
         tier = self.tier()
         try:
-            return Acquired(self.path, self._pin(holder), tier, None)
+            return await self._checked(Acquired(self.path, self._pin(holder), tier, None))
         except SnapshotNotFound:
             if self.remote is None:
                 raise PoolError(
@@ -76,9 +86,23 @@ class SnapshotSource:
                 self.remote_config or RemoteConfig.from_env(),
                 expected_id=self.snapshot_id,
             )
-            return Acquired(report.path, self._pin(holder), Tier.OBJECT_STORAGE, report)
+            acquired = Acquired(report.path, self._pin(holder), Tier.OBJECT_STORAGE, report)
         except SnapshotError as exc:
             raise PoolError(f"cannot pull {self.remote}: {exc}") from exc
+        return await self._checked(acquired)
+
+    async def _checked(self, acquired: Acquired) -> Acquired:
+        """`acquired` once its files check out; else its pin is let go and SnapshotCorrupt raised."""
+        try:
+            await asyncio.to_thread(self.store.check_for_start, self.snapshot_id)
+        except BaseException as exc:
+            acquired.pin.release()
+            if isinstance(exc, CorruptSnapshot):
+                raise SnapshotCorrupt(str(exc)) from exc
+            if isinstance(exc, SnapshotError):
+                raise PoolError(f"cannot check snapshot {self.snapshot_id[:12]}: {exc}") from exc
+            raise
+        return acquired
 
     def _pin(self, holder: str) -> Pin:
         pin = self.store.pin(self.snapshot_id, holder)

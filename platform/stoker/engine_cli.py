@@ -2,7 +2,13 @@
 
 The process serves HTTP at once and loads the model on a background thread; `/health` answers
 200 only once the model is loaded and warmed up. SIGTERM stops accepting connections, lets
-in-flight requests finish within `--grace-period`, and exits 0. A load that fails exits 1.
+in-flight requests finish within `--grace-period`, and exits 0.
+
+A snapshot it cannot load exits 1 with one line on stderr (`stoker: error: ...`), no traceback.
+What can be told before serving is checked first: a store snapshot's files against its manifest
+(`SnapshotStore.check_for_start`: sizes, and hashes of files changed since they last hashed
+sound), and every safetensors header against its file's size (a truncated file). A load that fails
+later, on the background thread, ends the server and exits the same way.
 
 `--device auto` (the default) runs it on a CUDA GPU when torch sees one, on the CPU otherwise:
 the same engine, with bf16 weights by default on the GPU. `--device cuda` without a GPU exits 1
@@ -73,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
         refuse_unloadable(snapshot_dir)
     except ValueError as exc:
         raise CLIError(str(exc)) from None
+    check_weights(snapshot_dir)
     name = args.served_model_name or snapshot_dir.name
 
     import torch
@@ -103,13 +110,20 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(str(exc)) from None
     engine = Engine(config, EngineMetrics(name))
     engine.phases["imports"] = imports_s
+    # Why the load failed, kept here: `engine.shutdown` sets engine.state to "stopping", so after
+    # the server has stopped engine.state no longer says "failed" (the cause of a failed load
+    # exiting 0).
+    failure: list[str] = []
 
     def load() -> None:
         try:
             engine.load()
         except Exception as exc:
-            log.exception("loading %s failed", snapshot_dir)
-            engine.state, engine.failure = "failed", str(exc)
+            # One line: the traceback is for --log-level debug; the exit says why (below).
+            log.debug("loading %s failed", snapshot_dir, exc_info=True)
+            lines = str(exc).strip().splitlines()
+            engine.state, engine.failure = "failed", lines[0] if lines else type(exc).__name__
+            failure.append(engine.failure)
             server.should_exit = True
             return
         log.info(
@@ -134,7 +148,9 @@ def run(args: argparse.Namespace) -> int:
         app, host=args.host, port=args.port, log_level=args.log_level, grace_period_s=args.grace_period
     )
     started = run_server(server)
-    return 1 if engine.state == "failed" or not started else 0
+    if failure:
+        raise CLIError(f"cannot load {snapshot_dir}: {failure[0]}")
+    return 0 if started else 1
 
 
 def resolve_snapshot(ref: str) -> Path:
@@ -159,8 +175,18 @@ def pin_if_stored(snapshot_dir: Path):
         return None  # a model directory outside any store
     store = SnapshotStore(snapshot_dir.parent)
     pin = store.pin(snapshot_dir.name, f"engine pid {os.getpid()}")
+    store.check_for_start(snapshot_dir.name)  # CorruptSnapshot: one line, exit 1
     store.touch(snapshot_dir.name)
     return pin
+
+
+def check_weights(snapshot_dir: Path) -> None:
+    """Every safetensors header must fit its file: a truncated file is refused in one line
+    (InvalidSource) before torch is imported, not by a traceback from the loading thread."""
+    from snapshots.weights import read_header
+
+    for path in sorted(snapshot_dir.rglob("*.safetensors")):
+        read_header(path)
 
 
 def _port(value: str) -> int:

@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from activator import ActivatorError, DeadlineExceeded, QueueFull, UpstreamError
+from activator import ActivatorError, DeadlineExceeded, QueueFull, Unavailable, UpstreamError
 from stoker.http import ClientGone, InternalErrors, openai_exception_handlers, parse_json_object, read_body
 from stoker.openai_errors import (
     SERVER_ERROR,
@@ -41,6 +41,7 @@ MAX_BODY_BYTES = 4 << 20
 ERRORS: dict[type[ActivatorError], tuple[int, str]] = {
     QueueFull: (503, UNAVAILABLE),
     DeadlineExceeded: (503, UNAVAILABLE),
+    Unavailable: (503, UNAVAILABLE),
     UpstreamError: (502, SERVER_ERROR),
 }
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from activator import DeadlineExceeded, QueueFull, UpstreamError
+from activator import DeadlineExceeded, QueueFull, Unavailable, UpstreamError
 from stoker.gateway import api_error
 
 
@@ -13,6 +13,13 @@ from stoker.gateway import api_error
     [
         (QueueFull(3, 100), 503, "service_unavailable_error", "queue_full", "3"),
         (DeadlineExceeded(2, 120.0), 503, "service_unavailable_error", "hold_deadline", "2"),
+        (
+            Unavailable("snapshot ab12 is corrupt", 2),
+            503,
+            "service_unavailable_error",
+            "deployment_unavailable",
+            "2",
+        ),
         (UpstreamError("tiny-1: cannot connect"), 502, "server_error", "upstream_failed", None),
     ],
 )

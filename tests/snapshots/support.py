@@ -21,7 +21,7 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, *fragments: str) ->
 
 
 # The store's bookkeeping beside the snapshots: index dirs, and the lock taken while evicting.
-BOOKKEEPING = ("names", "sources", "remotes", "used", "pins", ".lock")
+BOOKKEEPING = ("names", "sources", "remotes", "used", "pins", "verified", ".lock")
 
 
 def snapshot_dirs(root: Path) -> list[str]:
