@@ -19,6 +19,7 @@ from warm_pool.errors import InvalidConfig, NoGpuAvailable
 # Unbuffered output: an engine that dies early has written everything it had to its log, and the
 # log's tail is what `StartFailed` shows.
 _UNBUFFERED = {"PYTHONUNBUFFERED": "1"}
+ENGINE_KEY_ENV = "STOKER_ENGINE_API_KEY"  # stoker.engine.app.API_KEY_ENV: warm_pool imports no stoker
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ def cpu_engine_spec(
     threads: int | None = None,
     stoker_executable: str | None = None,
     extra_args: Sequence[str] = (),
+    api_key: str | None = None,
 ) -> LaunchSpec:
     cmd = (stoker_executable,) if stoker_executable else default_stoker_command()
     argv = [*cmd, "engine", "--snapshot", str(snapshot_dir), "--port", str(port), "--host", host]
@@ -58,7 +60,9 @@ def cpu_engine_spec(
     argv += ["--served-model-name", served_name, "--device", "cpu"]
     if threads is not None:
         argv += ["--threads", str(threads)]
-    return LaunchSpec(tuple([*argv, *extra_args]), env=_UNBUFFERED)
+    # The instance's secret goes in the environment, readable by its owner only (argv is public).
+    env = {**_UNBUFFERED, **({ENGINE_KEY_ENV: api_key} if api_key else {})}
+    return LaunchSpec(tuple([*argv, *extra_args]), env=env)
 
 
 def vllm_spec(
@@ -75,6 +79,7 @@ def vllm_spec(
     cpu_kv_cache_gib: float = 1.0,
     extra_args: Sequence[str] = (),
     vllm_command: Sequence[str] = ("vllm",),
+    api_key: str | None = None,
 ) -> LaunchSpec:
     """`vllm serve` on a snapshot. With GPUs: `CUDA_VISIBLE_DEVICES`, tensor parallel over them, and
     sleep mode (served only in vLLM's dev mode). Without (vLLM's CPU build): a KV cache of
@@ -113,6 +118,11 @@ def vllm_spec(
         argv.append("--enable-sleep-mode")
         # vLLM serves /sleep, /wake_up and /server_info only in its dev mode; the pool needs them.
         env["VLLM_SERVER_DEV_MODE"] = "1"
+    if api_key:
+        # vLLM's --api-key, from the environment: argv is visible to every local user. vLLM guards
+        # only its /v1 routes with it; /metrics, /health and, in dev mode, /sleep and /wake_up stay
+        # open on its loopback port.
+        env["VLLM_API_KEY"] = api_key
     if cache_root is not None:
         # Where vLLM keeps its torch.compile artifacts: a directory of the snapshot store, keyed by
         # snapshot, vLLM version and the arguments that change compilation (snapshots.compile_cache).

@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from stoker.engine import weights
-    from stoker.engine.app import build_app
+    from stoker.engine.app import API_KEY_ENV, build_app
     from stoker.engine.core import DEFAULT_DTYPES, Engine, EngineConfig
     from stoker.engine.metrics import EngineMetrics
     from stoker.http import make_server, run_server
@@ -143,6 +143,7 @@ def run(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         on_startup=lambda: threading.Thread(target=load, name="engine-load", daemon=True).start(),
         on_shutdown=engine.shutdown,
+        api_key=os.environ.get(API_KEY_ENV) or None,
     )
     server = make_server(
         app, host=args.host, port=args.port, log_level=args.log_level, grace_period_s=args.grace_period

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import re
@@ -12,7 +13,15 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from stoker.openai_errors import INVALID_REQUEST, NOT_FOUND, SERVER_ERROR, APIError, error_response, invalid
+from stoker.openai_errors import (
+    INVALID_REQUEST,
+    NOT_FOUND,
+    SERVER_ERROR,
+    APIError,
+    error_response,
+    invalid,
+    unauthorized,
+)
 
 log = logging.getLogger("stoker.http")
 
@@ -148,6 +157,29 @@ def openai_exception_handlers() -> dict:
 
 def internal_error(component: str) -> APIError:
     return APIError(500, f"Internal error in the {component}.", type=SERVER_ERROR)
+
+
+class BearerAuth:
+    """Pure ASGI middleware: every request but those to `open_paths` must carry
+    `Authorization: Bearer <key>`, else a 401 in OpenAI's shape. The key is compared in constant
+    time; the body is never read before the check."""
+
+    def __init__(self, app: ASGIApp, key: str, open_paths: frozenset[str] = frozenset()) -> None:
+        if not key:
+            raise ValueError("BearerAuth needs a non-empty key")
+        self.app = app
+        self._expected = b"Bearer " + key.encode()
+        self.open_paths = open_paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in self.open_paths:
+            await self.app(scope, receive, send)
+            return
+        given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+        if hmac.compare_digest(given, self._expected):
+            await self.app(scope, receive, send)
+            return
+        await error_response(unauthorized())(scope, receive, send)
 
 
 class InternalErrors:

@@ -16,6 +16,7 @@ from starlette.responses import JSONResponse
 INVALID_REQUEST = "invalid_request_error"
 NOT_FOUND = "not_found_error"
 UNAVAILABLE = "service_unavailable_error"
+AUTHENTICATION = "authentication_error"
 SERVER_ERROR = "server_error"
 
 
@@ -48,6 +49,12 @@ def invalid(message: str, param: str | None = None, code: str | None = None) -> 
 
 def unavailable(message: str, code: str, retry_after_s: int = 1) -> APIError:
     return APIError(503, message, type=UNAVAILABLE, code=code, headers={"retry-after": str(retry_after_s)})
+
+
+def unauthorized(message: str = "A valid API key is required: send `Authorization: Bearer KEY`.") -> APIError:
+    return APIError(
+        401, message, type=AUTHENTICATION, code="invalid_api_key", headers={"www-authenticate": "Bearer"}
+    )
 
 
 def error_response(exc: APIError) -> JSONResponse:

@@ -135,3 +135,11 @@ def test_inventory_from_env_refuses_what_it_cannot_read():
         GpuInventory.from_env({"CUDA_VISIBLE_DEVICES": "GPU-8f2c"})
     assert err.value.field == "CUDA_VISIBLE_DEVICES"
     assert str(err.value) == "CUDA_VISIBLE_DEVICES must list GPU indices like 0,1,3, got 'GPU-8f2c'"
+
+
+def test_an_instances_key_travels_in_its_environment_never_its_command_line():
+    cpu = cpu_engine_spec(SNAP, 8001, "m", api_key="k1")
+    vllm = vllm_spec(SNAP, 8000, "m", [], sleep_mode=False, api_key="k2")
+    assert cpu.env["STOKER_ENGINE_API_KEY"] == "k1" and "k1" not in cpu.argv
+    assert vllm.env["VLLM_API_KEY"] == "k2" and "k2" not in vllm.argv
+    assert "STOKER_ENGINE_API_KEY" not in cpu_engine_spec(SNAP, 8001, "m").env

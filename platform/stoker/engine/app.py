@@ -24,6 +24,7 @@ from starlette.types import Receive, Scope, Send
 from stoker.engine.core import Engine, Generation
 from stoker.engine.protocol import Kind, ResponseShape, ensure_served, parse_request, sse
 from stoker.http import (
+    BearerAuth,
     ClientGone,
     InternalErrors,
     internal_error,
@@ -38,6 +39,11 @@ log = logging.getLogger("stoker.engine")
 # Level 1 frees the weights (on a GPU: to pinned host memory); level 2 also drops them from the page
 # cache. vLLM numbers its levels the same way.
 SLEEP_LEVELS = (1, 2)
+# Routes served without the instance's key: readiness, which says nothing and changes nothing.
+OPEN_PATHS = frozenset({"/health"})
+# The instance's key comes from the environment, not argv: a command line is visible to every local
+# user in /proc/<pid>/cmdline, an environment only to the process's owner.
+API_KEY_ENV = "STOKER_ENGINE_API_KEY"
 
 SSE_HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
@@ -151,8 +157,16 @@ def _response_id(kind: Kind, request_id: str) -> str:
 
 
 def build_app(
-    engine: Engine, *, max_body_bytes: int, on_startup: Callable[[], None], on_shutdown: Callable[[], None]
+    engine: Engine,
+    *,
+    max_body_bytes: int,
+    on_startup: Callable[[], None],
+    on_shutdown: Callable[[], None],
+    api_key: str | None = None,
 ) -> Starlette:
+    """The engine's app. With `api_key`, every route but `/health` wants `Authorization: Bearer KEY`:
+    the platform starts each instance with a secret of its own, so nothing else on the machine can
+    call, sleep or wake it."""
     served = engine.config.served_model_name
 
     async def models(request: Request) -> Response:
@@ -223,6 +237,9 @@ def build_app(
     return Starlette(
         routes=routes,
         exception_handlers=openai_exception_handlers(),
-        middleware=[Middleware(InternalErrors, component="engine")],
+        middleware=[
+            Middleware(InternalErrors, component="engine"),
+            *([Middleware(BearerAuth, key=api_key, open_paths=OPEN_PATHS)] if api_key else []),
+        ],
         lifespan=lifespan,
     )
