@@ -176,9 +176,13 @@ class EngineScraper:
         now = self._clock()
         return not self._closed and any(self._is_due(i, now) for i in instance_ids)
 
-    async def scrape(self, targets: Mapping[str, str]) -> Mapping[str, EngineLoad]:
-        """Read each target due (instance id → base URL); returns `latest`. Never raises for an
-        engine's fault: that instance's load is dropped until a later read succeeds."""
+    async def scrape(
+        self, targets: Mapping[str, str], headers: Mapping[str, Mapping[str, str]] | None = None
+    ) -> Mapping[str, EngineLoad]:
+        """Read each target due (instance id → base URL, with that instance's `headers`: its key);
+        returns `latest`. Never raises for an engine's fault: that instance's load is dropped until
+        a later read succeeds."""
+        headers = headers or {}
         self.retain(targets)
         now = self._clock()
         due = [(i, url) for i, url in targets.items() if self._is_due(i, now)]
@@ -192,7 +196,9 @@ class EngineScraper:
                 timeout=aiohttp.ClientTimeout(total=self.timeout_s),
             )
         gate = asyncio.Semaphore(self.concurrency)
-        await asyncio.gather(*(self._scrape_one(self._session, gate, i, url) for i, url in due))
+        await asyncio.gather(
+            *(self._scrape_one(self._session, gate, i, url, headers.get(i, {})) for i, url in due)
+        )
         return self.latest
 
     async def aclose(self) -> None:
@@ -206,11 +212,16 @@ class EngineScraper:
         return tried is None or now - tried >= self.interval_s
 
     async def _scrape_one(
-        self, session: aiohttp.ClientSession, gate: asyncio.Semaphore, instance_id: str, url: str
+        self,
+        session: aiohttp.ClientSession,
+        gate: asyncio.Semaphore,
+        instance_id: str,
+        url: str,
+        headers: Mapping[str, str],
     ) -> None:
         async with gate:
             try:
-                load = parse_engine_metrics(await self._fetch(session, url))
+                load = parse_engine_metrics(await self._fetch(session, url, headers))
             except EngineMetricsError as exc:
                 self._loads.pop(instance_id, None)
                 log.debug("instance %s: no engine load: %s", instance_id, exc)
@@ -218,10 +229,10 @@ class EngineScraper:
         if instance_id in self._tried:  # not forgotten while the read was in flight
             self._loads[instance_id] = load
 
-    async def _fetch(self, session: aiohttp.ClientSession, base_url: str) -> str:
+    async def _fetch(self, session: aiohttp.ClientSession, base_url: str, headers: Mapping[str, str]) -> str:
         url, cap = base_url + METRICS_PATH, self.max_body_bytes
         try:
-            async with session.get(url) as response:
+            async with session.get(url, headers=headers) as response:
                 if response.status != 200:
                     raise EngineMetricsError(f"GET {url} answered {response.status}")
                 if response.content_length is not None and response.content_length > cap:

@@ -20,7 +20,7 @@ import re
 import signal
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +32,7 @@ from warm_pool.launch import LaunchSpec
 from warm_pool.vllm import startup_phases
 
 STARTUP_PHASE_METRIC = "stoker_engine_startup_phase_seconds"
+Headers = Mapping[str, str] | None  # an instance's `auth_headers`: its key
 _LOG_TAIL_LINES = 5
 _LOG_TAIL_BYTES = 64 * 1024  # a crash's traceback plus what follows it
 _LOG_PHASE_BYTES = 1 << 20  # vLLM logs a few hundred lines while it starts; its phases are in them
@@ -253,24 +254,26 @@ class LocalBackend:
             await asyncio.sleep(0.05)
         return True
 
-    async def sleep(self, url: str, level: int, timeout_s: float) -> None:
+    async def sleep(self, url: str, level: int, timeout_s: float, headers: Headers = None) -> None:
         """Put the engine at `url` to sleep (level 1: weights to host RAM, accelerator freed)."""
-        await _post(url, f"/sleep?level={level}", timeout_s)
+        await _post(url, f"/sleep?level={level}", timeout_s, headers)
 
-    async def wake_up(self, url: str, timeout_s: float) -> None:
+    async def wake_up(self, url: str, timeout_s: float, headers: Headers = None) -> None:
         """Wake the engine at `url`: weights back, ready for requests when this returns."""
-        await _post(url, "/wake_up", timeout_s)
+        await _post(url, "/wake_up", timeout_s, headers)
 
-    async def read_startup_phases(self, url: str, instance_id: str | None = None) -> dict[str, float]:
+    async def read_startup_phases(
+        self, url: str, instance_id: str | None = None, headers: Headers = None
+    ) -> dict[str, float]:
         """`{phase: seconds}` from the engine's `stoker_engine_startup_phase_seconds`, else (vLLM)
         from the phases vLLM logged (`warm_pool.vllm.startup_phases`); `{}` if neither can be read:
         these numbers are informative only."""
-        phases = await self._phases_from_metrics(url)
+        phases = await self._phases_from_metrics(url, headers)
         if not phases and instance_id is not None:
             phases = await asyncio.to_thread(_phases_from_log, self.log_path(instance_id))
         return phases
 
-    async def read_capabilities(self, url: str) -> EngineCapabilities:
+    async def read_capabilities(self, url: str, headers: Headers = None) -> EngineCapabilities:
         """What the engine at `url` says it can do (`GET /server_info?config_format=json`): the CPU
         engine lists its sleep levels; vLLM reports its config, whose `enable_sleep_mode` means levels
         1 and 2. An engine without that route (vLLM outside dev mode, where /sleep is not served
@@ -281,6 +284,7 @@ class LocalBackend:
                 session.get(
                     url + "/server_info",
                     params={"config_format": "json"},
+                    headers=headers,
                     timeout=aiohttp.ClientTimeout(total=10),
                 ) as r,
             ):
@@ -291,11 +295,11 @@ class LocalBackend:
             return EngineCapabilities()
         return EngineCapabilities.parse(body[:_MAX_INFO_BYTES] if len(body) <= _MAX_INFO_BYTES else b"")
 
-    async def _phases_from_metrics(self, url: str) -> dict[str, float]:
+    async def _phases_from_metrics(self, url: str, headers: Headers = None) -> dict[str, float]:
         try:
             async with (
                 aiohttp.ClientSession() as session,
-                session.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=5)) as r,
+                session.get(url + "/metrics", headers=headers, timeout=aiohttp.ClientTimeout(total=5)) as r,
             ):
                 if r.status != 200:
                     return {}
@@ -331,11 +335,11 @@ class LocalBackend:
         return StartFailed(message, exit_code=code, log_tail=tail)
 
 
-async def _post(url: str, path: str, timeout_s: float) -> None:
+async def _post(url: str, path: str, timeout_s: float, headers: Headers = None) -> None:
     try:
         async with (
             aiohttp.ClientSession() as session,
-            session.post(url + path, timeout=aiohttp.ClientTimeout(total=timeout_s)) as r,
+            session.post(url + path, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)) as r,
         ):
             if r.status != 200:
                 body = (await r.text())[:200].replace("\n", " ")

@@ -79,6 +79,7 @@ class Instance:
     pid: int | None = None
     restarts: int = 0
     log_path: Path | None = None
+    secret: str = field(default="", repr=False)  # the key the engine wants from its callers; "" if none
     state_since: float = field(default=-1.0)
     accounted_at: float = field(default=-1.0)
 
@@ -94,6 +95,11 @@ class Instance:
             raise ValueError(f"instance {self.id} has no port yet (state {self.state.value})")
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}"
+
+    @property
+    def auth_headers(self) -> dict[str, str]:
+        """What every call to the engine carries: its key, as `Authorization: Bearer`."""
+        return {"authorization": f"Bearer {self.secret}"} if self.secret else {}
 
     def accrue(self, now: float) -> tuple[InstanceState, float]:
         """Close out the seconds spent in the current state since last accounted (never negative)."""
