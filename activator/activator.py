@@ -19,20 +19,29 @@ the routing set when the request arrived (it started or woke up since): the simu
 (`warm_pool.simulate`), so live and simulated counts compare. `x-stoker-cold-start` says the same,
 except on a held stream, whose headers go out before its instance is known: there it says true only
 when nothing at all was READY at arrival (then whatever serves it is certainly a cold start).
+
+Sick instances leave routing (`ejection.py`): every request's outcome on an instance, and every
+probe of its /health by `watch_health` (each `health_interval_s`), feeds that instance's `Health`;
+`eject_after` failures in a row eject it, and only routable instances are offered to `Slots`. An
+ejection also ends the waits for headers of the requests already sent to that instance, which are
+then retried elsewhere. A probe answering 503 (the engine says it is failed) is reported to the
+source (`report_unhealthy`), which replaces the instance.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from typing import Any
 
 import aiohttp
 
-from activator import proxy
+from activator import ejection, proxy
 from activator.config import ActivatorConfig
+from activator.ejection import HEALTHY, EjectionRules, Health
 from activator.errors import (
     ActivatorError,
     DeadlineExceeded,
@@ -45,6 +54,7 @@ from activator.metrics import ActivatorMetrics
 from activator.slots import Key, Slots, key
 from activator.source import Endpoint, InstanceSource, Load
 
+log = logging.getLogger("activator")
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 CLIENT_LEFT = 499  # nginx's "client closed request", for the metrics only
 
@@ -102,7 +112,11 @@ class Activator:
         self._config = config
         self._session = session
         self._clock = clock
-        self._slots = Slots(source.endpoints)
+        self._slots = Slots(self._routable)
+        self._rules = EjectionRules(config.eject_after, config.eject_base_s, config.eject_max_s)
+        self._health: dict[Key, Health] = {}  # instances that failed lately; absent: HEALTHY
+        self._ejected: set[Key] = set()  # those out of routing now
+        self._waits: dict[Key, set[asyncio.Timeout]] = {}  # requests waiting for an instance's headers
         self._last_arrival: float | None = None
         self._metrics = metrics
         self._codes: dict[int, Any] = {}
@@ -186,7 +200,7 @@ class Activator:
         try:
             endpoint = self._slots.try_acquire()
             if endpoint is None:
-                ex.routing = frozenset(key(e) for e in self._source.endpoints())
+                ex.routing = frozenset(key(e) for e in self._routable())
                 ex.cold = not ex.routing  # nothing READY: whatever serves it is a cold start
                 # The bound is on requests held at arrival; a retry (at most one per request in
                 # flight, so bounded by the instances' concurrency) is held past it.
@@ -200,6 +214,8 @@ class Activator:
             while True:
                 last = bool(failed)
                 acquired_at = self._clock()
+                k = key(endpoint)
+                waits = self._waits.setdefault(k, set())
                 try:
                     ex.code = await proxy.forward(
                         self._session,
@@ -211,16 +227,23 @@ class Activator:
                         self._config,
                         last=last,
                         cold=ex.cold,
+                        stream=ex.stream,
                         on_first_byte=lambda status: self._first_byte(ex, status),
+                        waits=waits,
                     )
                     if ex.upstream_status in proxy.RETRYABLE:  # failed twice: passed through as is
                         self._source.report_failure(endpoint.id)
+                    # 502 here: it failed mid-answer (reset, silence), after its first byte went out
+                    self._outcome(k, ok=ex.code != 502 and ex.upstream_status not in proxy.RETRYABLE)
                     return
                 except proxy.Failed as exc:
                     self._source.report_failure(endpoint.id)
+                    self._outcome(k, ok=False)
                     if last:
                         raise UpstreamError(str(exc)) from None
                 finally:
+                    if not waits:
+                        self._waits.pop(k, None)
                     self._slots.release(endpoint.id)
                     ex.held_s = (ex.held_s or 0.0) + max(0.0, self._clock() - acquired_at)
                 failed = (key(endpoint),)
@@ -264,6 +287,84 @@ class Activator:
                 self._slots.abandon(waiter)
             self._queue_length.dec()
             self._queue_wait.observe(self._clock() - held_at)
+
+    # -- sick instances leave routing ------------------------------------------------------------
+
+    def _routable(self) -> Sequence[Endpoint]:
+        endpoints = self._source.endpoints()
+        if not self._ejected:
+            return endpoints
+        return [e for e in endpoints if key(e) not in self._ejected]
+
+    def ejected(self) -> list[str]:
+        """The ids of the instances out of routing now for failing."""
+        return sorted(k[0] for k in self._ejected)
+
+    async def watch_health(self) -> None:
+        """Probe the instances every `health_interval_s`, for ever: the composition root runs this
+        as a task per deployment and cancels it when the deployment goes."""
+        while True:
+            await asyncio.sleep(self._config.health_interval_s)
+            await self.check_health()
+
+    async def check_health(self) -> None:
+        """One round: probe every routable instance, and every ejected one whose time is up."""
+        endpoints = list(self._source.endpoints())
+        present = {key(e) for e in endpoints}
+        for gone in [k for k in self._health if k not in present]:  # left routing: forget it
+            del self._health[gone]
+            self._ejected.discard(gone)
+        now = self._clock()
+        due = [
+            e
+            for e in endpoints
+            if not (h := self._health.get(key(e), HEALTHY)).ejected or ejection.probe_due(h, now)
+        ]
+        statuses = await asyncio.gather(*(self._probe(e) for e in due))
+        now = self._clock()
+        for endpoint, status in zip(due, statuses, strict=True):
+            k = key(endpoint)
+            if status == 503:
+                self._source.report_unhealthy(endpoint.id, "its /health answered 503")
+            self._set_health(
+                k, ejection.probed(self._health.get(k, HEALTHY), status == 200, self._rules, now)
+            )
+
+    async def _probe(self, endpoint: Endpoint) -> int:
+        """GET /health within `health_timeout_s`: its status, or 0 when none came."""
+        try:
+            async with asyncio.timeout(self._config.health_timeout_s):
+                async with self._session.get(endpoint.url + "/health") as resp:
+                    await resp.read()
+                    return resp.status
+        except (aiohttp.ClientError, OSError, TimeoutError):
+            return 0
+
+    def _outcome(self, k: Key, ok: bool) -> None:
+        health = self._health.get(k, HEALTHY)
+        if ok:
+            if health is not HEALTHY:
+                self._set_health(k, ejection.succeeded(health))
+        else:
+            self._set_health(k, ejection.failed(health, self._rules, self._clock()))
+
+    def _set_health(self, k: Key, health: Health) -> None:
+        if health == HEALTHY:
+            self._health.pop(k, None)
+        else:
+            self._health[k] = health
+        if health.ejected and k not in self._ejected:
+            self._ejected.add(k)
+            log.warning(
+                "instance %s ejected from routing for %.3g s after failing",
+                k[0],
+                ejection.ejection_s(self._rules, health.ejections),
+            )
+            proxy.expire(self._waits.get(k, set()))  # its waiting requests go elsewhere
+        elif not health.ejected and k in self._ejected:
+            self._ejected.discard(k)
+            log.warning("instance %s back in routing: its /health answered 200", k[0])
+            self._slots.dispatch()
 
     def _first_byte(self, ex: _Exchange, status: int) -> None:
         ex.upstream_status = status

@@ -20,16 +20,36 @@ class ActivatorConfig:
     hold_deadline_s: float = 120.0
     keepalive_interval_s: float = 5.0  # SSE comment cadence while a stream is held
     connect_timeout_s: float = 5.0  # TCP connect to an instance
-    first_byte_timeout_s: float = 300.0  # upstream response headers (prefill of a long prompt, a queue)
+    # Upstream response headers of a plain (non-stream) request. Both engines send those with the
+    # whole answer, after the last token, so this bounds the entire generation: keep it long. It also bounds a stream's.
+    first_byte_timeout_s: float = 300.0
+    # Upstream response headers of a stream. Both engines send them before the first token: vLLM
+    # as soon as the request is parsed, the CPU engine once it is admitted, which is at once since
+    # the activator sends an instance no more than its `--max-num-seqs`. So a long prefill does not
+    # count, and silence here means a sick instance (stopped, wedged): retried on another one.
+    stream_headers_timeout_s: float = 10.0
     chunk_gap_timeout_s: float = 300.0  # silence allowed between two chunks of an upstream body
     retry_after_s: int = 2  # the Retry-After the gateway sends with a 503
+    # Outlier ejection (`ejection.py`): this many failures in a row take an instance out of routing
+    # for `eject_base_s`, doubling on each ejection in a row up to `eject_max_s`; it comes back
+    # after a probe (GET /health) answers 200.
+    eject_after: int = 3
+    eject_base_s: float = 10.0
+    eject_max_s: float = 300.0
+    # Active health checks: every READY instance's /health, each `health_interval_s`, within
+    # `health_timeout_s`. A failed probe counts as a failure; a 503 (the engine says it is
+    # failed) also has the source replace the instance.
+    health_interval_s: float = 5.0
+    health_timeout_s: float = 2.0
 
     def __post_init__(self) -> None:
         _check_int("max_queued", self.max_queued, 0, 1_000_000)
         _check_int("retry_after_s", self.retry_after_s, 1, 3600)
+        _check_int("eject_after", self.eject_after, 1, 1000)
         for f in fields(self):
             if f.name.endswith("_s") and f.name != "retry_after_s":
                 _check_seconds(f.name, getattr(self, f.name))
+        _check_order("eject_base_s", self.eject_base_s, "eject_max_s", self.eject_max_s)
 
 
 def _check_int(name: str, value: object, low: int, high: int) -> None:
@@ -42,3 +62,8 @@ def _check_seconds(name: str, value: object) -> None:
     ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value > 0
     if not ok:
         raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+
+
+def _check_order(name: str, value: float, bound_name: str, bound: float) -> None:
+    if value > bound:
+        raise ValueError(f"{name} must be at most {bound_name} ({bound:g}), got {value!r}")

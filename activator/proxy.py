@@ -128,29 +128,44 @@ async def forward(
     *,
     last: bool,
     cold: bool,
+    stream: bool,
     on_first_byte: Callable[[int], None],
+    waits: set[asyncio.Timeout] | None = None,
 ) -> int:
     """POST `body` to `endpoint` and relay the answer through `reply`; the status to count.
 
     Raises `Failed` while nothing of this instance's answer reached the client: connection
-    refused or reset, no headers within `first_byte_timeout_s`, a 502/503/504 (unless `last`:
+    refused or reset, no headers in time (`headers_deadline_s`), a 502/503/504 (unless `last`:
     then it is passed through), or the body failing before its first byte. After that, a failure
     ends the response (an SSE error event for event streams) and counts as 502.
+
+    While it waits for headers, the request's deadline is in `waits` (the activator's set for this
+    instance): ejecting the instance moves those deadlines to now (`expire`), so a plain request,
+    whose headers may take minutes, does not wait them out on an instance known to be sick.
     """
     headers = {"accept-encoding": "identity"}  # relay bytes as they are, never decompress
     if content_type:
         headers["content-type"] = content_type.decode("latin-1")
+    deadline_s = headers_deadline_s(config, stream)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
     try:
-        async with asyncio.timeout(config.first_byte_timeout_s):
-            resp = await session.post(
-                endpoint.url + path, data=body, headers=headers, timeout=_timeout(config)
-            )
+        async with asyncio.timeout(deadline_s) as wait:
+            if waits is not None:
+                waits.add(wait)
+            try:
+                resp = await session.post(
+                    endpoint.url + path, data=body, headers=headers, timeout=_timeout(config)
+                )
+            finally:
+                if waits is not None:
+                    waits.discard(wait)
     except aiohttp.ClientError as exc:  # first: aiohttp's connect timeout is a TimeoutError too
         raise Failed(f"{endpoint.id}: {_describe(exc)}") from None
     except TimeoutError:
-        raise Failed(
-            f"no response headers from {endpoint.id} within {config.first_byte_timeout_s:g} s"
-        ) from None
+        if loop.time() - started < deadline_s:
+            raise Failed(f"{endpoint.id} was ejected while the request waited for its headers") from None
+        raise Failed(f"no response headers from {endpoint.id} within {deadline_s:g} s") from None
     except OSError as exc:
         raise Failed(f"{endpoint.id}: {_describe(exc)}") from None
 
@@ -202,6 +217,23 @@ async def _status_into_stream(
         pass
     await reply.end(_status_event(resp.status, b"".join(parts)))
     return resp.status
+
+
+def headers_deadline_s(config: ActivatorConfig, stream: bool) -> float:
+    """How long to wait for an instance's response headers. A stream's come before its first token
+    (both engines), so a short deadline catches a stopped or wedged instance; a plain request's
+    come with the whole answer, so only the long `first_byte_timeout_s` may bound them."""
+    if stream:
+        return min(config.stream_headers_timeout_s, config.first_byte_timeout_s)
+    return config.first_byte_timeout_s
+
+
+def expire(waits: set[asyncio.Timeout]) -> None:
+    """End every wait for headers in `waits` now: each raises `Failed` in its `forward`."""
+    now = asyncio.get_running_loop().time()
+    for wait in list(waits):
+        if not wait.expired():
+            wait.reschedule(now)
 
 
 @functools.cache

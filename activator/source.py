@@ -38,6 +38,11 @@ class InstanceSource(Protocol):
         """An instance failed a request before answering (connection refused or reset)."""
         ...
 
+    def report_unhealthy(self, endpoint_id: str, reason: str) -> None:
+        """An instance says it is failed (its /health answered 503): replace it, if it is still
+        meant to take requests (an instance on its way to sleep or out may say 503 and is fine)."""
+        ...
+
     def request_arrived(self) -> None:
         """A request entered the activator, whether it found a slot at once or was held."""
         ...

@@ -230,6 +230,17 @@ class Pool:
         log.warning("instance %s failed a request; checking it", endpoint_id)
         self._wake.set()
 
+    def report_unhealthy(self, endpoint_id: str, reason: str) -> None:
+        """The activator's probe says the engine is failed: replaced, as a dead process is. Ignored
+        unless it is still in the routing set (one on its way to sleep or out may answer 503)."""
+        inst = self._instances.get(endpoint_id)
+        if inst is None or inst.state != S.READY or inst.id in self._phases:
+            return
+        if (task := self._ops.pop(inst.id, None)) is not None:
+            task.cancel()
+        self._failed(inst, reason)
+        self._wake.set()
+
     def request_arrived(self) -> None:
         self._tracker.arrived(self._clock())
 

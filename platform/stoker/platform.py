@@ -66,6 +66,7 @@ class Deployment:
     pool: Pool
     activator: Activator
     loop: asyncio.Task
+    health: asyncio.Task  # the activator's probes of the instances' /health
 
 
 class Platform:
@@ -211,9 +212,11 @@ class Platform:
         )
         pool.attach(activator)
         loop = asyncio.create_task(pool.run(), name=f"pool-{spec.name}")
-        self._deployments[spec.name] = Deployment(spec, pool, activator, loop)
+        health = asyncio.create_task(activator.watch_health(), name=f"health-{spec.name}")
+        self._deployments[spec.name] = Deployment(spec, pool, activator, loop, health)
 
     async def _stop(self, deployment: Deployment) -> None:
+        deployment.health.cancel()
         await deployment.pool.close(drain=True)
         await deployment.loop
 

@@ -39,6 +39,33 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         help="seconds between the SSE comments a held stream gets (default 5)",
     )
     up.add_argument(
+        "--first-byte-timeout",
+        type=float,
+        default=300.0,
+        help="seconds a plain request waits for its whole answer's headers (default 300)",
+    )
+    up.add_argument(
+        "--stream-headers-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a stream waits for an instance's headers before it is retried elsewhere (default 10)",
+    )
+    up.add_argument(
+        "--eject-after", type=int, default=3, help="failures in a row that take an instance out of routing"
+    )
+    up.add_argument(
+        "--eject-time",
+        type=float,
+        default=10.0,
+        help="seconds the first ejection lasts; doubled on each one in a row, up to 300 (default 10)",
+    )
+    up.add_argument(
+        "--health-interval", type=float, default=5.0, help="seconds between probes of each instance's /health"
+    )
+    up.add_argument(
+        "--health-timeout", type=float, default=2.0, help="seconds a /health probe may take (default 2)"
+    )
+    up.add_argument(
         "--vllm",
         metavar="CMD",
         help="the command that runs vLLM's CLI (default: $STOKER_VLLM, else `vllm` on PATH)",
@@ -110,6 +137,13 @@ def cmd_up(args: argparse.Namespace) -> int:
             max_queued=args.max_queued,
             hold_deadline_s=args.hold_deadline,
             keepalive_interval_s=args.keepalive_interval,
+            first_byte_timeout_s=args.first_byte_timeout,
+            stream_headers_timeout_s=args.stream_headers_timeout,
+            eject_after=args.eject_after,
+            eject_base_s=args.eject_time,
+            eject_max_s=max(300.0, args.eject_time),
+            health_interval_s=args.health_interval,
+            health_timeout_s=args.health_timeout,
         )
         vllm = VllmOptions(args.vllm, tuple(shlex.split(args.vllm_args)), args.vllm_cpu_kv_cache)
     except ValueError as exc:

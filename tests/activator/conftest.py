@@ -50,6 +50,7 @@ class MemorySource:
     failures: list[str] = field(default_factory=list)
     arrivals: int = 0
     finished: list[tuple[float | None, str | None]] = field(default_factory=list)
+    unhealthy: list[str] = field(default_factory=list)
 
     def endpoints(self) -> list[Ep]:
         return self.eps
@@ -59,6 +60,9 @@ class MemorySource:
 
     def report_failure(self, endpoint_id: str) -> None:
         self.failures.append(endpoint_id)
+
+    def report_unhealthy(self, endpoint_id: str, reason: str) -> None:
+        self.unhealthy.append(endpoint_id)
 
     def request_arrived(self) -> None:
         self.arrivals += 1
@@ -79,6 +83,7 @@ class Upstream:
         self.requests: list[dict] = []
         self.headers: list[dict[bytes, bytes]] = []
         self.status = 200
+        self.health = 200  # what GET /health answers
         self.gate: asyncio.Event | None = None
         self.before_headers: asyncio.Event | None = None
         self.die_after_first = False
@@ -88,6 +93,12 @@ class Upstream:
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
+            return
+        if scope["method"] == "GET":  # /health: `health` is its status; `before_headers` holds it too
+            if self.before_headers is not None:
+                await self.before_headers.wait()
+            await send({"type": "http.response.start", "status": self.health, "headers": []})
+            await send({"type": "http.response.body", "body": b""})
             return
         request = json.loads(await read_all(receive))
         self.requests.append(request)
