@@ -143,7 +143,9 @@ async def forward(
     instance): ejecting the instance moves those deadlines to now (`expire`), so a plain request,
     whose headers may take minutes, does not wait them out on an instance known to be sick.
     """
-    headers = {"accept-encoding": "identity"}  # relay bytes as they are, never decompress
+    # Relay bytes as they are, never decompress. The client's own headers (its API key among them)
+    # are not forwarded; the instance gets its own key instead.
+    headers = {**endpoint.auth_headers, "accept-encoding": "identity"}
     if content_type:
         headers["content-type"] = content_type.decode("latin-1")
     deadline_s = headers_deadline_s(config, stream)

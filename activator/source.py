@@ -24,6 +24,9 @@ class Endpoint(Protocol):
     @property
     def max_concurrency(self) -> int: ...  # requests it takes at once; more wait in the activator
 
+    @property
+    def auth_headers(self) -> Mapping[str, str]: ...  # sent with every request to it: its key, if any
+
 
 class InstanceSource(Protocol):
     def endpoints(self) -> Sequence[Endpoint]:

@@ -44,7 +44,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -197,6 +197,7 @@ class StaticEndpoint:
     id: str
     url: str
     max_concurrency: int
+    auth_headers: dict = field(default_factory=dict)  # no key
 
 
 class StaticSource:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -47,7 +48,7 @@ from warm_pool.backoff import restart_delay
 from warm_pool.engine_signals import EngineScraper, EngineTotals, engine_totals
 from warm_pool.errors import PoolError, SnapshotCorrupt, StartFailed
 from warm_pool.launch import GpuInventory, LaunchSpec, cpu_engine_spec, vllm_spec
-from warm_pool.local import EngineCapabilities, ProcessHandle, free_port
+from warm_pool.local import EngineCapabilities, Headers, ProcessHandle, free_port
 from warm_pool.metrics import PoolMetrics, split_cold_start
 from warm_pool.policies import DEFAULT_POLICY
 from warm_pool.policy import Decision, ScalingConfig, Tier
@@ -97,13 +98,15 @@ class Backend(Protocol):
 
     async def stop(self, handle: ProcessHandle, term_timeout_s: float) -> int | None: ...
 
-    async def read_startup_phases(self, url: str, instance_id: str | None = None) -> dict[str, float]: ...
+    async def read_startup_phases(
+        self, url: str, instance_id: str | None = None, headers: Headers = None
+    ) -> dict[str, float]: ...
 
-    async def read_capabilities(self, url: str) -> EngineCapabilities: ...
+    async def read_capabilities(self, url: str, headers: Headers = None) -> EngineCapabilities: ...
 
-    async def sleep(self, url: str, level: int, timeout_s: float) -> None: ...
+    async def sleep(self, url: str, level: int, timeout_s: float, headers: Headers = None) -> None: ...
 
-    async def wake_up(self, url: str, timeout_s: float) -> None: ...
+    async def wake_up(self, url: str, timeout_s: float, headers: Headers = None) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -388,7 +391,8 @@ class Pool:
                 log.error("pool %s: engine scrape failed: %r", self.spec.deployment, exc)
         if self._scrape is None and self._engines.due(targets):
             self._scrape = asyncio.create_task(
-                self._engines.scrape(targets), name=f"scrape-{self.spec.deployment}"
+                self._engines.scrape(targets, {inst.id: inst.auth_headers for inst in routing}),
+                name=f"scrape-{self.spec.deployment}",
             )
         return engine_totals(self._engines.latest.values())
 
@@ -453,6 +457,9 @@ class Pool:
             created_at=now,
             max_concurrency=self.spec.instance_concurrency,
             host=self.spec.host,
+            # Its engine serves only who holds this: the proxy, this pool. Nothing else on the
+            # machine can call, sleep or wake it (vLLM guards only its /v1 routes with it).
+            secret=secrets.token_urlsafe(32),
         )
         self._instances[inst.id] = inst
         self._spawn(self._launches, inst, self._launch(inst))
@@ -544,7 +551,7 @@ class Pool:
                 handle, inst.url, spec.start_timeout_s, health_path=launch.health_path
             )
             t2 = clock()
-            phases = await self._backend.read_startup_phases(inst.url, inst.id)
+            phases = await self._backend.read_startup_phases(inst.url, inst.id, inst.auth_headers)
             await self._learn_capabilities(inst)
             await self._keep_compile_cache(inst)
         except (StartFailed, PoolError, OSError, SnapshotError) as exc:
@@ -587,7 +594,13 @@ class Pool:
             f"{spec.grace_period_s:g}",
         )
         return cpu_engine_spec(
-            snapshot_dir, inst.port, spec.deployment, host=spec.host, threads=spec.threads, extra_args=extra
+            snapshot_dir,
+            inst.port,
+            spec.deployment,
+            host=spec.host,
+            threads=spec.threads,
+            extra_args=extra,
+            api_key=inst.secret,
         )
 
     async def _vllm_spec(self, inst: Instance, snapshot_dir: Path) -> LaunchSpec:
@@ -629,12 +642,13 @@ class Pool:
             cpu_kv_cache_gib=vllm.cpu_kv_cache_gib,
             extra_args=vllm.args,
             vllm_command=vllm.runtime.command,
+            api_key=inst.secret,
         )
 
     async def _learn_capabilities(self, inst: Instance) -> None:
         """What the engine says it can do decides the tiers the policy gets: an engine without sleep
         (vLLM's CPU build) is never put to sleep; its idle instances stop instead."""
-        caps = await self._backend.read_capabilities(inst.url)
+        caps = await self._backend.read_capabilities(inst.url, inst.auth_headers)
         if self.can_sleep != caps.can_sleep:
             log.info(
                 "pool %s: engine sleep levels %s: %s",
@@ -691,7 +705,7 @@ class Pool:
             await asyncio.sleep(0.05)
         self._phases[inst.id] = Phase.FALLING_ASLEEP
         try:
-            await self._backend.sleep(inst.url, SLEEP_LEVEL, self.spec.start_timeout_s)
+            await self._backend.sleep(inst.url, SLEEP_LEVEL, self.spec.start_timeout_s, inst.auth_headers)
         except PoolError as exc:
             self._metrics.sleep_wake_finished(self.spec.deployment, "sleep", ok=False)
             self._failed(inst, f"sleep failed: {exc}")
@@ -710,7 +724,7 @@ class Pool:
 
     async def _wake_up(self, inst: Instance, asked_at: float) -> None:
         try:
-            await self._backend.wake_up(inst.url, self.spec.start_timeout_s)
+            await self._backend.wake_up(inst.url, self.spec.start_timeout_s, inst.auth_headers)
         except PoolError as exc:
             self._metrics.sleep_wake_finished(self.spec.deployment, "wake", ok=False)
             self._failed(inst, f"wake-up failed: {exc}")

@@ -38,6 +38,7 @@ class Ep:
     id: str
     url: str
     max_concurrency: int = 8
+    auth_headers: dict = field(default_factory=dict)
 
 
 @dataclass

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+from pathlib import Path
 
 import httpx
 
@@ -17,6 +18,13 @@ def post(p) -> httpx.Response:
     r = httpx.post(f"{p.url}/v1/completions", json=BODY, timeout=120)
     assert r.status_code == 200, r.text
     return r
+
+
+def engine_auth(pid: int) -> dict[str, str]:
+    env = dict(
+        item.split(b"=", 1) for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in item
+    )
+    return {"authorization": f"Bearer {env[b'STOKER_ENGINE_API_KEY'].decode()}"}
 
 
 def instance_url(p, instance_id: str) -> str:
@@ -34,7 +42,11 @@ def test_an_idle_instance_sleeps_and_a_request_wakes_it_as_a_cold_start(platform
     # Idle past the (1 s) window: predictive puts the last instance to sleep instead of stopping it.
     p.wait_for(lambda: p.deployments()["tiny"]["instances"]["SLEEPING"] == 1, timeout=30, what="asleep")
     assert pid_alive(pid)
-    assert httpx.get(f"{instance_url(p, instance)}/is_sleeping").json() == {"is_sleeping": True}
+    # The engine's own port answers only with the instance's key (the pool's; this test, as the
+    # engine's owner, reads it from the engine's environment).
+    url = f"{instance_url(p, instance)}/is_sleeping"
+    assert httpx.get(url).status_code == 401
+    assert httpx.get(url, headers=engine_auth(pid)).json() == {"is_sleeping": True}
     listing = p.cli("ls").stdout
     assert "predictive" in listing and "ASLEEP" in listing
     decision = p.deployments()["tiny"]["decision"]

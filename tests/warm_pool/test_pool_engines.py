@@ -33,7 +33,7 @@ FULL = "vllm:num_requests_waiting 3\nvllm:num_requests_running 8\nvllm:kv_cache_
 class NoSleepBackend(MemoryBackend):
     """Engines that report no sleep levels, as vLLM's CPU build does."""
 
-    async def read_capabilities(self, url: str) -> EngineCapabilities:
+    async def read_capabilities(self, url: str, headers=None) -> EngineCapabilities:
         return EngineCapabilities(sleep_levels=())
 
 

@@ -36,9 +36,12 @@ class MemoryBackend:
     calls: list[tuple[str, str]] = field(default_factory=list)  # (action, url)
     fail: set[str] = field(default_factory=set)  # "sleep", "wake"
     sleep_levels: tuple[int, ...] = (1, 2)  # what its engines say they can do
+    keys: set[str] = field(default_factory=set)  # the Authorization each engine call carried
+    specs: list[LaunchSpec] = field(default_factory=list)
     pids: itertools.count = field(default_factory=lambda: itertools.count(1000))
 
     async def start(self, instance_id: str, spec: LaunchSpec) -> ProcessHandle:
+        self.specs.append(spec)
         pid = next(self.pids)
         handle = ProcessHandle(pid, pid, 1)
         self.alive.add(handle)
@@ -54,16 +57,21 @@ class MemoryBackend:
         self.alive.discard(handle)
         return 0
 
-    async def read_startup_phases(self, url: str, instance_id: str | None = None) -> dict[str, float]:
+    async def read_startup_phases(
+        self, url: str, instance_id: str | None = None, headers=None
+    ) -> dict[str, float]:
         return {}
 
-    async def read_capabilities(self, url: str) -> EngineCapabilities:
+    async def read_capabilities(self, url: str, headers=None) -> EngineCapabilities:
+        self.keys.add((headers or {}).get("authorization", ""))
         return EngineCapabilities(self.sleep_levels)
 
-    async def sleep(self, url: str, level: int, timeout_s: float) -> None:
+    async def sleep(self, url: str, level: int, timeout_s: float, headers=None) -> None:
+        self.keys.add((headers or {}).get("authorization", ""))
         await self._call("sleep", url)
 
-    async def wake_up(self, url: str, timeout_s: float) -> None:
+    async def wake_up(self, url: str, timeout_s: float, headers=None) -> None:
+        self.keys.add((headers or {}).get("authorization", ""))
         await self._call("wake", url)
 
     async def _call(self, action: str, url: str) -> None:
@@ -165,6 +173,17 @@ async def test_an_idle_instance_sleeps_and_wakes_on_demand(rig: Rig) -> None:
     assert rig.sample("stoker_instance_startup_seconds_count", tier="wake") == 1
     assert rig.sample("stoker_instance_starts_total", outcome="ready") == 1
     assert rig.sample("stoker_instance_seconds_total", state="SLEEPING") == pytest.approx(15.0)
+
+
+async def test_each_instance_gets_a_key_of_its_own_and_every_engine_call_carries_it(rig: Rig) -> None:
+    first = await rig.serve_one(0.0)
+    await asleep(rig, 5.0)
+    assert await rig.serve_one(20.0) == first  # woken: capabilities, sleep and wake were all called
+    [spec] = rig.backend.specs
+    key = spec.env["STOKER_ENGINE_API_KEY"]
+    assert len(key) >= 40 and key not in " ".join(spec.argv)
+    assert rig.backend.keys == {f"Bearer {key}"}
+    assert rig.pool.endpoints()[0].auth_headers == {"authorization": f"Bearer {key}"}
 
 
 async def test_an_engine_without_sleep_is_stopped_when_idle_never_put_to_sleep(rig: Rig) -> None:
