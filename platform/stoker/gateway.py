@@ -4,6 +4,10 @@ The request path is pure ASGI (no `BaseHTTPMiddleware`, nothing that buffers): t
 the body (bounded), looks at `model` and `stream`, and hands the request to that deployment's
 activator, which streams the answer through. No timeout here cuts a long generation. `ERRORS` is
 the one table from the activator's errors to HTTP statuses.
+
+Who may call what is decided before any of that, by `keys.KeyAuth` (bearer keys: the admin's, or a
+tenant's limited to its deployments) and `http.AdminGuard` (the admin API takes JSON from no
+foreign origin); the handlers only ask the caller's `Principal` whether a deployment is theirs.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
@@ -21,7 +26,15 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from activator import ActivatorError, DeadlineExceeded, QueueFull, Unavailable, UpstreamError
-from stoker.http import ClientGone, InternalErrors, openai_exception_handlers, parse_json_object, read_body
+from stoker.http import (
+    AdminGuard,
+    ClientGone,
+    InternalErrors,
+    openai_exception_handlers,
+    parse_json_object,
+    read_body,
+)
+from stoker.keys import KeyAuth, KeyStore, principal_of, validate_key_request
 from stoker.openai_errors import (
     SERVER_ERROR,
     UNAVAILABLE,
@@ -66,7 +79,8 @@ class InferenceEndpoint:
             body = await read_body(receive, scope, MAX_BODY_BYTES)
             name, stream = _route_fields(body)
             deployment = self.platform.get(name)
-            if deployment is None:
+            # Not the caller's: the same 404 as a deployment that does not exist (no existence leak).
+            if deployment is None or not principal_of(scope).may_call(name):
                 raise APIError(
                     404, f"The model `{name}` does not exist.", param="model", code="model_not_found"
                 )
@@ -90,8 +104,24 @@ def _route_fields(body: bytes) -> tuple[str, bool]:
     return model, stream
 
 
-def build_gateway(platform: Platform, *, on_shutdown: Callable[[], object] | None = None) -> Starlette:
+@dataclass(frozen=True)
+class Access:
+    """Who may call what: the admin key (None: none set), the tenant keys, and the origins the
+    admin API accepts browser requests from."""
+
+    admin_key: str | None
+    keys: KeyStore
+    origins: frozenset[str]
+
+
+def build_gateway(
+    platform: Platform,
+    *,
+    access: Access | None = None,  # None: no keys at all, everyone is the admin (benchmarks)
+    on_shutdown: Callable[[], object] | None = None,
+) -> Starlette:
     async def models(request: Request) -> Response:
+        principal = principal_of(request.scope)
         cards = [
             {
                 "id": d.spec.name,
@@ -101,6 +131,7 @@ def build_gateway(platform: Platform, *, on_shutdown: Callable[[], object] | Non
                 "root": d.spec.snapshot_id,
             }
             for d in platform.list()
+            if principal.may_call(d.spec.name)
         ]
         return JSONResponse({"object": "list", "data": cards})
 
@@ -145,6 +176,32 @@ def build_gateway(platform: Platform, *, on_shutdown: Callable[[], object] | Non
         spec = await platform.remove(request.path_params["name"])
         return JSONResponse({"name": spec.name, "deleted": True})
 
+    async def create_key(request: Request) -> Response:
+        body = parse_json_object(await read_body(request.receive, request.scope, MAX_BODY_BYTES))
+        tenant, deployments = validate_key_request(body)
+        if access is None or access.admin_key is None:
+            # A tenant key would close the data path while the admin API stays open to anyone.
+            raise APIError(
+                409,
+                "Keys need an admin key: restart `stoker up` with STOKER_ADMIN_KEY set.",
+                code="admin_key_required",
+            )
+        record, key = access.keys.create(tenant, deployments)
+        return JSONResponse({**record.to_dict(), "key": key}, status_code=201)
+
+    async def list_keys(request: Request) -> Response:
+        records = access.keys.all() if access is not None else []
+        return JSONResponse({"object": "list", "data": [r.to_dict() for r in records]})
+
+    async def revoke_key(request: Request) -> Response:
+        key_id = request.path_params["id"]
+        if access is None:
+            raise APIError(
+                404, f"No key with id {key_id!r}.", type="not_found_error", param="id", code="key_not_found"
+            )
+        record = access.keys.revoke(key_id)
+        return JSONResponse({"id": record.id, "deleted": True})
+
     inference = InferenceEndpoint(platform)
     routes = [
         Route("/v1/chat/completions", inference, methods=["POST"]),
@@ -157,7 +214,19 @@ def build_gateway(platform: Platform, *, on_shutdown: Callable[[], object] | Non
         Route("/admin/v1/deployments", create_deployment, methods=["POST"]),
         Route("/admin/v1/deployments/{name}", get_deployment, methods=["GET"]),
         Route("/admin/v1/deployments/{name}", delete_deployment, methods=["DELETE"]),
+        Route("/admin/v1/keys", list_keys, methods=["GET"]),
+        Route("/admin/v1/keys", create_key, methods=["POST"]),
+        Route("/admin/v1/keys/{id}", revoke_key, methods=["DELETE"]),
     ]
+
+    # Outermost first: errors become 500s; then auth (no body read before it); then the admin API's
+    # browser guard. A gateway built without `access` runs open, as the benchmarks want.
+    middleware = [Middleware(InternalErrors, component="gateway")]
+    if access is not None:
+        middleware += [
+            Middleware(KeyAuth, admin_key=access.admin_key, store=access.keys),
+            Middleware(AdminGuard, origins=access.origins),
+        ]
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -166,10 +235,12 @@ def build_gateway(platform: Platform, *, on_shutdown: Callable[[], object] | Non
             yield
         finally:
             await platform.shutdown()
+            if access is not None:
+                access.keys.close()
 
     return Starlette(
         routes=routes,
         exception_handlers=openai_exception_handlers(),
-        middleware=[Middleware(InternalErrors, component="gateway")],
+        middleware=middleware,
         lifespan=lifespan,
     )

@@ -182,6 +182,70 @@ class BearerAuth:
         await error_response(unauthorized())(scope, receive, send)
 
 
+class AdminGuard:
+    """Pure ASGI middleware for the admin API (`prefix`): refuses what a browser on another site
+    could send it, before any body is read.
+
+    - An `Origin` header that is not one of `origins` is a 403: browsers add Origin to cross-site
+      requests (and to every POST), scripts and the CLI send none.
+    - A POST, PUT or PATCH whose content-type is not `application/json` is a 415: an HTML form or a
+      `text/plain` fetch needs no CORS preflight, a JSON one does, and the preflight gets no
+      CORS headers here, so a page elsewhere cannot make the browser send the request at all. One
+      with no content-type is refused too (a browser's Blob body may carry none).
+    """
+
+    def __init__(self, app: ASGIApp, *, origins: frozenset[str], prefix: str = "/admin/") -> None:
+        self.app = app
+        self.origins = origins
+        self.prefix = prefix
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith(self.prefix):
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        origin = headers.get(b"origin")
+        if origin is not None and origin.decode("latin-1").rstrip("/").lower() not in self.origins:
+            error = APIError(
+                403,
+                f"Cross-origin requests to the admin API are refused (Origin: {origin.decode('latin-1')!r}).",
+                type="permission_error",
+                code="forbidden_origin",
+            )
+            await error_response(error)(scope, receive, send)
+            return
+        media_type = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
+        if scope["method"] in ("POST", "PUT", "PATCH") and media_type != b"application/json":
+            error = APIError(
+                415,
+                "The admin API takes JSON only: send `content-type: application/json`.",
+                code="unsupported_media_type",
+            )
+            await error_response(error)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+def own_origins(host: str, port: int) -> frozenset[str]:
+    """The origins a browser gives pages served by a platform bound to `host:port`: that address,
+    and the loopback names when it is loopback or every address (0.0.0.0, ::)."""
+    names = {host}
+    if host in ("0.0.0.0", "::") or is_loopback(host):
+        names |= {"127.0.0.1", "localhost", "[::1]"}
+    return frozenset(f"{scheme}://{name}:{port}".lower() for name in names for scheme in ("http", "https"))
+
+
+def is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 class InternalErrors:
     """Pure ASGI middleware: an unexpected exception fails its own request, with a 500 in OpenAI's
     shape, and nothing else.

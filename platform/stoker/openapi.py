@@ -178,6 +178,12 @@ def _generation(summary: str, request: dict[str, Any]) -> dict[str, Any]:
 def openapi_schema() -> dict[str, Any]:
     deployment = {"type": "object", "required": ["name", "model"], "properties": {"name": {"type": "string"}}}
     name_param = [{"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}]
+    id_param = [{"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}]
+    key = {
+        "type": "object",
+        "required": ["id", "key"],
+        "properties": {"id": {"type": "string"}, "key": {"type": "string"}, "tenant": {"type": "string"}},
+    }
     return {
         "openapi": "3.1.0",
         "info": {
@@ -247,5 +253,50 @@ def openapi_schema() -> dict[str, Any]:
                     },
                 },
             },
+            "/admin/v1/keys": {
+                "get": {
+                    "summary": "Every API key: id, tenant, deployments, created (never the key)",
+                    "responses": {"200": {"description": "the list", **_json({"type": "object"})}},
+                },
+                "post": {
+                    "summary": "Make a tenant's key for some deployments; the answer holds the key, shown once",
+                    "requestBody": {"required": True, **_json(_key_request())},
+                    "responses": {
+                        "201": {"description": "created", **_json(key)},
+                        **_errors(400, 409, 413, 415),
+                    },
+                },
+            },
+            "/admin/v1/keys/{id}": {
+                "delete": {
+                    "summary": "Revoke a key at once",
+                    "parameters": id_param,
+                    "responses": {
+                        "200": {
+                            "description": "revoked",
+                            **_json(
+                                {
+                                    "type": "object",
+                                    "properties": {"id": {"type": "string"}, "deleted": {"const": True}},
+                                }
+                            ),
+                        },
+                        **_errors(404),
+                    },
+                },
+            },
+        },
+    }
+
+
+def _key_request() -> dict[str, Any]:
+    name = {"type": "string", "pattern": f"^{NAME.pattern}$"}
+    return {
+        "type": "object",
+        "required": ["tenant", "deployments"],
+        "additionalProperties": False,
+        "properties": {
+            "tenant": name,
+            "deployments": {"type": "array", "items": name, "minItems": 1, "maxItems": 1024},
         },
     }

@@ -1,7 +1,9 @@
-"""`stoker up`, `stoker deploy`, `stoker ls`, `stoker rm`: run the platform, and manage deployments.
+"""`stoker up`, `stoker deploy`, `stoker ls`, `stoker rm`, `stoker keys`: run the platform, and
+manage its deployments and API keys.
 
 `up` runs the gateway in the foreground. The others talk to a running platform's admin API at
-`$STOKER_URL` (default http://127.0.0.1:8080) and print one line on any error.
+`$STOKER_URL` (default http://127.0.0.1:8080), with `$STOKER_ADMIN_KEY` as their bearer key when
+set, and print one line on any error.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import json
 import os
 import shlex
 import urllib.error
+import urllib.parse
 import urllib.request
 
 from stoker.errors import CLIError
@@ -24,6 +27,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     up = sub.add_parser("up", help="run the platform (gateway, activators, warm pools) in the foreground")
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--port", type=int, default=8080)
+    up.add_argument(
+        "--allow-open",
+        action="store_true",
+        help="serve a non-loopback address without STOKER_ADMIN_KEY (anyone who reaches it is admin)",
+    )
     up.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     up.add_argument(
         "--stable-window", type=float, default=60.0, help="seconds a scale-down waits (default 60)"
@@ -119,16 +127,39 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     rm.add_argument("name")
     rm.set_defaults(func=cmd_rm)
 
+    keys = sub.add_parser("keys", help="API keys: which tenant may call which deployments")
+    keys_sub = keys.add_subparsers(dest="keys_command", required=True, metavar="COMMAND")
+    create = keys_sub.add_parser("create", help="make a key (printed once, never stored in clear)")
+    create.add_argument("--tenant", required=True)
+    create.add_argument(
+        "--deployment", action="append", required=True, help="a deployment the key may call (repeatable)"
+    )
+    create.add_argument("--json", action="store_true")
+    create.set_defaults(func=cmd_keys_create)
+    keys_ls = keys_sub.add_parser("ls", help="list keys (id, tenant, deployments, created; never the key)")
+    keys_ls.add_argument("--json", action="store_true")
+    keys_ls.set_defaults(func=cmd_keys_ls)
+    revoke = keys_sub.add_parser("revoke", help="revoke a key at once")
+    revoke.add_argument("id")
+    revoke.set_defaults(func=cmd_keys_revoke)
+
 
 def cmd_up(args: argparse.Namespace) -> int:
     import logging
 
     from activator import ActivatorConfig
-    from stoker.gateway import build_gateway
-    from stoker.http import make_server, run_server
+    from stoker.gateway import Access, build_gateway
+    from stoker.http import is_loopback, make_server, own_origins, run_server
+    from stoker.keys import KeyStore
     from stoker.paths import data_dir, snapshot_store_dir
     from stoker.platform import Platform, VllmOptions
 
+    admin_key = os.environ.get("STOKER_ADMIN_KEY") or None
+    if admin_key is None and not is_loopback(args.host) and not args.allow_open:
+        raise CLIError(
+            f"refusing to serve {args.host} without STOKER_ADMIN_KEY (anyone reaching it could deploy "
+            "and call models): set STOKER_ADMIN_KEY, or pass --allow-open"
+        )
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -155,7 +186,26 @@ def cmd_up(args: argparse.Namespace) -> int:
         stable_window_s=args.stable_window,
         vllm=vllm,
     )
-    app = build_gateway(platform)
+    keys = KeyStore(data_dir() / "stoker.db")
+    if admin_key is None:
+        log = logging.getLogger("stoker.up")
+        if len(keys) == 0:
+            log.warning(
+                "OPEN MODE: no STOKER_ADMIN_KEY and no API keys; anyone who can reach %s:%d may deploy "
+                "and call every model. Set STOKER_ADMIN_KEY to require keys.",
+                args.host,
+                args.port,
+            )
+        else:
+            log.warning(
+                "no STOKER_ADMIN_KEY: /v1 takes the %d API key(s), but the admin API is open to anyone "
+                "who can reach %s:%d",
+                len(keys),
+                args.host,
+                args.port,
+            )
+    access = Access(admin_key, keys, own_origins(args.host, args.port))
+    app = build_gateway(platform, access=access)
     server = make_server(app, host=args.host, port=args.port, log_level=args.log_level, grace_period_s=60)
     return 0 if run_server(server) else 1
 
@@ -210,12 +260,44 @@ def cmd_rm(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_keys_create(args: argparse.Namespace) -> int:
+    out = _call("POST", "/admin/v1/keys", {"tenant": args.tenant, "deployments": args.deployment})
+    if args.json:
+        print(json.dumps({"id": out["id"], "key": out["key"]}))
+    else:
+        print(f"key {out['id']} for tenant {out['tenant']} ({', '.join(out['deployments'])}):")
+        print(out["key"])
+        print("(shown once: it is stored hashed)")
+    return 0
+
+
+def cmd_keys_ls(args: argparse.Namespace) -> int:
+    import datetime
+
+    data = _call("GET", "/admin/v1/keys")["data"]
+    if args.json:
+        print(json.dumps(data))
+        return 0
+    print(f"{'ID':<22} {'TENANT':<20} {'CREATED':<20} DEPLOYMENTS")
+    for k in data:
+        created = datetime.datetime.fromtimestamp(k["created"]).strftime("%Y-%m-%d %H:%M:%S")
+        print(f"{k['id']:<22} {k['tenant']:<20} {created:<20} {', '.join(k['deployments'])}")
+    return 0
+
+
+def cmd_keys_revoke(args: argparse.Namespace) -> int:
+    _call("DELETE", f"/admin/v1/keys/{urllib.parse.quote(args.id, safe='')}")
+    print(f"revoked {args.id}")
+    return 0
+
+
 def _call(method: str, path: str, body: dict | None = None) -> dict:
     base = os.environ.get("STOKER_URL", DEFAULT_URL).rstrip("/")
     data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(
-        base + path, data=data, method=method, headers={"content-type": "application/json"}
-    )
+    headers = {"content-type": "application/json"}
+    if admin_key := os.environ.get("STOKER_ADMIN_KEY"):
+        headers["authorization"] = f"Bearer {admin_key}"
+    request = urllib.request.Request(base + path, data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=600) as response:
             return json.loads(response.read())

@@ -25,6 +25,7 @@ class PlatformProcess:
     proc: subprocess.Popen | None = None
     log: Path | None = None
     env: dict = field(default_factory=dict)
+    extra_env: dict = field(default_factory=dict)  # e.g. STOKER_ADMIN_KEY, for `up` and the CLI
 
     @property
     def url(self) -> str:
@@ -32,10 +33,11 @@ class PlatformProcess:
 
     def start(self) -> PlatformProcess:
         self.env = {
-            **os.environ,
+            **{k: v for k, v in os.environ.items() if k != "STOKER_ADMIN_KEY"},  # open unless asked
             "STOKER_HOME": str(self.home),
             "STOKER_URL": self.url,
             "HF_HUB_OFFLINE": "1",
+            **self.extra_env,
         }
         self.log = self.home / f"up-{time.monotonic_ns()}.log"
         self.home.mkdir(parents=True, exist_ok=True)
@@ -118,8 +120,9 @@ def pid_alive(pid: int) -> bool:
 def platform_factory(tmp_path: Path):
     started: list[PlatformProcess] = []
 
-    def make(*args: str, home: Path | None = None) -> PlatformProcess:
-        p = PlatformProcess(home or tmp_path / f"home{len(started)}", free_port(), args).start()
+    def make(*args: str, home: Path | None = None, env: dict | None = None) -> PlatformProcess:
+        home = home or tmp_path / f"home{len(started)}"
+        p = PlatformProcess(home, free_port(), args, extra_env=env or {}).start()
         started.append(p)
         return p
 

@@ -31,6 +31,8 @@ def test_the_served_schema_is_openapi_and_names_every_route(shared_platform):
         "/metrics",
         "/admin/v1/deployments",
         "/admin/v1/deployments/{name}",
+        "/admin/v1/keys",
+        "/admin/v1/keys/{id}",
     }
 
 

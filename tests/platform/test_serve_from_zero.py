@@ -233,7 +233,9 @@ def test_bad_admin_input_is_a_4xx_naming_the_field(shared_platform, body, param)
 def test_admin_not_found_and_conflict(shared_platform, tiny_model_dir, tmp_path):
     assert httpx.get(f"{shared_platform.url}/admin/v1/deployments/ghost").status_code == 404
     assert httpx.delete(f"{shared_platform.url}/admin/v1/deployments/ghost").status_code == 404
-    assert httpx.post(f"{shared_platform.url}/admin/v1/deployments", content=b"{").status_code == 400
+    url = f"{shared_platform.url}/admin/v1/deployments"
+    assert httpx.post(url, content=b"{", headers={"content-type": "application/json"}).status_code == 400
+    assert httpx.post(url, content=b"{").status_code == 415  # JSON only, declared as such
     other = tmp_path / "other"
     shutil.copytree(tiny_model_dir, other)
     (other / "generation_config.json").write_text('{"max_new_tokens": 7}')
