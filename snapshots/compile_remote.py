@@ -75,6 +75,8 @@ async def push_caches(s3: S3, where: S3Uri, caches: CompileCaches, snapshot_id: 
         if not info.key:
             continue  # no readable cache.json: not a committed cache
         try:
+            if info.bytes > MAX_CACHE_BYTES:  # before the tar is built in memory
+                raise SnapshotError(f"{info.bytes} bytes, over the {MAX_CACHE_BYTES} limit")
             data = await asyncio.to_thread(pack, info.path)
             if len(data) > MAX_CACHE_BYTES:
                 raise SnapshotError(f"{len(data)} bytes, over the {MAX_CACHE_BYTES} limit")

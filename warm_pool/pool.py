@@ -39,15 +39,12 @@ from typing import NamedTuple, Protocol
 
 from cachetools import LRUCache
 
-from snapshots import SnapshotError, WarmReport, compile_remote, pagecache
-from snapshots.compile_cache import CompileCaches, CompileKey
-from snapshots.errors import StoreWriteError
+from snapshots import SnapshotError, WarmReport, pagecache
 from snapshots.pins import Pin
-from snapshots.s3 import RemoteConfig
 from warm_pool.backoff import restart_delay
 from warm_pool.engine_signals import EngineScraper, EngineTotals, engine_totals
 from warm_pool.errors import PoolError, SnapshotCorrupt, StartFailed
-from warm_pool.launch import GpuInventory, LaunchSpec, cpu_engine_spec, vllm_spec
+from warm_pool.launch import GpuInventory, LaunchSpec, cpu_engine_spec
 from warm_pool.local import EngineCapabilities, Headers, ProcessHandle, free_port
 from warm_pool.metrics import PoolMetrics, split_cold_start
 from warm_pool.policies import DEFAULT_POLICY
@@ -57,7 +54,8 @@ from warm_pool.records import InstanceRecord, InstanceRecords
 from warm_pool.snapshot import SnapshotSource
 from warm_pool.states import Instance, InstanceState, new_instance_id
 from warm_pool.tracker import ObservationTracker
-from warm_pool.vllm import VllmLaunch, snapshot_shape
+from warm_pool.vllm import VllmLaunch
+from warm_pool.vllm_starts import VllmStarts
 
 log = logging.getLogger("stoker.pool")
 
@@ -125,26 +123,6 @@ class PoolSpec:
     vllm: VllmLaunch | None = None  # how this machine runs vLLM (engine "vllm" only)
 
 
-@dataclass(frozen=True)
-class _CompileUse:
-    """One vLLM instance's working copy of its snapshot's compile cache (its VLLM_CACHE_ROOT)."""
-
-    caches: CompileCaches
-    key: CompileKey
-    work: Path
-    hit: bool  # seeded from a kept cache
-
-
-def _read_json(path: Path) -> dict:
-    import json
-
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise StartFailed(f"cannot read {path.name} of the snapshot: {exc}") from None
-    return doc if isinstance(doc, dict) else {}
-
-
 class Phase(StrEnum):
     """Where an instance is in a sleep or wake; it is out of the routing set throughout."""
 
@@ -196,7 +174,7 @@ class Pool:
         self._instances: dict[str, Instance] = {}
         self._handles: dict[str, ProcessHandle] = {}
         self._pins: dict[str, Pin] = {}  # each instance's hold on its snapshot files
-        self._compile: dict[str, _CompileUse] = {}  # vLLM instances' compile cache copies
+        self._vllm = VllmStarts(spec.deployment, spec.snapshot, spec.vllm)  # vLLM's specs and compile caches
         self._phases: dict[str, Phase] = {}  # instances in the middle of a sleep or a wake
         # Where each instance's latest READY came from, for counting cold starts by tier. Bounded:
         # a request can only outlive its instance by the grace period, so 256 is plenty.
@@ -337,6 +315,7 @@ class Pool:
         )
         self._scrape = None
         await self._engines.aclose()
+        await self._vllm.close()
         self._phases.clear()
         grace = self.spec.grace_period_s if drain else 0.0
         await asyncio.gather(
@@ -553,7 +532,7 @@ class Pool:
             t2 = clock()
             phases = await self._backend.read_startup_phases(inst.url, inst.id, inst.auth_headers)
             await self._learn_capabilities(inst)
-            await self._keep_compile_cache(inst)
+            await self._vllm.keep(inst)
         except (StartFailed, PoolError, OSError, SnapshotError) as exc:
             log.error("instance %s failed to start: %s", inst.id, exc)
             self._metrics.start_finished(spec.deployment, "failed")
@@ -604,46 +583,8 @@ class Pool:
         )
 
     async def _vllm_spec(self, inst: Instance, snapshot_dir: Path) -> LaunchSpec:
-        """vLLM on the snapshot, with what the snapshot says (dtype, context length) and a copy of the
-        snapshot's compile cache for this vLLM and these arguments, if one was kept."""
-        spec, vllm = self.spec, self.spec.vllm
-        if vllm is None:
-            raise StartFailed(f"deployment {spec.deployment}: no vLLM on this machine")
-        gpus = [] if vllm.runtime.cpu_build else self._gpus.acquire(1, inst.id)
-        snapshot = spec.snapshot.store.manifest(spec.snapshot.snapshot_id)
-        shape = snapshot_shape(
-            snapshot.dtype, await asyncio.to_thread(_read_json, snapshot_dir / "config.json")
-        )
-        max_len = None if vllm.sets("--max-model-len") else shape.max_model_len
-        key = CompileKey.of(
-            spec.snapshot.snapshot_id,
-            "vllm",
-            vllm.runtime.version,
-            {
-                "dtype": shape.dtype,
-                "max_model_len": str(max_len),
-                "gpus": str(len(gpus)),
-                "args": " ".join(vllm.args),
-            },
-        )
-        caches = CompileCaches(spec.snapshot.store.root)
-        work, hit = await asyncio.to_thread(caches.checkout, key)
-        self._compile[inst.id] = _CompileUse(caches, key, work, hit)
-        return vllm_spec(
-            snapshot_dir,
-            inst.port,
-            spec.deployment,
-            gpus,
-            host=spec.host,
-            dtype=shape.dtype,
-            max_model_len=max_len,
-            sleep_mode=not vllm.runtime.cpu_build,
-            cache_root=work,
-            cpu_kv_cache_gib=vllm.cpu_kv_cache_gib,
-            extra_args=vllm.args,
-            vllm_command=vllm.runtime.command,
-            api_key=inst.secret,
-        )
+        gpus = [] if self._vllm.cpu_build else self._gpus.acquire(1, inst.id)
+        return await self._vllm.spec(inst, snapshot_dir, gpus, self.spec.host)
 
     async def _learn_capabilities(self, inst: Instance) -> None:
         """What the engine says it can do decides the tiers the policy gets: an engine without sleep
@@ -657,33 +598,6 @@ class Pool:
                 "idle instances sleep" if caps.can_sleep else "idle instances stop instead of sleeping",
             )
         self.can_sleep = caps.can_sleep
-
-    async def _keep_compile_cache(self, inst: Instance) -> None:
-        """A READY vLLM has compiled (or loaded) what it needs: keep its cache for the next start,
-        unless one is kept already. A failure to keep it costs the next start time, nothing else."""
-        use = self._compile.get(inst.id)
-        if use is None or use.hit:
-            return
-        try:
-            if not await asyncio.to_thread(use.caches.commit, use.key, use.work):
-                return
-        except StoreWriteError as exc:
-            log.warning("instance %s: compile cache not kept: %s", inst.id, exc)
-            return
-        log.info("instance %s: compile cache %s kept", inst.id, use.key.digest[:12])
-        if (remote := self.spec.snapshot.remote) is not None:  # other nodes pull it with the snapshot
-            task = asyncio.create_task(self._upload_compile_cache(use, remote), name=f"upload-{inst.id}")
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
-
-    async def _upload_compile_cache(self, use: _CompileUse, remote: str) -> None:
-        config = self.spec.snapshot.remote_config or RemoteConfig.from_env()
-        try:
-            sent = await compile_remote.upload(use.caches, use.key.snapshot_id, remote, config)
-        except SnapshotError as exc:
-            log.warning("pool %s: compile cache not pushed to %s: %s", self.spec.deployment, remote, exc)
-            return
-        log.info("pool %s: %d compile cache(s) pushed to %s", self.spec.deployment, sent.pushed, remote)
 
     def _begin_sleep(self, inst: Instance) -> None:
         self._phases[inst.id] = Phase.TO_SLEEP
@@ -759,8 +673,7 @@ class Pool:
             await asyncio.shield(self._backend.stop(handle, term))
         self._records.remove(inst.id)
         self._gpus.release(inst.id)
-        if (use := self._compile.pop(inst.id, None)) is not None:
-            await asyncio.to_thread(use.caches.discard, use.work)
+        await self._vllm.discard(inst.id)
         if (pin := self._pins.pop(inst.id, None)) is not None:
             pin.release()
         if to is not None and inst.state != to:

@@ -1,0 +1,137 @@
+"""The vLLM side of a pool's starts: the launch spec from what the snapshot says, and each
+instance's copy of the snapshot's compile cache (snapshots.compile_cache) from checkout to discard.
+
+    spec(inst, dir, gpus)  dtype and context length from the snapshot; the cache of this vLLM and
+                           these arguments checked out as the instance's VLLM_CACHE_ROOT
+    keep(inst)             at READY: its cache committed if none was kept, and for an s3://
+                           snapshot pushed beside it in the background, for the next node
+    discard(inst)          when it stops: its copy removed
+
+A failure to keep or push a cache costs a later start time, nothing else: it is logged, not raised.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from snapshots import SnapshotError, compile_remote
+from snapshots.compile_cache import CompileCaches, CompileKey
+from snapshots.errors import StoreWriteError
+from snapshots.s3 import RemoteConfig
+from warm_pool.errors import StartFailed
+from warm_pool.launch import LaunchSpec, vllm_spec
+from warm_pool.snapshot import SnapshotSource
+from warm_pool.states import Instance
+from warm_pool.vllm import VllmLaunch, snapshot_shape
+
+log = logging.getLogger("stoker.pool")
+
+
+@dataclass(frozen=True)
+class _CacheCopy:
+    """One vLLM instance's working copy of its snapshot's compile cache (its VLLM_CACHE_ROOT)."""
+
+    key: CompileKey
+    work: Path
+    hit: bool  # seeded from a kept cache
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise StartFailed(f"cannot read {path.name} of the snapshot: {exc}") from None
+    return doc if isinstance(doc, dict) else {}
+
+
+class VllmStarts:
+    def __init__(self, deployment: str, snapshot: SnapshotSource, launch: VllmLaunch | None) -> None:
+        self.deployment = deployment
+        self.snapshot = snapshot
+        self.launch = launch
+        self.caches = CompileCaches(snapshot.store.root)
+        self._copies: dict[str, _CacheCopy] = {}
+        self._uploads: set[asyncio.Task] = set()
+
+    @property
+    def cpu_build(self) -> bool:
+        return self.launch is not None and self.launch.runtime.cpu_build
+
+    async def spec(self, inst: Instance, snapshot_dir: Path, gpus: list[int], host: str) -> LaunchSpec:
+        """vLLM on the snapshot, with what the snapshot says (dtype, context length) and a copy of the
+        snapshot's compile cache for this vLLM and these arguments, if one was kept."""
+        vllm = self.launch
+        if vllm is None:
+            raise StartFailed(f"deployment {self.deployment}: no vLLM on this machine")
+        manifest = self.snapshot.store.manifest(self.snapshot.snapshot_id)
+        config = await asyncio.to_thread(_read_json, snapshot_dir / "config.json")
+        shape = snapshot_shape(manifest.dtype, config)
+        max_len = None if vllm.sets("--max-model-len") else shape.max_model_len
+        key = CompileKey.of(
+            self.snapshot.snapshot_id,
+            "vllm",
+            vllm.runtime.version,
+            {
+                "dtype": shape.dtype,
+                "max_model_len": str(max_len),
+                "gpus": str(len(gpus)),
+                "args": " ".join(vllm.args),
+            },
+        )
+        work, hit = await asyncio.to_thread(self.caches.checkout, key)
+        self._copies[inst.id] = _CacheCopy(key, work, hit)
+        return vllm_spec(
+            snapshot_dir,
+            inst.port,
+            self.deployment,
+            gpus,
+            host=host,
+            dtype=shape.dtype,
+            max_model_len=max_len,
+            sleep_mode=not vllm.runtime.cpu_build,
+            cache_root=work,
+            cpu_kv_cache_gib=vllm.cpu_kv_cache_gib,
+            extra_args=vllm.args,
+            vllm_command=vllm.runtime.command,
+            api_key=inst.secret,
+        )
+
+    async def keep(self, inst: Instance) -> None:
+        """A READY vLLM has compiled (or loaded) what it needs: keep its cache for the next start,
+        unless one is kept already."""
+        copy = self._copies.get(inst.id)
+        if copy is None or copy.hit:
+            return
+        try:
+            if not await asyncio.to_thread(self.caches.commit, copy.key, copy.work):
+                return
+        except StoreWriteError as exc:
+            log.warning("instance %s: compile cache not kept: %s", inst.id, exc)
+            return
+        log.info("instance %s: compile cache %s kept", inst.id, copy.key.digest[:12])
+        if (remote := self.snapshot.remote) is not None:  # other nodes pull it with the snapshot
+            task = asyncio.create_task(self._upload(remote), name=f"upload-{inst.id}")
+            self._uploads.add(task)
+            task.add_done_callback(self._uploads.discard)
+
+    async def discard(self, instance_id: str) -> None:
+        if (copy := self._copies.pop(instance_id, None)) is not None:
+            await asyncio.to_thread(self.caches.discard, copy.work)
+
+    async def close(self) -> None:
+        for task in self._uploads:
+            task.cancel()
+        await asyncio.gather(*self._uploads, return_exceptions=True)
+
+    async def _upload(self, remote: str) -> None:
+        config = self.snapshot.remote_config or RemoteConfig.from_env()
+        try:
+            sent = await compile_remote.upload(self.caches, self.snapshot.snapshot_id, remote, config)
+        except SnapshotError as exc:
+            log.warning("pool %s: compile cache not pushed to %s: %s", self.deployment, remote, exc)
+            return
+        log.info("pool %s: %d compile cache(s) pushed to %s", self.deployment, sent.pushed, remote)
