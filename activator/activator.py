@@ -6,10 +6,11 @@
              hold (bounded, deadline, poke the pool,     report_failure, then once more on
              SSE keep-alive for streams)                 another instance (held again if none)
 
-Held requests wait on a future that `Slots` resolves, in arrival order, when `capacity_changed()`
-is called or a request finishes. A task watches `receive()` the whole time: a client that leaves
-cancels the work at once, which takes it out of the queue or closes the upstream connection.
-When the source says no instance can start (`set_unavailable`, e.g. a corrupt snapshot), held
+Held requests wait on a future that `Slots` resolves, in arrival order for each owner (API key) and
+in turns between owners, when `capacity_changed()` is called or a request finishes; a full queue
+refuses the newest request of the owner holding the most before it refuses a newcomer holding fewer.
+A task watches `receive()` the whole time: a client that leaves cancels the work at once, which
+takes it out of the queue or closes the upstream connection. When the source says no instance can start (`set_unavailable`, e.g. a corrupt snapshot), held
 requests are answered 503 with its reason at once, and new ones are not held.
 
 The source hears of every request twice, `request_arrived` and `request_finished` (with the seconds
@@ -71,6 +72,7 @@ class _Exchange:
         "content_type",
         "granted",
         "held_s",
+        "owner",
         "path",
         "reply",
         "routing",
@@ -79,9 +81,16 @@ class _Exchange:
     )
 
     def __init__(
-        self, scope: MutableMapping[str, Any], send: proxy.Send, body: bytes, stream: bool, now: float
+        self,
+        scope: MutableMapping[str, Any],
+        send: proxy.Send,
+        body: bytes,
+        stream: bool,
+        now: float,
+        owner: str,
     ):
         self.arrival = now
+        self.owner = owner  # whose request (the API key): the hold queue is shared fairly by owner
         query = scope.get("query_string", b"")
         self.path: str = scope["path"] + (f"?{query.decode('latin-1')}" if query else "")
         self.content_type = next((v for n, v in scope["headers"] if n == b"content-type"), None)
@@ -161,12 +170,14 @@ class Activator:
         send: proxy.Send,
         body: bytes,
         stream: bool,
+        owner: str = "",
     ) -> None:
-        """Answer one request whose body the gateway has read. Raises an `ActivatorError` only
-        while no header went to the client; after that every outcome is written to the stream."""
+        """Answer one request whose body the gateway has read, on behalf of `owner` (its API key's
+        id; held requests of different owners take turns). Raises an `ActivatorError` only while
+        no header went to the client; after that every outcome is written to the stream."""
         now = self._clock()
         self._last_arrival = now
-        ex = _Exchange(scope, send, body, stream, now)
+        ex = _Exchange(scope, send, body, stream, now, owner)
         self._source.request_arrived()  # from here on, request_finished follows in every case
         work = asyncio.ensure_future(self._run(ex))
         watcher = asyncio.ensure_future(_until_disconnect(receive))
@@ -204,9 +215,11 @@ class Activator:
                 ex.cold = not ex.routing  # nothing READY: whatever serves it is a cold start
                 # The bound is on requests held at arrival; a retry (at most one per request in
                 # flight, so bounded by the instances' concurrency) is held past it.
-                if self._slots.held >= self._config.max_queued:
+                if self._slots.held >= self._config.max_queued and not self._slots.displace(
+                    ex.owner, self._queue_full
+                ):
                     self._source.poke()  # demand exists even if this one is refused
-                    raise QueueFull(self._config.retry_after_s, self._config.max_queued)
+                    raise self._queue_full()
                 endpoint = await self._hold(ex, exclude=(), front=False)
                 ex.cold = key(endpoint) not in ex.routing
                 ex.cold_on = endpoint.id if ex.cold else None
@@ -256,12 +269,15 @@ class Activator:
             kind = "service_unavailable_error" if isinstance(exc, NoCapacity) else "server_error"
             await ex.reply.end(proxy.error_event(str(exc), kind, exc.code))
 
+    def _queue_full(self) -> QueueFull:
+        return QueueFull(self._config.retry_after_s, self._config.max_queued)
+
     async def _hold(self, ex: _Exchange, exclude: tuple[Key, ...], front: bool) -> Endpoint:
         """Wait for a slot in FIFO order, within `hold_deadline_s`; keep a held stream alive."""
         config = self._config
         if self._unavailable is not None:
             raise Unavailable(self._unavailable, config.retry_after_s)
-        waiter = self._slots.hold(exclude, front)
+        waiter = self._slots.hold(exclude, front, ex.owner)
         self._source.poke()  # at once: the pool must not wait for its next tick
         self._queue_length.inc()
         held_at = self._clock()

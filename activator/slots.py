@@ -1,14 +1,23 @@
-"""Slots: requests outstanding on each instance, and the FIFO of requests held until one frees.
+"""Slots: requests outstanding on each instance, and the fair queue of requests held until one frees.
 
 All of it is synchronous and runs on the event loop, so a grant (pick an endpoint, count it,
 resolve the waiter's future) is atomic; no locks. The activator owns the waiting (deadlines,
 keep-alives, disconnects); this module owns who gets the next free slot.
+
+Held requests belong to an owner (the API key that sent them) and are served by start-time fair
+queueing: each gets a tag one past the later of its owner's last tag and the tag last granted, and
+the smallest tag goes first. One owner alone is served in arrival order; several take turns, one
+request each, however many each has queued. Retries go before everything (they have waited once
+already). When the queue is full, `displace` refuses the newest request of the owner holding the
+most, so that a newcomer from an owner holding fewer still gets its place: no key can fill the
+queue for the others.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections import deque
+import bisect
+import itertools
 from collections.abc import Callable, Collection, Sequence
 
 from activator.balancer import pick
@@ -24,19 +33,29 @@ def key(endpoint: Endpoint) -> Key:
 class Waiter:
     """A held request. Its future resolves to the endpoint whose slot it was granted."""
 
-    __slots__ = ("exclude", "future")
+    __slots__ = ("exclude", "future", "order", "owner", "tag")
 
-    def __init__(self, exclude: Collection[Key]) -> None:
+    def __init__(self, exclude: Collection[Key], owner: str, tag: int, order: tuple[int, int, int]) -> None:
         self.exclude = exclude
+        self.owner = owner
+        self.tag = tag
+        self.order = order  # its place in the queue: (0 for a retry, else 1; tag; sequence)
         self.future: asyncio.Future[Endpoint] = asyncio.get_running_loop().create_future()
+
+    def __lt__(self, other: Waiter) -> bool:
+        return self.order < other.order
 
 
 class Slots:
     def __init__(self, endpoints: Callable[[], Sequence[Endpoint]]) -> None:
         self._endpoints = endpoints
         self.outstanding: dict[str, int] = {}  # endpoint id -> requests granted and not yet released
-        self._waiters: deque[Waiter] = deque()
+        self._waiters: list[Waiter] = []  # sorted by `Waiter.order`
         self._turn = 0  # rotates ties in `pick`
+        self._granted_tag = 0  # the largest tag granted so far (the queue's virtual time)
+        self._last_tag: dict[str, int] = {}  # owner -> its newest waiter's tag, while it has any
+        self._held_by: dict[str, int] = {}  # owner -> its waiters (retries not counted)
+        self._seq = itertools.count()
 
     @property
     def held(self) -> int:
@@ -56,21 +75,41 @@ class Slots:
             self._take(endpoint)
         return endpoint
 
-    def hold(self, exclude: Collection[Key] = (), front: bool = False) -> Waiter:
-        """Queue a request (at the front for a retry, which has waited already)."""
-        waiter = Waiter(exclude)
+    def held_by(self, owner: str) -> int:
+        return self._held_by.get(owner, 0)
+
+    def hold(self, exclude: Collection[Key] = (), front: bool = False, owner: str = "") -> Waiter:
+        """Queue a request of `owner`: at its fair place, or at the front for a retry (the newest
+        retry first: it has waited once already)."""
+        seq = next(self._seq)
         if front:
-            self._waiters.appendleft(waiter)
+            waiter = Waiter(exclude, owner, 0, (0, 0, -seq))
         else:
-            self._waiters.append(waiter)
+            tag = max(self._granted_tag, self._last_tag.get(owner, 0)) + 1
+            self._last_tag[owner] = tag
+            self._held_by[owner] = self._held_by.get(owner, 0) + 1
+            waiter = Waiter(exclude, owner, tag, (1, tag, seq))
+        bisect.insort(self._waiters, waiter)
         return waiter
+
+    def displace(self, owner: str, error: Callable[[], BaseException]) -> bool:
+        """Make room for one more request of `owner` in a full queue: the owner holding the most,
+        if it holds at least two more than `owner` does, loses its newest held request (its
+        future raises `error()`). False when the queue is already shared fairly."""
+        if not self._held_by:
+            return False
+        most = max(self._held_by, key=self._held_by.__getitem__)
+        if self._held_by[most] < self.held_by(owner) + 2:
+            return False
+        victim = max((w for w in self._waiters if w.owner == most and w.order[0]), key=lambda w: w.order)
+        self._remove(victim)
+        victim.future.set_exception(error())
+        return True
 
     def abandon(self, waiter: Waiter) -> None:
         """The held request gave up (deadline, disconnect, cancellation): leave the queue, and give
         back a slot granted in the same loop iteration but never used."""
-        try:
-            self._waiters.remove(waiter)
-        except ValueError:
+        if not self._remove(waiter):
             future = waiter.future
             if future.done() and not future.cancelled() and future.exception() is None:
                 self.release(future.result().id)
@@ -88,11 +127,14 @@ class Slots:
 
     def fail_held(self, error: Callable[[], BaseException]) -> None:
         """Every held request stops waiting: its future raises a fresh `error()`."""
-        while self._waiters:
-            self._waiters.popleft().future.set_exception(error())
+        waiters, self._waiters = self._waiters, []
+        self._held_by.clear()
+        self._last_tag.clear()
+        for waiter in waiters:
+            waiter.future.set_exception(error())
 
     def dispatch(self) -> None:
-        """Grant free slots to held requests in arrival order. One that may not use what is free
+        """Grant free slots to held requests in queue order. One that may not use what is free
         (it excludes the instance that just failed it) lets the next one past."""
         if not self._waiters:
             return
@@ -103,9 +145,26 @@ class Slots:
                 if not waiter.exclude:
                     return  # nothing free for anyone
                 continue
-            self._waiters.remove(waiter)
+            self._remove(waiter)
+            self._granted_tag = max(self._granted_tag, waiter.tag)
             self._take(endpoint)
             waiter.future.set_result(endpoint)
+
+    def _remove(self, waiter: Waiter) -> bool:
+        """Take `waiter` out of the queue; False if it was not in it."""
+        i = bisect.bisect_left(self._waiters, waiter)
+        if i == len(self._waiters) or self._waiters[i] is not waiter:
+            return False
+        del self._waiters[i]
+        if waiter.order[0]:
+            owner = waiter.owner
+            left = self._held_by[owner] - 1
+            if left:
+                self._held_by[owner] = left
+            else:  # none left queued: its next request starts from the virtual time
+                del self._held_by[owner]
+                self._last_tag.pop(owner, None)
+        return True
 
     def _pick(self, endpoints: Sequence[Endpoint], exclude: Collection[Key]) -> Endpoint | None:
         if exclude:

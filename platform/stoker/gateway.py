@@ -8,6 +8,7 @@ the one table from the activator's errors to HTTP statuses.
 Who may call what is decided before any of that, by `keys.KeyAuth` (bearer keys: the admin's, or a
 tenant's limited to its deployments) and `http.AdminGuard` (the admin API takes JSON from no
 foreign origin); the handlers only ask the caller's `Principal` whether a deployment is theirs.
+How much it may call is `limits.Limiter`'s, per key, before the activator sees the request.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from stoker.http import (
     read_body,
 )
 from stoker.keys import KeyAuth, KeyStore, principal_of, validate_key_request
+from stoker.limits import NO_LIMITS, Limiter, Limits, UsageTap, estimate_tokens
 from stoker.openai_errors import (
     SERVER_ERROR,
     UNAVAILABLE,
@@ -69,31 +71,48 @@ def api_error(exc: ActivatorError) -> APIError:
 
 
 class InferenceEndpoint:
-    """`POST /v1/chat/completions` and `POST /v1/completions`, routed by the body's `model`."""
+    """`POST /v1/chat/completions` and `POST /v1/completions`, routed by the body's `model`, within
+    the caller's limits (`limits.Limiter`): a limited key's answer goes out through a `UsageTap`,
+    which adds its x-ratelimit-* headers and settles its token charge."""
 
-    def __init__(self, platform: Platform) -> None:
+    def __init__(self, platform: Platform, limiter: Limiter) -> None:
         self.platform = platform
+        self.limiter = limiter
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        ticket = tap = None
         try:
             body = await read_body(receive, scope, MAX_BODY_BYTES)
-            name, stream = _route_fields(body)
+            parsed, name, stream = _route_fields(body)
             deployment = self.platform.get(name)
+            principal = principal_of(scope)
             # Not the caller's: the same 404 as a deployment that does not exist (no existence leak).
-            if deployment is None or not principal_of(scope).may_call(name):
+            if deployment is None or not principal.may_call(name):
                 raise APIError(
                     404, f"The model `{name}` does not exist.", param="model", code="model_not_found"
                 )
-            await deployment.activator.serve(scope, receive, send, body, stream)
+            if not principal.admin:  # the admin's key is never limited
+                estimate = estimate_tokens(parsed, len(body))
+                ticket = self.limiter.admit(
+                    principal.key_id, principal.limits, estimate, principal.tenant or ""
+                )
+            if ticket is not None:
+                send = tap = UsageTap(send, ticket)
+            await deployment.activator.serve(scope, receive, send, body, stream, principal.key_id)
         except APIError as exc:
             await error_response(exc)(scope, receive, send)
         except ActivatorError as exc:
             await error_response(api_error(exc))(scope, receive, send)
         except ClientGone:
             return
+        finally:
+            if ticket is not None:
+                if tap is not None and (used := tap.used()) is not None:
+                    ticket.settle(used)
+                ticket.close()
 
 
-def _route_fields(body: bytes) -> tuple[str, bool]:
+def _route_fields(body: bytes) -> tuple[dict, str, bool]:
     parsed = parse_json_object(body)
     model = parsed.get("model")
     if not isinstance(model, str) or not model:
@@ -101,17 +120,18 @@ def _route_fields(body: bytes) -> tuple[str, bool]:
     stream = parsed.get("stream", False)
     if not isinstance(stream, bool):
         raise invalid(f"'stream' must be a boolean, got {stream!r}.", param="stream")
-    return model, stream
+    return parsed, model, stream
 
 
 @dataclass(frozen=True)
 class Access:
-    """Who may call what: the admin key (None: none set), the tenant keys, and the origins the
-    admin API accepts browser requests from."""
+    """Who may call what: the admin key (None: none set), the tenant keys, the origins the admin
+    API accepts browser requests from, and the limits of keys that set none of their own."""
 
     admin_key: str | None
     keys: KeyStore
     origins: frozenset[str]
+    default_limits: Limits = NO_LIMITS
 
 
 def build_gateway(
@@ -178,7 +198,7 @@ def build_gateway(
 
     async def create_key(request: Request) -> Response:
         body = parse_json_object(await read_body(request.receive, request.scope, MAX_BODY_BYTES))
-        tenant, deployments = validate_key_request(body)
+        tenant, deployments, limits = validate_key_request(body)
         if access is None or access.admin_key is None:
             # A tenant key would close the data path while the admin API stays open to anyone.
             raise APIError(
@@ -186,7 +206,7 @@ def build_gateway(
                 "Keys need an admin key: restart `stoker up` with STOKER_ADMIN_KEY set.",
                 code="admin_key_required",
             )
-        record, key = access.keys.create(tenant, deployments)
+        record, key = access.keys.create(tenant, deployments, limits)
         return JSONResponse({**record.to_dict(), "key": key}, status_code=201)
 
     async def list_keys(request: Request) -> Response:
@@ -200,9 +220,13 @@ def build_gateway(
                 404, f"No key with id {key_id!r}.", type="not_found_error", param="id", code="key_not_found"
             )
         record = access.keys.revoke(key_id)
+        limiter.forget(record.id)
         return JSONResponse({"id": record.id, "deleted": True})
 
-    inference = InferenceEndpoint(platform)
+    limiter = Limiter(
+        access.default_limits if access is not None else NO_LIMITS, registry=platform.metrics_registry
+    )
+    inference = InferenceEndpoint(platform, limiter)
     routes = [
         Route("/v1/chat/completions", inference, methods=["POST"]),
         Route("/v1/completions", inference, methods=["POST"]),

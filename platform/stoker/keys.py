@@ -18,6 +18,7 @@ given key and finds the hash in a dict: the timing of that says nothing about an
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import json
@@ -31,6 +32,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from stoker.limits import NO_LIMITS, Limits
 from stoker.openai_errors import APIError, error_response, invalid, unauthorized
 from stoker.registry import NAME
 
@@ -45,6 +47,7 @@ class KeyRecord:
     tenant: str
     deployments: tuple[str, ...]
     created: float  # unix seconds
+    limits: Limits = NO_LIMITS  # its own; the platform's defaults apply where these say nothing
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -52,7 +55,12 @@ class KeyRecord:
             "tenant": self.tenant,
             "deployments": list(self.deployments),
             "created": self.created,
+            **self.limits.to_dict(),
         }
+
+    @functools.cached_property
+    def principal(self) -> Principal:
+        return Principal(False, self.tenant, frozenset(self.deployments), self.id, self.limits)
 
 
 @dataclass(frozen=True)
@@ -62,6 +70,8 @@ class Principal:
     admin: bool
     tenant: str | None = None
     deployments: frozenset[str] = frozenset()
+    key_id: str = "admin"  # the key's id: whose limits, and whose turn in a hold queue
+    limits: Limits = NO_LIMITS
 
     def may_call(self, deployment: str) -> bool:
         return self.admin or deployment in self.deployments
@@ -74,13 +84,17 @@ def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-def validate_key_request(body: Any) -> tuple[str, tuple[str, ...]]:
-    """A `POST /admin/v1/keys` body: `{"tenant": str, "deployments": [name, ...]}`, or a 400 naming the field."""
+KEY_FIELDS = ("tenant", "deployments", "rps", "tpm", "max_concurrent")
+
+
+def validate_key_request(body: Any) -> tuple[str, tuple[str, ...], Limits]:
+    """A `POST /admin/v1/keys` body: `{"tenant": str, "deployments": [name, ...]}` and optional
+    limits `rps`, `tpm`, `max_concurrent`; or a 400 naming the field."""
     if not isinstance(body, dict):
         raise invalid("The request body must be a JSON object.")
-    unknown = sorted(set(body) - {"tenant", "deployments"})
+    unknown = sorted(set(body) - set(KEY_FIELDS))
     if unknown:
-        raise invalid(f"Unknown field(s) {unknown}; allowed: tenant, deployments.", unknown[0])
+        raise invalid(f"Unknown field(s) {unknown}; allowed: {', '.join(KEY_FIELDS)}.", unknown[0])
     tenant = body.get("tenant")
     if not isinstance(tenant, str) or not TENANT.fullmatch(tenant):
         raise invalid(
@@ -93,7 +107,7 @@ def validate_key_request(body: Any) -> tuple[str, tuple[str, ...]]:
     for name in names:
         if not isinstance(name, str) or not NAME.fullmatch(name):
             raise invalid(f"'deployments' holds {name!r}, which is no deployment name.", "deployments")
-    return tenant, tuple(dict.fromkeys(names))
+    return tenant, tuple(dict.fromkeys(names)), Limits.parse(body)
 
 
 class KeyStore:
@@ -106,27 +120,45 @@ class KeyStore:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute(
             "CREATE TABLE IF NOT EXISTS api_keys (id TEXT PRIMARY KEY, key_hash TEXT NOT NULL UNIQUE,"
-            " tenant TEXT NOT NULL, deployments TEXT NOT NULL, created_at REAL NOT NULL)"
+            " tenant TEXT NOT NULL, deployments TEXT NOT NULL, created_at REAL NOT NULL,"
+            " limits TEXT NOT NULL DEFAULT '{}')"
         )
+        columns = {row[1] for row in self._db.execute("PRAGMA table_info(api_keys)")}
+        if "limits" not in columns:  # a store made before keys had limits
+            self._db.execute("ALTER TABLE api_keys ADD COLUMN limits TEXT NOT NULL DEFAULT '{}'")
         self._clock = clock
         self._by_hash: dict[str, KeyRecord] = {}
         rows = self._db.execute(
-            "SELECT id, key_hash, tenant, deployments, created_at FROM api_keys ORDER BY created_at, id"
+            "SELECT id, key_hash, tenant, deployments, created_at, limits FROM api_keys"
+            " ORDER BY created_at, id"
         )
-        for id_, key_hash, tenant, deployments, created in rows:
-            self._by_hash[key_hash] = KeyRecord(id_, tenant, tuple(json.loads(deployments)), created)
+        for id_, key_hash, tenant, deployments, created, limits in rows:
+            record = KeyRecord(
+                id_, tenant, tuple(json.loads(deployments)), created, Limits(**json.loads(limits))
+            )
+            self._by_hash[key_hash] = record
 
     def __len__(self) -> int:
         return len(self._by_hash)
 
-    def create(self, tenant: str, deployments: tuple[str, ...]) -> tuple[KeyRecord, str]:
+    def create(
+        self, tenant: str, deployments: tuple[str, ...], limits: Limits = NO_LIMITS
+    ) -> tuple[KeyRecord, str]:
         """A new key for `tenant`; returns its record and the key itself, which is not kept."""
         key = PREFIX + secrets.token_urlsafe(32)
-        record = KeyRecord("key_" + secrets.token_hex(8), tenant, deployments, self._clock())
+        record = KeyRecord("key_" + secrets.token_hex(8), tenant, deployments, self._clock(), limits)
         with self._db:
             self._db.execute(
-                "INSERT INTO api_keys (id, key_hash, tenant, deployments, created_at) VALUES (?, ?, ?, ?, ?)",
-                (record.id, hash_key(key), tenant, json.dumps(list(deployments)), record.created),
+                "INSERT INTO api_keys (id, key_hash, tenant, deployments, created_at, limits)"
+                " VALUES (?, ?, ?, ?, ?, ?)",
+                (
+                    record.id,
+                    hash_key(key),
+                    tenant,
+                    json.dumps(list(deployments)),
+                    record.created,
+                    json.dumps(limits.to_dict()),
+                ),
             )
         self._by_hash[hash_key(key)] = record
         return record, key
@@ -193,7 +225,7 @@ class KeyAuth:
         record = self.store.lookup(authorization[len(b"Bearer ") :].decode("latin-1"))
         if record is None:
             return None
-        return Principal(admin=False, tenant=record.tenant, deployments=frozenset(record.deployments))
+        return record.principal
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in self.open_paths:

@@ -169,7 +169,7 @@ def _generation(summary: str, request: dict[str, Any]) -> dict[str, Any]:
                         "text/event-stream": {"schema": {"type": "string"}},
                     },
                 },
-                **_errors(400, 404, 413, 500, 502, 503),
+                **_errors(400, 401, 404, 413, 429, 500, 502, 503),
             },
         }
     }
@@ -298,5 +298,8 @@ def _key_request() -> dict[str, Any]:
         "properties": {
             "tenant": name,
             "deployments": {"type": "array", "items": name, "minItems": 1, "maxItems": 1024},
+            "rps": {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 1e6},
+            "tpm": {"type": ["integer", "null"], "minimum": 1, "maximum": 10**12},
+            "max_concurrent": {"type": ["integer", "null"], "minimum": 1, "maximum": 1_000_000},
         },
     }

@@ -91,6 +91,14 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         default=1.0,
         help="GiB of host memory for each vLLM CPU instance's KV cache (default 1)",
     )
+    limits = up.add_argument_group("limits of tenant keys that set none of their own (default: none)")
+    limits.add_argument("--key-rps", type=float, metavar="R", help="requests per second per key")
+    limits.add_argument(
+        "--key-tpm", type=int, metavar="T", help="tokens (prompt + completion) per minute per key"
+    )
+    limits.add_argument(
+        "--key-max-concurrent", type=int, metavar="N", help="requests held + in flight at once per key"
+    )
     add_store_option(up)
     up.set_defaults(func=cmd_up)
 
@@ -134,6 +142,13 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     create.add_argument(
         "--deployment", action="append", required=True, help="a deployment the key may call (repeatable)"
     )
+    create.add_argument("--rps", type=float, help="requests per second (default: the platform's --key-rps)")
+    create.add_argument("--tpm", type=int, help="tokens per minute (default: the platform's --key-tpm)")
+    create.add_argument(
+        "--max-concurrent",
+        type=int,
+        help="requests held + in flight at once (default: the platform's --key-max-concurrent)",
+    )
     create.add_argument("--json", action="store_true")
     create.set_defaults(func=cmd_keys_create)
     keys_ls = keys_sub.add_parser("ls", help="list keys (id, tenant, deployments, created; never the key)")
@@ -151,6 +166,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     from stoker.gateway import Access, build_gateway
     from stoker.http import is_loopback, make_server, own_origins, run_server
     from stoker.keys import KeyStore
+    from stoker.limits import Limits
+    from stoker.openai_errors import APIError
     from stoker.paths import data_dir, snapshot_store_dir
     from stoker.platform import Platform, VllmOptions
 
@@ -177,8 +194,13 @@ def cmd_up(args: argparse.Namespace) -> int:
             health_timeout_s=args.health_timeout,
         )
         vllm = VllmOptions(args.vllm, tuple(shlex.split(args.vllm_args)), args.vllm_cpu_kv_cache)
+        default_limits = Limits.parse(
+            {"rps": args.key_rps, "tpm": args.key_tpm, "max_concurrent": args.key_max_concurrent}, "key_"
+        )
     except ValueError as exc:
         raise CLIError(str(exc)) from None
+    except APIError as exc:
+        raise CLIError(exc.message.replace("'key_", "'--key-").replace("_", "-")) from None
     platform = Platform(
         data_dir(),
         store_dir=snapshot_store_dir(),
@@ -204,7 +226,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                 args.host,
                 args.port,
             )
-    access = Access(admin_key, keys, own_origins(args.host, args.port))
+    access = Access(admin_key, keys, own_origins(args.host, args.port), default_limits)
     app = build_gateway(platform, access=access)
     server = make_server(app, host=args.host, port=args.port, log_level=args.log_level, grace_period_s=60)
     return 0 if run_server(server) else 1
@@ -261,11 +283,13 @@ def cmd_rm(args: argparse.Namespace) -> int:
 
 
 def cmd_keys_create(args: argparse.Namespace) -> int:
-    out = _call("POST", "/admin/v1/keys", {"tenant": args.tenant, "deployments": args.deployment})
+    body = {"tenant": args.tenant, "deployments": args.deployment}
+    body |= {k: v for k in ("rps", "tpm", "max_concurrent") if (v := getattr(args, k)) is not None}
+    out = _call("POST", "/admin/v1/keys", body)
     if args.json:
         print(json.dumps({"id": out["id"], "key": out["key"]}))
     else:
-        print(f"key {out['id']} for tenant {out['tenant']} ({', '.join(out['deployments'])}):")
+        print(f"key {out['id']} for tenant {out['tenant']} ({', '.join(out['deployments'])}){_limits(out)}:")
         print(out["key"])
         print("(shown once: it is stored hashed)")
     return 0
@@ -281,8 +305,18 @@ def cmd_keys_ls(args: argparse.Namespace) -> int:
     print(f"{'ID':<22} {'TENANT':<20} {'CREATED':<20} DEPLOYMENTS")
     for k in data:
         created = datetime.datetime.fromtimestamp(k["created"]).strftime("%Y-%m-%d %H:%M:%S")
-        print(f"{k['id']:<22} {k['tenant']:<20} {created:<20} {', '.join(k['deployments'])}")
+        print(f"{k['id']:<22} {k['tenant']:<20} {created:<20} {', '.join(k['deployments'])}{_limits(k)}")
     return 0
+
+
+def _limits(key: dict) -> str:
+    """A key's own limits, as `stoker keys create` takes them; empty when it sets none."""
+    named = [
+        (f"{v:g} rps" if n == "rps" else f"{v} {n.replace('_', '-')}")
+        for n in ("rps", "tpm", "max_concurrent")
+        if (v := key.get(n)) is not None
+    ]
+    return f" [{', '.join(named)}]" if named else ""
 
 
 def cmd_keys_revoke(args: argparse.Namespace) -> int:

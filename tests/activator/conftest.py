@@ -199,7 +199,10 @@ class Front:
             return
         body = await read_all(receive)
         try:
-            await self.activator.serve(scope, receive, send, body, bool(json.loads(body).get("stream")))
+            owner = dict(scope["headers"]).get(b"x-owner", b"").decode()  # the gateway's key id
+            await self.activator.serve(
+                scope, receive, send, body, bool(json.loads(body).get("stream")), owner
+            )
         except ActivatorError as exc:
             await error_response(api_error(exc))(scope, receive, send)
 

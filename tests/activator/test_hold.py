@@ -162,3 +162,33 @@ async def test_held_stream_answered_with_an_error_status_gets_it_as_an_event(rig
     assert error == {"error": {"message": "nope", "type": "x", "param": None, "code": "c"}}
     assert events[-2:] == ["data: [DONE]", ""]
     await eventually(lambda: rig.sample("stoker_requests_total", code="400") == 1)
+
+
+async def test_a_full_queue_is_shared_between_keys_and_they_take_turns(rig: Rig) -> None:
+    source = MemorySource()
+    activator = rig.activator(source, max_queued=3, hold_deadline_s=30)
+
+    def post(owner: str, n: int):
+        body = {**PLAIN, "prompt": f"{owner}{n}"}
+        return asyncio.ensure_future(
+            rig.client.post("/v1/completions", json=body, headers={"x-owner": owner})
+        )
+
+    flood = []
+    for n in range(3):  # one key fills the queue ...
+        flood.append(post("a", n))
+        await eventually(lambda n=n: activator.load().queued == n + 1)
+    refused = await post("a", 3)  # ... and its own next request is refused, as always
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "queue_full"
+    mine = post("b", 0)  # another key still gets a place: a's newest gives it up
+    displaced = await flood[2]
+    assert displaced.status_code == 503 and displaced.json()["error"]["code"] == "queue_full"
+    assert displaced.headers["retry-after"] == "2"
+    await eventually(lambda: activator.load().queued == 3)
+
+    source.eps.append(Ep("a", rig.a_url, max_concurrency=1))  # one slot: the order is visible
+    activator.capacity_changed()
+    done = await asyncio.gather(flood[0], flood[1], mine)
+    assert [r.status_code for r in done] == [200, 200, 200]
+    # b's request went second, between a's two, though it came after both.
+    assert [r["prompt"] for r in rig.a.requests] == ["a0", "b0", "a1"]

@@ -78,3 +78,61 @@ async def test_abandon_leaves_the_queue_and_returns_an_unused_grant() -> None:
     assert granted(waiting) == "a"
     slots.abandon(waiting)  # granted in the same loop turn as its deadline: the slot goes on
     assert granted(late) == "a" and slots.outstanding == {"a": 1}
+
+
+async def test_owners_take_turns_whatever_each_has_queued() -> None:
+    source = MemorySource()
+    slots = Slots(source.endpoints)
+    flood = [slots.hold(owner="a") for _ in range(5)]
+    late = [slots.hold(owner="b"), slots.hold(owner="b")]
+    source.eps.append(Ep("x", "u1", 1))
+    order = []
+    for _ in range(7):
+        slots.dispatch()
+        (w,) = [w for w in flood + late if granted(w) and w not in order]
+        order.append(w)
+        slots.release("x")
+    # b's two requests are served second and fourth, not after a's five.
+    assert order == [flood[0], late[0], flood[1], late[1], flood[2], flood[3], flood[4]]
+    assert slots.held == 0 and slots.held_by("a") == 0
+
+
+async def test_one_owner_alone_is_served_in_arrival_order_and_retries_first() -> None:
+    source = MemorySource()
+    slots = Slots(source.endpoints)
+    first, second = slots.hold(owner="a"), slots.hold(owner="a")
+    retry = slots.hold(front=True, owner="b")
+    source.eps.append(Ep("x", "u1", 1))
+    slots.dispatch()
+    assert granted(retry) == "x" and not first.future.done()
+    slots.release("x")
+    assert granted(first) == "x" and not second.future.done()
+    assert slots.held_by("b") == 0  # a retry does not count against its owner's share
+
+
+async def test_an_owner_that_left_the_queue_rejoins_at_the_current_turn() -> None:
+    source = MemorySource()
+    slots = Slots(source.endpoints)
+    gone = [slots.hold(owner="b") for _ in range(3)]
+    for w in gone:
+        slots.abandon(w)  # b's requests timed out: its old place must not count against it
+    a = [slots.hold(owner="a") for _ in range(3)]
+    b = slots.hold(owner="b")
+    source.eps.append(Ep("x", "u1", 1))
+    slots.dispatch()
+    slots.release("x")
+    assert granted(a[0]) == "x" and granted(b) == "x"
+
+
+async def test_a_full_queue_displaces_the_newest_request_of_the_biggest_holder() -> None:
+    slots = Slots(MemorySource().endpoints)
+    flood = [slots.hold(owner="a") for _ in range(4)]
+    mine = slots.hold(owner="b")
+    assert slots.displace("b", lambda: RuntimeError("full"))  # a holds 4, b would hold 2
+    assert isinstance(flood[-1].future.exception(), RuntimeError)
+    assert slots.held == 4 and slots.held_by("a") == 3
+    slots.hold(owner="b")
+    # a holds 3 and b would hold 3: shared fairly, so the newcomer is the one refused.
+    assert not slots.displace("b", lambda: RuntimeError("full"))
+    assert not slots.displace("a", lambda: RuntimeError("full"))
+    assert not mine.future.done()

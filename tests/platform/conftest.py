@@ -90,7 +90,9 @@ class PlatformProcess:
 
     def metric(self, name: str, **labels: str) -> float:
         total = 0.0
-        for line in httpx.get(f"{self.url}/metrics").text.splitlines():
+        admin = self.extra_env.get("STOKER_ADMIN_KEY")
+        headers = {"authorization": f"Bearer {admin}"} if admin else {}
+        for line in httpx.get(f"{self.url}/metrics", headers=headers).text.splitlines():
             if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
                 total += float(line.split()[-1])
         return total

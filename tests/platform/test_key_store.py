@@ -7,7 +7,8 @@ import sqlite3
 
 import pytest
 
-from stoker.keys import PREFIX, KeyStore, Principal, validate_key_request
+from stoker.keys import PREFIX, KeyStore, Principal, hash_key, validate_key_request
+from stoker.limits import Limits
 from stoker.openai_errors import APIError
 
 
@@ -58,4 +59,49 @@ def test_a_bad_key_request_is_a_400_naming_the_field(body, param):
 
 
 def test_a_key_request_keeps_deployments_once_in_order():
-    assert validate_key_request({"tenant": "acme", "deployments": ["b", "a", "b"]}) == ("acme", ("b", "a"))
+    assert validate_key_request({"tenant": "acme", "deployments": ["b", "a", "b"]}) == (
+        "acme",
+        ("b", "a"),
+        Limits(),
+    )
+
+
+def test_a_key_keeps_its_limits_and_a_store_made_before_limits_opens(tmp_path):
+    path = tmp_path / "stoker.db"
+    old = sqlite3.connect(path)  # the table as it was before keys had limits
+    old.execute(
+        "CREATE TABLE api_keys (id TEXT PRIMARY KEY, key_hash TEXT NOT NULL UNIQUE,"
+        " tenant TEXT NOT NULL, deployments TEXT NOT NULL, created_at REAL NOT NULL)"
+    )
+    old.execute(
+        "INSERT INTO api_keys VALUES ('key_old', ?, 'acme', '[\"tiny\"]', 1.0)", (hash_key("sk-old"),)
+    )
+    old.commit()
+    old.close()
+    store = KeyStore(path)
+    assert store.lookup("sk-old").limits == Limits()
+    limits = Limits(rps=2.5, tpm=1000, max_concurrent=3)
+    record, key = store.create("acme", ("tiny",), limits)
+    assert KeyStore(path).lookup(key).limits == limits
+    assert record.principal.limits == limits and record.principal.key_id == record.id
+    assert record.to_dict()["rps"] == 2.5 and record.to_dict()["max_concurrent"] == 3
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("rps", 0),
+        ("rps", -1),
+        ("rps", "5"),
+        ("rps", True),
+        ("rps", float("inf")),
+        ("tpm", 0),
+        ("tpm", 1.5),
+        ("max_concurrent", 0),
+        ("max_concurrent", 10**7),
+    ],
+)
+def test_a_bad_limit_is_a_400_naming_it(field, value):
+    with pytest.raises(APIError) as exc:
+        validate_key_request({"tenant": "acme", "deployments": ["tiny"], field: value})
+    assert exc.value.status == 400 and exc.value.param == field
