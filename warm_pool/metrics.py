@@ -8,6 +8,11 @@ Start-up is measured per tier (`stoker_instance_startup_seconds{tier}`: from the
 wake to READY), the same seconds the scaler is fed; cold starts are counted per request and tier
 (`stoker_cold_start_requests_total{tier}`: requests served by an instance that became READY after
 they arrived), the count the simulator reports as `cold_starts`.
+
+`stoker_instance_state_corrections_total{believed, observed}` counts the times the pool found an
+engine's own sleep state other than it believed (`warm_pool.reconcile`): READY but `asleep`,
+SLEEPING but `awake`, or `unauthorized` (it holds another key). Any is worth a look: something
+other than the pool sleeps or wakes its engines, or their calls time out after doing their work.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ COLD_START_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.
 START_OUTCOMES = ("ready", "failed")
 TIERS = ("wake", "page_cache", "disk", "object_storage")  # warm_pool.policy.Tier's values
 SLEEP_ACTIONS = ("sleep", "wake")
+CORRECTED_BELIEFS = ("READY", "SLEEPING")
+CORRECTED_OBSERVATIONS = ("asleep", "awake", "unauthorized")  # warm_pool.reconcile.Observed's, less unknown
 
 
 def split_cold_start(
@@ -120,6 +127,12 @@ class PoolMetrics:
             ["deployment", "action", "outcome"],
             registry=registry,
         )
+        self.corrections = Counter(
+            "stoker_instance_state_corrections",
+            "Instances whose engine's own sleep state was not what the pool believed, by belief and observation.",
+            ["deployment", "believed", "observed"],
+            registry=registry,
+        )
         self.desired = Gauge(
             "stoker_scaler_desired_instances",
             "The scaling policy's last answer: instances to keep READY and SLEEPING.",
@@ -170,6 +183,13 @@ class PoolMetrics:
         if action not in SLEEP_ACTIONS:
             raise ValueError(f"action must be one of {SLEEP_ACTIONS}, got {action!r}")
         self.sleep_wake.labels(deployment, action, "ok" if ok else "failed").inc()
+
+    def state_corrected(self, deployment: str, believed: str, observed: str) -> None:
+        if believed not in CORRECTED_BELIEFS or observed not in CORRECTED_OBSERVATIONS:
+            raise ValueError(
+                f"a correction is one of {CORRECTED_BELIEFS} × {CORRECTED_OBSERVATIONS}, got {believed!r}, {observed!r}"
+            )
+        self.corrections.labels(deployment, believed, observed).inc()
 
     def decided(self, deployment: str, ready: int, sleeping: int, forecast: float | None) -> None:
         self.desired.labels(deployment, "READY").set(ready)

@@ -16,6 +16,14 @@ observes, decides and applies, as the simulator does (`warm_pool.simulate`), thr
   fewer sleep than asked, or are drained and stopped; sleeping instances beyond what is asked are
   stopped. A snapshot the policy wants warm is read into the page cache in the background.
 
+The engines' own word on their sleep overrides the pool's belief: every `reconcile_interval_s`
+(5 s) each settled instance (READY or SLEEPING, no start, sleep, wake or drain of the pool's in
+flight) is asked `GET /is_sleeping` in the background, read at a later tick (`warm_pool.reconcile`).
+A READY instance found asleep (slept by someone else) leaves routing as SLEEPING, and the policy
+wakes or stops it; a SLEEPING one found awake joins routing as READY, and the policy puts it back
+to sleep if it is not wanted; one that refuses the instance's key (401) is replaced. No answer is no
+news: liveness is the activator's probes' and `_reap_dead`'s.
+
 A failed start, sleep or wake, or a process that dies (READY or SLEEPING), makes the instance FAILED:
 it is stopped and replaced after an exponential backoff. A start that fails because the snapshot
 is corrupt is not retried: the pool starts nothing more and the activator refuses held and new
@@ -50,6 +58,7 @@ from warm_pool.metrics import PoolMetrics, split_cold_start
 from warm_pool.policies import DEFAULT_POLICY
 from warm_pool.policy import Decision, ScalingConfig, Tier
 from warm_pool.policy_settings import bind_policy, startup_priors
+from warm_pool.reconcile import Correction, Observed, SleepStates, correction
 from warm_pool.records import InstanceRecord, InstanceRecords
 from warm_pool.snapshot import SnapshotSource
 from warm_pool.states import Instance, InstanceState, new_instance_id
@@ -118,6 +127,7 @@ class PoolSpec:
     instance_concurrency: int = 8  # requests one instance takes at once (the engine's --max-num-seqs)
     start_timeout_s: float = 300.0  # also bounds a sleep or a wake
     kill_timeout_s: float = 10.0  # after SIGTERM, before SIGKILL
+    reconcile_interval_s: float = 5.0  # how often settled engines are asked whether they sleep
     host: str = "127.0.0.1"
     threads: int | None = None
     vllm: VllmLaunch | None = None  # how this machine runs vLLM (engine "vllm" only)
@@ -198,6 +208,8 @@ class Pool:
         # the background (`_engine_totals`), each engine at most every 5 s of this pool's clock.
         self._engines = EngineScraper(clock)
         self._scrape: asyncio.Task | None = None
+        # What the settled engines say of their sleep, asked in the background (`_reconcile`).
+        self._sleep_states = SleepStates(clock, interval_s=spec.reconcile_interval_s, name=spec.deployment)
 
     # ---- the activator's InstanceSource -------------------------------------------------------------
 
@@ -315,6 +327,7 @@ class Pool:
         )
         self._scrape = None
         await self._engines.aclose()
+        await self._sleep_states.aclose()
         await self._vllm.close()
         self._phases.clear()
         grace = self.spec.grace_period_s if drain else 0.0
@@ -331,6 +344,7 @@ class Pool:
             return
         now = self._clock()
         self._reap_dead(now)
+        self._reconcile()
         load = self._demand.load()
         census = self._census()
         engines = self._engine_totals(census.routing)
@@ -455,6 +469,39 @@ class Pool:
                 if (task := self._ops.pop(inst.id, None)) is not None:
                     task.cancel()
                 self._failed(inst, f"process {handle.pid} died")
+
+    def _settled(self, inst: Instance) -> bool:
+        """READY or SLEEPING with nothing of the pool's own in flight for it (start, sleep, wake, drain)."""
+        busy = (self._phases, self._ops, self._stops, self._launches)
+        return inst.state in (S.READY, S.SLEEPING) and not any(inst.id in tasks for tasks in busy)
+
+    def _reconcile(self) -> None:
+        """Correct what the pool believes by what the settled engines last said of their sleep, and
+        ask them again when due (`warm_pool.reconcile`). The asking runs in the background: the tick
+        never waits for it, and reads its answers at a later tick."""
+        for seen in self._sleep_states.collect():
+            inst = self._instances.get(seen.instance_id)
+            # Gone, moved, or busy with a sleep, wake or drain since it was asked: the answer is stale.
+            if inst is not None and inst.transitions == seen.transitions and self._settled(inst):
+                self._correct(inst, seen.observed)
+        if self.can_sleep:  # an engine without sleep mode serves no /is_sleeping
+            self._sleep_states.start(i for i in self._instances.values() if self._settled(i))
+
+    def _correct(self, inst: Instance, observed: Observed) -> None:
+        fix = correction(inst.state, observed)
+        if fix is Correction.NONE:
+            return
+        believed = inst.state.value
+        log.warning("instance %s: believed %s, its engine says %s: %s", inst.id, believed, observed, fix)
+        self._metrics.state_corrected(self.spec.deployment, believed, observed.value)
+        if fix is Correction.REPLACE:
+            self._failed(inst, "its engine refused the instance's key (401): it holds another")
+            return
+        if fix is Correction.TO_READY:
+            self._tiers[inst.id] = Tier.WAKE  # requests held for it were served by a wake
+        self._move(inst, S.SLEEPING if fix is Correction.TO_SLEEPING else S.READY, self._clock())
+        self._demand.capacity_changed()
+        self._wake.set()  # the policy decides on the truth at once: wake it, or sleep it again
 
     def _failed(self, inst: Instance, why: str) -> None:
         """Out of routing, FAILED, stopped and forgotten; its replacement waits for the backoff."""

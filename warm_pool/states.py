@@ -82,6 +82,9 @@ class Instance:
     secret: str = field(default="", repr=False)  # the key the engine wants from its callers; "" if none
     state_since: float = field(default=-1.0)
     accounted_at: float = field(default=-1.0)
+    # Edges taken so far: two looks with the same count saw no move between them, even on a clock
+    # that did not advance (the pool's sleep-state checks rely on it: `warm_pool.reconcile`).
+    transitions: int = 0
 
     def __post_init__(self) -> None:
         if self.state_since < 0:
@@ -112,4 +115,5 @@ class Instance:
         transition(self.state, new, self.id)
         left = self.accrue(now)
         self.state, self.state_since = new, now
+        self.transitions += 1
         return left
