@@ -12,6 +12,10 @@ process on a free 127.0.0.1 port:
   binds), with the shared aiohttp session configured as in `stoker.platform.Platform.start`, under
   uvicorn (httptools, uvloop, access log off). The warm pool is not on the hot path and is left out;
   this harness stands in for `Platform` (the duck type `build_gateway` reads) and nothing else.
+- **stoker+keys**: the same, with keys and limits on: an admin key set, a tenant key (in a real
+  `KeyStore`) with every limit set (requests/s, tokens/min, concurrency) far above what the run
+  sends, so every request is authenticated, admitted by three buckets and settled through a
+  `UsageTap`, and none is refused. wrk sends that key. Its cost is this row against `stoker`.
 - **nginx** (Debian package): one worker process, upstream keep-alive 32, HTTP/1.1 to the upstream,
   `proxy_buffering off`, logs in a temp dir.
 - **router**: vLLM's Rust router (`pip install vllm-router`), `--policy round_robin`.
@@ -55,7 +59,8 @@ from common import CLK_TCK, HOST, REPO, _interrupt, free_port, machine_info, med
 MODEL = "bench"
 PATH = "/v1/chat/completions"
 CHUNKS = 20
-TARGETS = ("direct", "stoker", "nginx", "router")
+TARGETS = ("direct", "stoker", "stoker+keys", "nginx", "router")
+TENANT_KEY_ENV = "STOKER_BENCH_TENANT_KEY"  # the tenant key the keyed target's clients send
 MODES = ("json", "stream")
 CONCURRENCY = (1, 32)
 
@@ -266,12 +271,18 @@ class BenchPlatform:
         return [self._deployment] if self._deployment is not None else []
 
 
-def serve_stoker(port: int, upstream: str) -> None:
+def serve_stoker(port: int, upstream: str, keys_db: Path | None) -> None:
+    """The gateway, open (no keys), or with the admin key from $STOKER_ADMIN_KEY and the tenant keys
+    in `keys_db`."""
     import uvicorn
 
-    from stoker.gateway import build_gateway
+    from stoker.gateway import Access, build_gateway
+    from stoker.keys import KeyStore
 
-    app = build_gateway(BenchPlatform(upstream))
+    access = None
+    if keys_db is not None:
+        access = Access(os.environ["STOKER_ADMIN_KEY"], KeyStore(keys_db), frozenset())
+    app = build_gateway(BenchPlatform(upstream), access=access)
     uvicorn.run(
         app,
         host=HOST,
@@ -281,6 +292,21 @@ def serve_stoker(port: int, upstream: str) -> None:
         access_log=False,
         log_level="warning",
     )
+
+
+def make_keys(tmp: Path) -> tuple[str, str, Path]:
+    """An admin key, and a tenant key for the bench model with every limit on and none binding:
+    (admin key, tenant key, the key store's path)."""
+    import secrets
+
+    from stoker.keys import KeyStore
+    from stoker.limits import Limits
+
+    path = tmp / "keys.db"
+    store = KeyStore(path)
+    _, tenant_key = store.create("bench", (MODEL,), Limits(rps=1e6, tpm=10**12, max_concurrent=1_000_000))
+    store.close()
+    return secrets.token_urlsafe(32), tenant_key, path
 
 
 # ---- processes ---------------------------------------------------------------------------------------
@@ -315,10 +341,10 @@ def body(stream: bool) -> dict:
     }
 
 
-def probe(base: str, stream: bool) -> str | None:
+def probe(base: str, stream: bool, headers: dict[str, str]) -> str | None:
     """One request through `base`; None if the answer is what the upstream sends, else why not."""
     try:
-        r = httpx.post(base + PATH, json=body(stream), timeout=5.0)
+        r = httpx.post(base + PATH, json=body(stream), headers=headers, timeout=5.0)
     except httpx.HTTPError as exc:
         return f"{type(exc).__name__}: {exc}"
     if r.status_code != 200:
@@ -341,6 +367,7 @@ class Target:
     status: str = "ok"  # or why it is not measured
     version: str | None = None
     command: str | None = None
+    headers: dict[str, str] = field(default_factory=dict)  # what its clients send besides the body
 
     def log_tail(self, n: int = 2000) -> str:
         with contextlib.suppress(OSError, TypeError):
@@ -359,9 +386,9 @@ def start(procs: Processes, t: Target, cmd: list[str], tmp: Path, timeout: float
     while time.monotonic() < deadline:
         if t.proc.poll() is not None:
             raise RuntimeError(f"exited with {t.proc.returncode}: {t.log_tail(600)}")
-        why = probe(t.base, False)
+        why = probe(t.base, False, t.headers)
         if why is None:
-            why = probe(t.base, True)
+            why = probe(t.base, True, t.headers)
             if why is None:
                 return t
             raise RuntimeError(f"streamed probe failed: {why}")
@@ -495,11 +522,11 @@ def tool_version(cmd: list[str]) -> str | None:
 UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0}
 
 
-def lua_script(stream: bool) -> str:
+def lua_script(stream: bool, headers: dict[str, str]) -> str:
     payload = json.dumps(body(stream), separators=(",", ":"))
-    return (
-        f'wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\nwrk.body = [[{payload}]]\n'
-    )
+    lines = ['wrk.method = "POST"', 'wrk.headers["Content-Type"] = "application/json"']
+    lines += [f"wrk.headers[{json.dumps(k)}] = {json.dumps(v)}" for k, v in headers.items()]
+    return "\n".join([*lines, f"wrk.body = [[{payload}]]", ""])
 
 
 def wrk(base: str, script: Path, conc: int, duration_s: int) -> dict:
@@ -560,7 +587,7 @@ def cell_key(mode: str, conc: int) -> str:
     return f"{mode}_c{conc}"
 
 
-def measure(plan: Plan, targets: dict[str, Target], scripts: dict[str, Path]) -> dict:
+def measure(plan: Plan, targets: dict[str, Target], scripts: dict[tuple[str, str], Path]) -> dict:
     live = [t for t in TARGETS if targets[t].status == "ok"]
     up_pgid = targets["direct"].proc.pid
     samples: dict[str, dict[str, list]] = {
@@ -573,9 +600,10 @@ def measure(plan: Plan, targets: dict[str, Target], scripts: dict[str, Path]) ->
                 key = cell_key(mode, conc)
                 for name in order:
                     base = targets[name].base
-                    wrk(base, scripts[mode], conc, plan.warmup_s)
+                    script = scripts[name, mode]
+                    wrk(base, script, conc, plan.warmup_s)
                     up0, px0 = group_cpu_s(up_pgid), group_cpu_s(targets[name].proc.pid)
-                    s = wrk(base, scripts[mode], conc, plan.duration_s)
+                    s = wrk(base, script, conc, plan.duration_s)
                     up1, px1 = group_cpu_s(up_pgid), group_cpu_s(targets[name].proc.pid)
                     s["round"] = r
                     # CPU per request: robust to a busy machine, unlike latency (10 ms ticks).
@@ -587,7 +615,7 @@ def measure(plan: Plan, targets: dict[str, Target], scripts: dict[str, Path]) ->
                     )
                     samples[key][name].append(s)
                     say(
-                        f"round {r + 1}/{plan.rounds} {key:<10} {name:<7} p50 {s['p50_s'] * 1e3:7.3f} ms "
+                        f"round {r + 1}/{plan.rounds} {key:<10} {name:<11} p50 {s['p50_s'] * 1e3:7.3f} ms "
                         f"p99 {s['p99_s'] * 1e3:7.3f} ms {s['rps']:8.0f} req/s"
                         + (
                             f"  ({s['non_2xx']} non-2xx, {s['socket_errors']} socket errors)"
@@ -623,6 +651,19 @@ def measure(plan: Plan, targets: dict[str, Target], scripts: dict[str, Path]) ->
                 ),
             }
         cells[key] = {"median": medians, "vs_direct": added, "samples": per_target}
+        if "stoker" in per_target and "stoker+keys" in per_target:
+            on, off = per_target["stoker+keys"], per_target["stoker"]
+            cells[key]["keys_cost"] = {
+                # Taken within each round, then the median: both ran minutes apart at most.
+                "added_p50_s": med([a["p50_s"] - b["p50_s"] for a, b in zip(on, off, strict=True)]),
+                "added_p99_s": med([a["p99_s"] - b["p99_s"] for a, b in zip(on, off, strict=True)]),
+                "added_cpu_us_per_req": med(
+                    [
+                        a["proxy_cpu_us_per_req"] - b["proxy_cpu_us_per_req"]
+                        for a, b in zip(on, off, strict=True)
+                    ]
+                ),
+            }
     return cells
 
 
@@ -682,6 +723,14 @@ def table(res: dict) -> str:
                 )
             lines.append("| " + " | ".join(row) + " |")
         lines.append("")
+    costs = [
+        f"{mode} c={c}: p50 {cost['added_p50_s'] * 1e6:+.0f} µs, CPU {cost['added_cpu_us_per_req']:+.0f} µs/request"
+        for mode in MODES
+        for c in CONCURRENCY
+        if (cost := cells[cell_key(mode, c)].get("keys_cost")) is not None
+    ]
+    if costs:
+        lines += [f"Keys and limits on (stoker+keys − stoker, paired per round): {'; '.join(costs)}.", ""]
     p = res["plan"]
     lines.append(
         f"wrk {p['duration_s']} s per run (-t1 at c=1, -t2 at c=32), medians of {p['rounds']} interleaved "
@@ -721,9 +770,15 @@ def run(args: argparse.Namespace) -> int:
     try:
         with tempfile.TemporaryDirectory(prefix="stoker-proxy-bench-") as tmp_name:
             tmp = Path(tmp_name)
-            scripts = {m: tmp / f"{m}.lua" for m in MODES}
-            for m, path in scripts.items():
-                path.write_text(lua_script(m == "stream"))
+            admin_key, tenant_key, keys_db = make_keys(tmp)
+            keyed = {"Authorization": f"Bearer {tenant_key}"}
+            scripts = {}
+            for name in TARGETS:
+                for m in MODES:
+                    scripts[name, m] = tmp / f"{name}-{m}.lua"
+                    scripts[name, m].write_text(
+                        lua_script(m == "stream", keyed if name == "stoker+keys" else {})
+                    )
             up_port = free_port()
             direct = Target("direct", base=f"http://{HOST}:{up_port}")
             start(procs, direct, [*me, "--serve", "upstream", "--port", str(up_port)], tmp)
@@ -735,6 +790,26 @@ def run(args: argparse.Namespace) -> int:
             cmd = [*me, "--serve", "stoker", "--port", str(port), "--upstream", direct.base]
             start(procs, stoker, cmd, tmp)
             targets["stoker"] = stoker
+
+            port = free_port()
+            keys = Target("stoker+keys", base=f"http://{HOST}:{port}", version="working tree", headers=keyed)
+            cmd = [
+                *me,
+                "--serve",
+                "stoker",
+                "--port",
+                str(port),
+                "--upstream",
+                direct.base,
+                "--keys-db",
+                str(keys_db),
+            ]
+            os.environ["STOKER_ADMIN_KEY"] = admin_key  # inherited by that process only: set just before
+            try:
+                start(procs, keys, cmd, tmp)
+            finally:
+                del os.environ["STOKER_ADMIN_KEY"]
+            targets["stoker+keys"] = keys
 
             port = free_port()
             nginx = Target("nginx", base=f"http://{HOST}:{port}", version=tool_version(["nginx", "-v"]))
@@ -792,12 +867,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--serve", choices=["upstream", "stoker"], help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--upstream", help=argparse.SUPPRESS)
+    ap.add_argument("--keys-db", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.serve == "upstream":
         serve_upstream(args.port)
         return 0
     if args.serve == "stoker":
-        serve_stoker(args.port, args.upstream)
+        serve_stoker(args.port, args.upstream, args.keys_db)
         return 0
     return run(args)
 

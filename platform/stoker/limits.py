@@ -292,23 +292,22 @@ def estimate_tokens(body: dict[str, Any], size: int) -> tuple[int, int]:
 
 # `"usage": {...}` in a completion or in a stream's last event: flat, numbers only in the fields read.
 _USAGE = re.compile(rb'"usage"\s*:\s*\{[^{}]*?"total_tokens"\s*:\s*(\d+)')
-_EVENT = re.compile(rb"(?:^|\n)data: ")
+TAIL = 8192  # bytes of each of the last two chunks searched for `usage`
 
 
 class UsageTap:
     """An ASGI `send` wrapper for one limited request: adds the ticket's x-ratelimit-* headers to
     the response start, and reads the tokens used from the answer, to settle the ticket. Only the
-    last chunks are kept (a completion's `usage` is near its end; a stream's is its last event),
-    and a stream's events are counted, for a stream that reports no usage."""
+    last two chunks are kept (a completion's `usage` is near its end; a stream's is its last event
+    but for `[DONE]`), and a stream's events are counted, for a stream that reports no usage. Per
+    chunk that is a reference kept and one `bytes.count`: this runs for every chunk of a stream."""
 
-    __slots__ = ("_send", "_tail", "events", "status", "ticket")
-
-    TAIL = 8192
+    __slots__ = ("_last", "_prev", "_send", "events", "status", "ticket")
 
     def __init__(self, send: Callable, ticket: Ticket) -> None:
         self._send = send
         self.ticket = ticket
-        self._tail = b""
+        self._prev = self._last = b""
         self.events = 0
         self.status = 0
 
@@ -316,9 +315,9 @@ class UsageTap:
         if message["type"] == "http.response.start":
             self.status = message["status"]
             message = {**message, "headers": [*message.get("headers", ()), *self.ticket.headers]}
-        elif self.ticket.counts_tokens and (chunk := message.get("body")):
-            self.events += len(_EVENT.findall(chunk))
-            self._tail = (self._tail + chunk)[-self.TAIL :]
+        elif chunk := message.get("body"):
+            self.events += chunk.count(b"data: ")
+            self._prev, self._last = self._last, chunk
         await self._send(message)
 
     def used(self) -> int | None:
@@ -326,7 +325,7 @@ class UsageTap:
         answer (refused, or an error); None when a 200 says nothing (the estimate stands)."""
         if self.status != 200:
             return 0
-        reported = _USAGE.findall(self._tail)
+        reported = _USAGE.findall(self._prev[-TAIL:] + self._last[-TAIL:])
         if reported:
             return int(reported[-1])
         if self.events:  # minus the [DONE] marker; keep-alive comments are not events
