@@ -26,7 +26,9 @@ probe of its /health by `watch_health` (each `health_interval_s`), feeds that in
 `eject_after` failures in a row eject it, and only routable instances are offered to `Slots`. An
 ejection also ends the waits for headers of the requests already sent to that instance, which are
 then retried elsewhere. A probe answering 503 (the engine says it is failed) is reported to the
-source (`report_unhealthy`), which replaces the instance.
+source (`report_unhealthy`), which replaces the instance; so is one ejected `replace_after_ejections`
+times in a row (stopped or wedged: were it kept, a deployment whose every instance is ejected would
+hold its requests until their deadline).
 """
 
 from __future__ import annotations
@@ -134,6 +136,8 @@ class Activator:
         self._queue_length = metrics.queue_length.labels(deployment)
         self._queue_wait = metrics.queue_wait.labels(deployment)
         self._cold_first_byte = metrics.cold_start_first_byte.labels(deployment)
+        self._ejections = metrics.ejections.labels(deployment)
+        self._ejected_now = metrics.ejected.labels(deployment)
         self._unavailable: str | None = None  # why no instance can start, while the source says so
 
     # -- what the pool and the scaler see ------------------------------------------------------
@@ -330,6 +334,7 @@ class Activator:
         for gone in [k for k in self._health if k not in present]:  # left routing: forget it
             del self._health[gone]
             self._ejected.discard(gone)
+        self._ejected_now.set(len(self._ejected))
         now = self._clock()
         due = [
             e
@@ -365,10 +370,17 @@ class Activator:
             self._set_health(k, ejection.failed(health, self._rules, self._clock()))
 
     def _set_health(self, k: Key, health: Health) -> None:
+        before = self._health.get(k, HEALTHY)
         if health == HEALTHY:
             self._health.pop(k, None)
         else:
             self._health[k] = health
+        if health.ejected and health.ejections > before.ejections:  # ejected, or ejected again
+            self._ejections.inc()
+            if health.ejections >= self._config.replace_after_ejections:
+                self._source.report_unhealthy(
+                    k[0], f"ejected {health.ejections} times in a row (stopped or wedged)"
+                )
         if health.ejected and k not in self._ejected:
             self._ejected.add(k)
             log.warning(
@@ -381,6 +393,7 @@ class Activator:
             self._ejected.discard(k)
             log.warning("instance %s back in routing: its /health answered 200", k[0])
             self._slots.dispatch()
+        self._ejected_now.set(len(self._ejected))
 
     def _first_byte(self, ex: _Exchange, status: int) -> None:
         ex.upstream_status = status

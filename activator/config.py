@@ -36,6 +36,11 @@ class ActivatorConfig:
     eject_after: int = 3
     eject_base_s: float = 10.0
     eject_max_s: float = 300.0
+    # An instance ejected this many times in a row, with no request answered between, is stopped
+    # or wedged rather than slow: it is reported unhealthy and the pool replaces it (with the
+    # defaults, after about 30 s out of routing). Otherwise an instance that every probe finds
+    # silent would hold its place in the pool, and with it the deployment's held requests, for ever.
+    replace_after_ejections: int = 3
     # Active health checks: every READY instance's /health, each `health_interval_s`, within
     # `health_timeout_s`. A failed probe counts as a failure; a 503 (the engine says it is
     # failed) also has the source replace the instance.
@@ -46,6 +51,7 @@ class ActivatorConfig:
         _check_int("max_queued", self.max_queued, 0, 1_000_000)
         _check_int("retry_after_s", self.retry_after_s, 1, 3600)
         _check_int("eject_after", self.eject_after, 1, 1000)
+        _check_int("replace_after_ejections", self.replace_after_ejections, 1, 1000)
         for f in fields(self):
             if f.name.endswith("_s") and f.name != "retry_after_s":
                 _check_seconds(f.name, getattr(self, f.name))

@@ -50,6 +50,18 @@ class ActivatorMetrics:
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )
+        self.ejections = Counter(
+            "stoker_instance_ejections_total",
+            "Instances taken out of routing for failing requests or probes (each ejection, re-ejections included).",
+            ["deployment"],
+            registry=registry,
+        )
+        self.ejected = Gauge(
+            "stoker_instances_ejected",
+            "Instances out of routing now for failing, until a probe re-admits them.",
+            ["deployment"],
+            registry=registry,
+        )
         self.cold_start_first_byte = Histogram(
             "stoker_cold_start_first_byte_seconds",
             "Cold starts, last phase: from the held request getting its instance to the first byte of the answer (a stream's first SSE event, which may precede the first token).",

@@ -68,6 +68,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         help="seconds the first ejection lasts; doubled on each one in a row, up to 300 (default 10)",
     )
     up.add_argument(
+        "--replace-after-ejections",
+        type=int,
+        default=3,
+        help="ejections in a row after which an instance is replaced as stopped or wedged (default 3)",
+    )
+    up.add_argument(
         "--health-interval", type=float, default=5.0, help="seconds between probes of each instance's /health"
     )
     up.add_argument(
@@ -190,6 +196,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             eject_after=args.eject_after,
             eject_base_s=args.eject_time,
             eject_max_s=max(300.0, args.eject_time),
+            replace_after_ejections=args.replace_after_ejections,
             health_interval_s=args.health_interval,
             health_timeout_s=args.health_timeout,
         )

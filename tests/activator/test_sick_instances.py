@@ -93,3 +93,23 @@ async def test_a_request_that_succeeds_clears_the_count(rig: Rig) -> None:
     await activator.check_health()  # one again, not two in a row
     assert activator.ejected() == []
     rig.a.before_headers.set()
+
+
+async def test_an_instance_ejected_again_and_again_is_reported_for_replacement(rig: Rig) -> None:
+    clock = Clock()
+    source = MemorySource([Ep("a", rig.a_url)])
+    activator = rig.activator(
+        source, clock, eject_after=1, eject_base_s=10, replace_after_ejections=2, health_timeout_s=0.1
+    )
+    stopped = rig.a.before_headers = asyncio.Event()  # stopped for good: every probe is silent
+    await activator.check_health()
+    assert activator.ejected() == ["a"] and source.unhealthy == []
+    assert rig.sample("stoker_instances_ejected") == 1 and rig.sample("stoker_instance_ejections_total") == 1
+    clock.now += 10
+    await activator.check_health()  # its time is up, the probe fails: ejected a second time
+    assert source.unhealthy == ["a"]  # the pool replaces it (its only instance: requests were held)
+    assert rig.sample("stoker_instance_ejections_total") == 2
+    source.eps.clear()  # replaced: it leaves the routing set, and the activator forgets it
+    await activator.check_health()
+    assert activator.ejected() == [] and rig.sample("stoker_instances_ejected") == 0
+    stopped.set()

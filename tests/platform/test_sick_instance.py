@@ -10,6 +10,8 @@ import time
 
 import httpx
 
+from tests.platform.conftest import pid_alive
+
 BODY = {"model": "tiny", "prompt": "x", "max_tokens": 4, "stream": True}
 
 
@@ -28,6 +30,7 @@ def test_a_stopped_instance_leaves_routing_and_comes_back(platform_factory, tiny
         "--stream-headers-timeout", "2",
         "--eject-after", "2",
         "--eject-time", "1",
+        "--replace-after-ejections", "1000",  # here a stopped engine is waited for, not replaced
         "--health-interval", "0.5",
         "--health-timeout", "0.5",
     )  # fmt: skip
@@ -51,3 +54,33 @@ def test_a_stopped_instance_leaves_routing_and_comes_back(platform_factory, tiny
     p.wait_for(lambda: "back in routing" in p.log.read_text(), 120, "the re-admission")
     assert sick in {stream(p)[0] for _ in range(6)}
     assert set(p.engine_pids()) == {sick, well}  # neither was replaced: a stopped engine is not a dead one
+
+
+def test_a_lone_instance_stopped_for_good_is_replaced_and_the_held_request_answered(
+    platform_factory, tiny_model_dir
+):
+    p = platform_factory(
+        "--stream-headers-timeout", "1",
+        "--eject-after", "1",
+        "--eject-time", "0.5",
+        "--replace-after-ejections", "3",
+        "--health-interval", "0.3",
+        "--health-timeout", "0.3",
+        "--hold-deadline", "300",
+    )  # fmt: skip
+    p.deploy("tiny", tiny_model_dir, "--min-warm", "1", "--max", "1", "--idle-timeout", "600")
+    p.wait_for(lambda: p.deployments()["tiny"]["instances"]["READY"] == 1, 120, "a READY instance")
+    (stopped,) = p.engine_pids().values()
+    os.kill(stopped, signal.SIGSTOP)
+    try:
+        # Its only instance is ejected, again and again, then replaced: the request waits for that.
+        # Held after its first try timed out: a 200 with keep-alives, then the replacement's answer.
+        with httpx.stream("POST", f"{p.url}/v1/completions", json=BODY, timeout=300) as r:
+            lines = [line for line in r.iter_lines() if line.startswith("data:")]
+        assert r.status_code == 200 and lines[-1] == "data: [DONE]" and '"error"' not in "".join(lines)
+        assert [pid for pid in p.engine_pids().values() if pid != stopped]  # a replacement served it
+        assert "ejected 3 times in a row" in p.log.read_text()
+        assert p.metric("stoker_instance_ejections_total", deployment="tiny") >= 3
+    finally:
+        os.kill(stopped, signal.SIGCONT)
+    p.wait_for(lambda: not pid_alive(stopped), 60, "the stopped engine gone")
