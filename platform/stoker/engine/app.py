@@ -185,6 +185,8 @@ def build_app(
         engine.check_loop()
         if engine.state == "ready":
             return Response(status_code=200)
+        if engine.state == "sleeping":  # as vLLM's: the process is well; /is_sleeping says it rests
+            return JSONResponse({"status": "sleeping"})
         return JSONResponse({"status": engine.state, "error": engine.failure}, status_code=503)
 
     async def metrics(request: Request) -> Response:
