@@ -257,7 +257,7 @@ class BenchPlatform:
         )
         activator = Activator(MODEL, self.source, self._config, self._session, self._metrics)
         spec = SimpleNamespace(name=MODEL, snapshot_id="none", to_dict=lambda: {"name": MODEL})
-        pool = SimpleNamespace(counts=lambda: {"READY": 1})
+        pool = SimpleNamespace(counts=lambda: {"READY": 1}, unavailable=None)
         self._deployment = SimpleNamespace(spec=spec, pool=pool, activator=activator)
 
     async def shutdown(self) -> None:

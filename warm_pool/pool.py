@@ -269,6 +269,11 @@ class Pool:
     def policy(self) -> str:
         return self._bound.name
 
+    @property
+    def unavailable(self) -> str | None:
+        """Why no instance can start (a corrupt snapshot), until the deployment is deployed again."""
+        return self._corrupt
+
     def counts(self) -> dict[str, int]:
         counts = {state.value: 0 for state in S}
         for inst in self._instances.values():

@@ -176,7 +176,12 @@ def build_gateway(
                 "reason": decision.reason,
                 "forecast": decision.forecast,
             }
-        return {**d.spec.to_dict(), "instances": d.pool.counts(), "decision": last}
+        return {
+            **d.spec.to_dict(),
+            "instances": d.pool.counts(),
+            "decision": last,
+            "unavailable": d.pool.unavailable,  # why no instance can start; None: they can
+        }
 
     async def list_deployments(request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [describe(d) for d in platform.list()]})

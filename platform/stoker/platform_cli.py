@@ -280,6 +280,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
             f"{d['name']:<20} {d['model'][:24]:<24} {d['engine']:<6} {d['policy']:<10} {d['min_warm']:>3}"
             f" {d['max']:>3} {n['READY']:>5} {n['SLEEPING']:>6}  {counts}"
         )
+        if d.get("unavailable"):
+            print(f"  unavailable: {d['unavailable']}")
     return 0
 
 

@@ -36,5 +36,9 @@ def test_a_truncated_snapshot_file_is_a_clear_503_and_no_restart_loop(platform_f
     assert p.metric("stoker_instance_starts_total", deployment="tiny", outcome="ready") == 0
     assert p.engine_pids() == {}  # no engine process was spawned to crash on it
 
+    # `stoker ls` shows the reason too.
+    assert f"  unavailable: snapshot {snapshot_id[:12]} is corrupt" in p.cli("ls").stdout
+    assert "model.safetensors" in p.deployments()["tiny"]["unavailable"]
+
     verify = p.cli("snapshot", "verify", snapshot_id[:12], check=False)
     assert verify.returncode == 1 and "model.safetensors" in verify.stdout + verify.stderr
