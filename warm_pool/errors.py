@@ -39,12 +39,26 @@ class InvalidScalingConfig(InvalidConfig):
 
 
 class StartFailed(PoolError):
-    """An instance did not become ready: its process exited first, or the deadline passed."""
+    """An instance did not become ready: its process exited first, or the deadline passed.
 
-    def __init__(self, message: str, *, exit_code: int | None = None, log_tail: str = "") -> None:
+    `phase` says how far it got, where the raiser knows (`warm_pool.failures` names the phases);
+    None leaves it to the pool, which knows which step of the start raised. `log_lines` is the
+    tail of its log, line by line, for the failure record; `log_tail` the same on one line."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        exit_code: int | None = None,
+        log_tail: str = "",
+        phase: str | None = None,
+        log_lines: tuple[str, ...] = (),
+    ) -> None:
         super().__init__(message)
         self.exit_code = exit_code
         self.log_tail = log_tail
+        self.phase = phase
+        self.log_lines = log_lines
 
 
 class SnapshotCorrupt(PoolError):

@@ -34,6 +34,7 @@ from warm_pool.vllm import startup_phases
 STARTUP_PHASE_METRIC = "stoker_engine_startup_phase_seconds"
 Headers = Mapping[str, str] | None  # an instance's `auth_headers`: its key
 _LOG_TAIL_LINES = 5
+FAILURE_LOG_LINES = 20  # what a failure record keeps of the log: a traceback's last frames and its error
 _LOG_TAIL_BYTES = 64 * 1024  # a crash's traceback plus what follows it
 _LOG_PHASE_BYTES = 1 << 20  # vLLM logs a few hundred lines while it starts; its phases are in them
 _MAX_INFO_BYTES = 1 << 20  # vLLM's /server_info holds its whole config and environment: ~20 KB
@@ -125,21 +126,30 @@ def _phases_from_log(path: Path) -> dict[str, float]:
 _NOISE = re.compile(
     r"^nanobind: |^- leaked|^- \.\.\. skipped|\[shutdown\]|^INFO: |resource_tracker|warnings\.warn|refleaks"
 )
-_ERROR = re.compile(r"\w(Error|Exception)\b|\bERROR\b")
+ERROR_LINE = re.compile(r"\w(Error|Exception)\b|\bERROR\b|^stoker: error: ")
+# Terminal escapes (transformers colours its load report) and other control characters: a log
+# line shown in a table or a JSON answer carries neither.
+_CONTROL = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|[\x00-\x08\x0b-\x1f\x7f]")
 
 
-def log_tail(path: Path, lines: int = _LOG_TAIL_LINES) -> str:
-    """The last meaningful lines of a log, joined by " | " to keep messages on one line. The last
+def log_tail_lines(path: Path, lines: int = _LOG_TAIL_LINES) -> list[str]:
+    """The last meaningful lines of a log (at most `lines`, each at most 300 characters). The last
     line that names an error leads, if the tail itself does not hold it."""
     text = _read_tail(path, _LOG_TAIL_BYTES)
     if text is None:
-        return ""
-    kept = [line.strip() for line in text.splitlines() if line.strip() and not _NOISE.search(line.strip())]
+        return []
+    cleaned = (_CONTROL.sub("", line).strip() for line in text.splitlines())
+    kept = [line for line in cleaned if line and not _NOISE.search(line)]
     tail = kept[-lines:]
-    errors = [line for line in kept if _ERROR.search(line) and " WARNING " not in line]
+    errors = [line for line in kept if ERROR_LINE.search(line) and " WARNING " not in line]
     if errors and errors[-1] not in tail:
         tail = [errors[-1], *tail[-(lines - 1) :]]
-    return " | ".join(line[:300] for line in tail)
+    return [line[:300] for line in tail]
+
+
+def log_tail(path: Path, lines: int = _LOG_TAIL_LINES) -> str:
+    """`log_tail_lines` joined by " | ", to keep a message on one line."""
+    return " | ".join(log_tail_lines(path, lines))
 
 
 class LocalBackend:
@@ -190,23 +200,33 @@ class LocalBackend:
         health_path: str = "/health",
     ) -> None:
         """Poll `url + health_path` until 200. `StartFailed` if the process exits first or time runs
-        out; the process is left as it is (the caller stops it)."""
+        out; the process is left as it is (the caller stops it).
+
+        The failure's phase is what the polls saw: an engine that exits before its server ever
+        answered failed to start (`process_start`: imports, checks, or all of vLLM's start, whose
+        server answers only once loaded); one that answered "not ready" first failed loading
+        (`model_load`: the CPU engine serves at once and loads in the background); one that runs on
+        unready past `timeout_s` is a `wait_ready` failure."""
         deadline = self._clock() + timeout_s
         last = "no answer yet"
+        answered = False
         async with aiohttp.ClientSession() as session:
             while True:
                 if not self.is_alive(handle):
                     code = await self._exit_code(handle)
-                    raise self._failed(handle, f"exited with status {code} before it was ready", code)
+                    phase = "model_load" if answered else "process_start"
+                    raise self._failed(handle, f"exited with status {code} before it was ready", code, phase)
                 remaining = deadline - self._clock()
                 if remaining <= 0:
-                    raise self._failed(handle, f"not ready after {timeout_s:g}s (last: {last})", None)
+                    raise self._failed(
+                        handle, f"not ready after {timeout_s:g}s (last: {last})", None, "wait_ready"
+                    )
                 try:
                     timeout = aiohttp.ClientTimeout(total=min(1.0, remaining))
                     async with session.get(url + health_path, timeout=timeout) as r:
                         if r.status == 200:
                             return
-                        last = f"HTTP {r.status}"
+                        answered, last = True, f"HTTP {r.status}"
                 except (aiohttp.ClientError, TimeoutError) as exc:
                     last = type(exc).__name__
                 await asyncio.sleep(min(interval_s, max(0.0, deadline - self._clock())))
@@ -327,12 +347,13 @@ class LocalBackend:
             await asyncio.wait_for(child.process.wait(), 1.0)
         return child.process.returncode
 
-    def _failed(self, handle: ProcessHandle, what: str, code: int | None) -> StartFailed:
+    def _failed(self, handle: ProcessHandle, what: str, code: int | None, phase: str) -> StartFailed:
         child = self._children.get(handle)
+        lines = log_tail_lines(child.log_path, FAILURE_LOG_LINES) if child else []
         tail = log_tail(child.log_path) if child else ""
         where = f" ({child.log_path})" if child else ""
         message = f"engine pid {handle.pid} {what}{where}" + (f"; log: {tail}" if tail else "")
-        return StartFailed(message, exit_code=code, log_tail=tail)
+        return StartFailed(message, exit_code=code, log_tail=tail, phase=phase, log_lines=tuple(lines))
 
 
 async def _post(url: str, path: str, timeout_s: float, headers: Headers = None) -> None:

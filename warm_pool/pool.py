@@ -27,9 +27,11 @@ news: liveness is the activator's probes' and `_reap_dead`'s.
 A failed start, sleep or wake, or a process that dies (READY or SLEEPING), makes the instance FAILED:
 it is stopped and replaced after an exponential backoff. A start that fails because the snapshot
 is corrupt is not retried: the pool starts nothing more and the activator refuses held and new
-requests with that reason (`Demand.set_unavailable`) until the deployment is deployed again. The
-pool is the activator's `InstanceSource`; it tells the activator through `Demand.capacity_changed`
-whenever its routing set changes.
+requests with that reason (`Demand.set_unavailable`) until the deployment is deployed again. Other
+failed starts are retried, and `unavailable_after` of them in a row make the deployment unavailable
+with the last one's reason until a start succeeds (`warm_pool.failures`, which also keeps the last
+failure of any kind for `stoker describe`). The pool is the activator's `InstanceSource`; it tells
+the activator through `Demand.capacity_changed` whenever its routing set changes.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from snapshots.pins import Pin
 from warm_pool.backoff import restart_delay
 from warm_pool.engine_signals import EngineScraper, EngineTotals, engine_totals
 from warm_pool.errors import PoolError, SnapshotCorrupt, StartFailed
+from warm_pool.failures import FailureRecord, StartFailures, record_of
 from warm_pool.launch import GpuInventory, LaunchSpec, cpu_engine_spec
 from warm_pool.local import EngineCapabilities, Headers, ProcessHandle, free_port
 from warm_pool.metrics import PoolMetrics, split_cold_start
@@ -128,6 +131,7 @@ class PoolSpec:
     start_timeout_s: float = 300.0  # also bounds a sleep or a wake
     kill_timeout_s: float = 10.0  # after SIGTERM, before SIGKILL
     reconcile_interval_s: float = 5.0  # how often settled engines are asked whether they sleep
+    unavailable_after: int = 3  # failed starts in a row that refuse held requests with the reason; 0: never
     host: str = "127.0.0.1"
     threads: int | None = None
     vllm: VllmLaunch | None = None  # how this machine runs vLLM (engine "vllm" only)
@@ -198,6 +202,9 @@ class Pool:
         self._failures = 0  # consecutive failed starts, for the restart backoff
         self._not_before = 0.0  # no new start before this time (backoff after a failure)
         self._corrupt: str | None = None  # set when a start found the snapshot corrupt: no more starts
+        self._start_failures = StartFailures(
+            spec.unavailable_after
+        )  # the last failure; failed starts in a row
         self.last_decision: Decision | None = None
         self._warming: asyncio.Future[WarmReport] | None = None  # the snapshot's page-cache warm in flight
         self._warm_asked_at = -WARM_EVERY_S
@@ -231,7 +238,7 @@ class Pool:
             return
         if (task := self._ops.pop(inst.id, None)) is not None:
             task.cancel()
-        self._failed(inst, reason)
+        self._failed(inst, reason, "health")
         self._wake.set()
 
     def request_arrived(self) -> None:
@@ -259,7 +266,8 @@ class Pool:
             self._policy_state = bound.initial_state
         self._bound = bound
         self.spec = replace(self.spec, scaling=scaling, policy=policy)
-        if self._corrupt is not None:  # deployed again: the snapshot gets one more start to check out
+        lifted = self._start_failures.lift()  # deployed again: held requests wait for one more try
+        if self._corrupt is not None or lifted:  # the snapshot gets one more start to check out
             self._corrupt = None
             if self._demand is not None:
                 self._demand.set_unavailable(None)
@@ -271,8 +279,33 @@ class Pool:
 
     @property
     def unavailable(self) -> str | None:
-        """Why no instance can start (a corrupt snapshot), until the deployment is deployed again."""
-        return self._corrupt
+        """Why no instance can start: a corrupt snapshot (until the deployment is deployed again), or
+        `unavailable_after` failed starts in a row (until one succeeds)."""
+        return self._corrupt or self._start_failures.unavailable
+
+    @property
+    def last_failure(self) -> FailureRecord | None:
+        return self._start_failures.last
+
+    @property
+    def failed_starts(self) -> int:
+        """Failed starts since the last one that reached READY."""
+        return self._start_failures.in_a_row
+
+    def instances(self) -> list[dict]:
+        """Each instance as an operator sees it; `since` is when it entered its state (epoch s)."""
+        now, wall = self._clock(), time.time()
+        return [
+            {
+                "id": i.id,
+                "state": i.state.value,
+                "phase": self._phases.get(i.id),
+                "url": i.url if i.port is not None else None,
+                "pid": i.pid,
+                "since": wall - (now - i.state_since),
+            }
+            for i in sorted(self._instances.values(), key=lambda i: i.created_at)
+        ]
 
     def counts(self) -> dict[str, int]:
         counts = {state.value: 0 for state in S}
@@ -371,6 +404,8 @@ class Pool:
         if log.isEnabledFor(logging.DEBUG):
             log.debug("pool %s: %s from %s", self.spec.deployment, decision, observation)
         self.last_decision = decision
+        if decision.ready == 0 and not census.coming and self._start_failures.lift() and not self._corrupt:
+            self._demand.set_unavailable(None)  # nobody calls: the next request is held and tries again
         self._metrics.decided(self.spec.deployment, decision.ready, decision.sleeping, decision.forecast)
         self._apply(decision, census, now, load.outstanding)
         if self.spec.snapshot.snapshot_id in decision.warm:
@@ -473,7 +508,7 @@ class Pool:
             ):
                 if (task := self._ops.pop(inst.id, None)) is not None:
                     task.cancel()
-                self._failed(inst, f"process {handle.pid} died")
+                self._failed(inst, f"process {handle.pid} died", "serving")
 
     def _settled(self, inst: Instance) -> bool:
         """READY or SLEEPING with nothing of the pool's own in flight for it (start, sleep, wake, drain)."""
@@ -500,7 +535,7 @@ class Pool:
         log.warning("instance %s: believed %s, its engine says %s: %s", inst.id, believed, observed, fix)
         self._metrics.state_corrected(self.spec.deployment, believed, observed.value)
         if fix is Correction.REPLACE:
-            self._failed(inst, "its engine refused the instance's key (401): it holds another")
+            self._failed(inst, "its engine refused the instance's key (401): it holds another", "key")
             return
         if fix is Correction.TO_READY:
             self._tiers[inst.id] = Tier.WAKE  # requests held for it were served by a wake
@@ -508,15 +543,21 @@ class Pool:
         self._demand.capacity_changed()
         self._wake.set()  # the policy decides on the truth at once: wake it, or sleep it again
 
-    def _failed(self, inst: Instance, why: str) -> None:
+    def _failed(self, inst: Instance, why: str, phase: str) -> None:
         """Out of routing, FAILED, stopped and forgotten; its replacement waits for the backoff."""
         log.error("instance %s failed: %s", inst.id, why)
         now = self._clock()
+        self._start_failures.failed(record_of(inst.id, phase, why, time.time(), inst.secret))
         self._phases.pop(inst.id, None)
         self._move(inst, S.FAILED, now)
         self._failed_start(now)
         self._demand.capacity_changed()
-        self._spawn(self._stops, inst, self._forget(inst, to=S.STOPPED))
+        self._spawn(self._stops, inst, self._stop_failed(inst, died=phase == "serving"))
+
+    async def _stop_failed(self, inst: Instance, died: bool) -> None:
+        code = await self._forget(inst, to=S.STOPPED)
+        if died and code is not None:  # a status it ended with by itself, not our SIGTERM's
+            self._start_failures.exit_code_known(inst.id, code)
 
     # ---- page cache ----------------------------------------------------------------------------------
 
@@ -548,8 +589,10 @@ class Pool:
     async def _launch(self, inst: Instance) -> None:
         spec, clock = self.spec, self._clock
         t0 = clock()
+        stage = "snapshot"  # how far it got, for the failure record (`warm_pool.failures`)
         try:
             acquired = await spec.snapshot.acquire(holder=inst.id)
+            stage = "process_start"
             self._pins[inst.id] = acquired.pin
             snapshot_dir, snapshot_s = acquired.path, clock() - t0
             if acquired.pulled is not None:
@@ -577,7 +620,7 @@ class Pool:
                     time.time(),
                 )
             )
-            t1 = clock()
+            t1, stage = clock(), "wait_ready"
             await self._backend.wait_ready(
                 handle, inst.url, spec.start_timeout_s, health_path=launch.health_path
             )
@@ -590,10 +633,16 @@ class Pool:
             self._metrics.start_finished(spec.deployment, "failed")
             self._move(inst, S.FAILED, clock())
             self._failed_start(clock())
+            reason = self._start_failures.start_failed(
+                record_of(inst.id, stage, exc, time.time(), inst.secret)
+            )
             if isinstance(exc, SnapshotCorrupt) and self._corrupt is None:
                 self._corrupt = str(exc)  # retrying cannot help: no more starts until a redeploy
                 log.error("pool %s: starts no more instances: %s", spec.deployment, exc)
                 self._demand.set_unavailable(f"deployment {spec.deployment!r}: {exc}")
+            elif reason is not None and self._corrupt is None:
+                log.error("pool %s: %s; held requests are refused while it retries", spec.deployment, reason)
+                self._demand.set_unavailable(reason)
             await self._forget(inst, to=S.STOPPED)
             return
         except asyncio.CancelledError:
@@ -602,6 +651,8 @@ class Pool:
         self._metrics.observe_cold_start(spec.deployment, split_cold_start(snapshot_s, t2 - t1, phases))
         self._metrics.start_finished(spec.deployment, "ready")
         self._failures = 0
+        if self._start_failures.started() and self._corrupt is None:
+            self._demand.set_unavailable(None)
         self._became_ready(inst, acquired.tier, inst.created_at)
         log.info("instance %s ready at %s after %.2fs (%s)", inst.id, inst.url, t2 - t0, acquired.tier)
 
@@ -674,7 +725,7 @@ class Pool:
             await self._backend.sleep(inst.url, SLEEP_LEVEL, self.spec.start_timeout_s, inst.auth_headers)
         except PoolError as exc:
             self._metrics.sleep_wake_finished(self.spec.deployment, "sleep", ok=False)
-            self._failed(inst, f"sleep failed: {exc}")
+            self._failed(inst, f"sleep failed: {exc}", "sleep")
             return
         finally:
             if self._phases.get(inst.id) == Phase.FALLING_ASLEEP:
@@ -693,7 +744,7 @@ class Pool:
             await self._backend.wake_up(inst.url, self.spec.start_timeout_s, inst.auth_headers)
         except PoolError as exc:
             self._metrics.sleep_wake_finished(self.spec.deployment, "wake", ok=False)
-            self._failed(inst, f"wake-up failed: {exc}")
+            self._failed(inst, f"wake-up failed: {exc}", "wake")
             return
         finally:
             if self._phases.get(inst.id) == Phase.WAKING:
@@ -716,13 +767,14 @@ class Pool:
                     await asyncio.sleep(0.05)
         await self._forget(inst, to=S.STOPPED)
 
-    async def _forget(self, inst: Instance, to: InstanceState | None = None) -> None:
-        """Stop the instance's process (SIGTERM, then SIGKILL) and drop it from the pool."""
-        handle = self._handles.pop(inst.id, None)
+    async def _forget(self, inst: Instance, to: InstanceState | None = None) -> int | None:
+        """Stop the instance's process (SIGTERM, then SIGKILL) and drop it from the pool; its exit
+        status where the backend knows it."""
+        handle, code = self._handles.pop(inst.id, None), None
         if handle is not None:
             # The engine drains on SIGTERM too; give it the grace period before the SIGKILL.
             term = self.spec.grace_period_s + self.spec.kill_timeout_s
-            await asyncio.shield(self._backend.stop(handle, term))
+            code = await asyncio.shield(self._backend.stop(handle, term))
         self._records.remove(inst.id)
         self._gpus.release(inst.id)
         await self._vllm.discard(inst.id)
@@ -733,6 +785,7 @@ class Pool:
         self._phases.pop(inst.id, None)
         self._instances.pop(inst.id, None)
         self._account(self._clock())
+        return code
 
     def _spawn(self, tasks: dict[str, asyncio.Task], inst: Instance, work) -> None:
         task = asyncio.create_task(work, name=f"{work.__name__}-{inst.id}")
