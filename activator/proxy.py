@@ -52,6 +52,31 @@ class Failed(Exception):
     """The instance failed before any of its bytes reached the client (one line: why)."""
 
 
+class Silence(asyncio.Timeout):
+    """The deadline on an answer that is coming from an instance: none while the instance is in
+    routing (aiohttp's `sock_read`, `chunk_gap_timeout_s`, bounds its gaps alone, and costs nothing
+    per chunk); once it is ejected, `silence_s` from the ejection and then from each chunk.
+
+    Why not end the answer at the ejection: an instance is also ejected for failing other requests
+    (say, 503s from an engine whose own queue is full) while it streams the ones it took. Those
+    finish; a stopped or wedged instance, which sends nothing, has its answers ended within
+    seconds instead of minutes.
+    """
+
+    def __init__(self, silence_s: float) -> None:
+        super().__init__(None)
+        self.silence_s = silence_s
+
+    def eject(self, now: float) -> None:
+        if self.when() is None and not self.expired():
+            self.reschedule(now + self.silence_s)
+
+    def heard(self) -> None:
+        """A chunk came: after an ejection, the next one may be `silence_s` away."""
+        if self.when() is not None and not self.expired():
+            self.reschedule(asyncio.get_running_loop().time() + self.silence_s)
+
+
 def sse_event(data: dict | str) -> bytes:
     payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
     return f"data: {payload}\n\n".encode()
@@ -141,7 +166,11 @@ async def forward(
 
     While it waits for headers, the request's deadline is in `waits` (the activator's set for this
     instance): ejecting the instance moves those deadlines to now (`expire`), so a plain request,
-    whose headers may take minutes, does not wait them out on an instance known to be sick.
+    whose headers may take minutes, does not wait them out on an instance known to be sick. While
+    the body comes, a `Silence` is in `waits` instead: an ejection leaves the answer at most
+    `stream_headers_timeout_s` between chunks rather than `chunk_gap_timeout_s` (300 s), so a stream
+    on a stopped instance ends with an error event within seconds, and a plain answer whose body
+    had not begun is retried elsewhere.
     """
     # Relay bytes as they are, never decompress. The client's own headers (its API key among them)
     # are not forwarded; the instance gets its own key instead.
@@ -171,24 +200,44 @@ async def forward(
     except OSError as exc:
         raise Failed(f"{endpoint.id}: {_describe(exc)}") from None
 
+    gap_s = config.chunk_gap_timeout_s
+    silence = Silence(headers_deadline_s(config, stream=True))
+    relaying = False  # some of this answer is on its way to the client: no retry from here on
     async with resp:
         try:
-            if resp.status in RETRYABLE and not last:
-                raise Failed(f"{endpoint.id} answered {resp.status}")
-            first = await _read(resp, config.chunk_gap_timeout_s, endpoint.id)
-            on_first_byte(resp.status)
-            if not reply.started:
-                await reply.start(resp.status, relayed_headers(resp, endpoint.id, cold))
-            elif resp.status != 200:  # a held stream: its 200 and keep-alives already went out
-                return await _status_into_stream(resp, first, reply, config.chunk_gap_timeout_s, endpoint.id)
-            return await _relay(resp, first, reply, config.chunk_gap_timeout_s, endpoint.id)
+            async with silence:
+                if waits is not None:
+                    waits.add(silence)
+                try:
+                    if resp.status in RETRYABLE and not last:
+                        raise Failed(f"{endpoint.id} answered {resp.status}")
+                    first = await _read(resp, gap_s, endpoint.id)
+                    relaying = True
+                    on_first_byte(resp.status)
+                    if not reply.started:
+                        await reply.start(resp.status, relayed_headers(resp, endpoint.id, cold))
+                    elif resp.status != 200:  # a held stream: its 200 and keep-alives already went out
+                        return await _status_into_stream(resp, first, reply, gap_s, endpoint.id, silence)
+                    return await _relay(resp, first, reply, gap_s, endpoint.id, silence)
+                finally:
+                    if waits is not None:
+                        waits.discard(silence)
+        except TimeoutError:
+            resp.close()
+            if not silence.expired():
+                raise
+            reason = f"{endpoint.id} was ejected, then sent nothing for {silence.silence_s:g} s"
+            if not relaying:
+                raise Failed(reason) from None
+            await reply.end(_failure_event(reason) if reply.sse else b"")
+            return 502
         except BaseException:
             resp.close()  # drop the connection: the instance sees it and stops generating
             raise
 
 
 async def _relay(
-    resp: aiohttp.ClientResponse, first: bytes, reply: Reply, gap_s: float, endpoint_id: str
+    resp: aiohttp.ClientResponse, first: bytes, reply: Reply, gap_s: float, endpoint_id: str, silence: Silence
 ) -> int:
     """Each chunk to the client as it arrives; a failure from here on ends the response."""
     chunk = first
@@ -196,6 +245,7 @@ async def _relay(
         await reply.body(chunk)
         try:
             chunk = await _read(resp, gap_s, endpoint_id)
+            silence.heard()
         except Failed as exc:
             resp.close()
             await reply.end(_failure_event(str(exc)) if reply.sse else b"")
@@ -205,7 +255,7 @@ async def _relay(
 
 
 async def _status_into_stream(
-    resp: aiohttp.ClientResponse, first: bytes, reply: Reply, gap_s: float, endpoint_id: str
+    resp: aiohttp.ClientResponse, first: bytes, reply: Reply, gap_s: float, endpoint_id: str, silence: Silence
 ) -> int:
     """An error status for a stream whose 200 went out while it was held can no longer be a
     status: its body (OpenAI's error object, from an engine) travels as an SSE error event."""
@@ -215,6 +265,7 @@ async def _status_into_stream(
             parts.append(chunk)
             size += len(chunk)
             chunk = await _read(resp, gap_s, endpoint_id)
+            silence.heard()
     except Failed:
         pass
     await reply.end(_status_event(resp.status, b"".join(parts)))
@@ -231,10 +282,13 @@ def headers_deadline_s(config: ActivatorConfig, stream: bool) -> float:
 
 
 def expire(waits: set[asyncio.Timeout]) -> None:
-    """End every wait for headers in `waits` now: each raises `Failed` in its `forward`."""
+    """The instance was ejected: end every wait for headers in `waits` now (each raises `Failed` in
+    its `forward`), and bound every answer it is sending by its `Silence`."""
     now = asyncio.get_running_loop().time()
     for wait in list(waits):
-        if not wait.expired():
+        if isinstance(wait, Silence):
+            wait.eject(now)
+        elif not wait.expired():
             wait.reschedule(now)
 
 
