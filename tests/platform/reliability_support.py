@@ -1,0 +1,226 @@
+"""Load for the reliability suite (`test_reliability.py`), with every request's outcome classified.
+
+Each request is one of three outcomes, judged from what the client received and nothing else:
+
+    complete   a plain 200 whose body is a whole answer (choices, a finish_reason), or a stream of
+               200 that carried tokens and ended with `data: [DONE]` and no error event
+    refused    a clean refusal the client can act on: a 503 (or 429) with Retry-After and OpenAI's
+               error object, or a stream that ended with an SSE error event in OpenAI's shape
+               followed by `data: [DONE]`
+    lost       everything else: a reset or refused connection, a stream ending without [DONE] or
+               an error event, a 5xx other than a clean 503, a malformed body, no answer within
+               the per-request bound (a hang)
+
+`Load` keeps `concurrency` requests in flight (plain and streaming, completions and chat, in turn)
+until it is told to stop, so a fault lands on requests in every phase: held, waiting for headers,
+mid-stream. Raw HTTP (httpx) rather than the `openai` client, so nothing is retried or reparsed
+behind the count's back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+
+import httpx
+
+COMPLETE, REFUSED, LOST = "complete", "refused", "lost"
+ERROR_FIELDS = {"message", "type", "param", "code"}
+
+
+@dataclass
+class Outcome:
+    kind: str  # COMPLETE, REFUSED or LOST
+    stream: bool
+    started: float  # monotonic seconds
+    ended: float
+    status: int = 0
+    instance: str | None = None  # x-stoker-instance: which instance answered
+    reason: str = ""  # for a refusal or a loss: what the client saw
+    transport_error: bool = False  # the connection failed (reset, refused, cut mid-body)
+
+    @property
+    def seconds(self) -> float:
+        return self.ended - self.started
+
+
+def request_body(i: int, model: str, max_tokens: int) -> tuple[str, dict, bool]:
+    """The i-th request of a load: (path, body, stream), cycling plain/stream × completions/chat.
+    `ignore_eos` makes every answer `max_tokens` long, so a stream lasts long enough to be cut."""
+    stream = i % 2 == 1
+    common = {"model": model, "max_tokens": max_tokens, "ignore_eos": True, "stream": stream}
+    if i % 4 < 2:
+        return "/v1/completions", {**common, "prompt": f"request {i}"}, stream
+    return (
+        "/v1/chat/completions",
+        {**common, "messages": [{"role": "user", "content": f"request {i}"}]},
+        stream,
+    )
+
+
+async def send(
+    client: httpx.AsyncClient, url: str, path: str, body: dict, stream: bool, bound_s: float
+) -> Outcome:
+    """One request, classified. Never raises: a hang past `bound_s` is a LOST outcome."""
+    began = time.monotonic()
+    out = Outcome(LOST, stream, began, began)
+    try:
+        async with asyncio.timeout(bound_s):
+            async with client.stream("POST", url + path, json=body) as r:
+                out.status, out.instance = r.status_code, r.headers.get("x-stoker-instance")
+                if r.status_code == 200 and stream:
+                    _judge_stream(out, [line async for line in r.aiter_lines()])
+                else:
+                    _judge_whole(out, r, await r.aread())
+    except TimeoutError:
+        out.kind, out.reason = LOST, f"hang: no end within {bound_s:g} s"
+    except httpx.TransportError as exc:
+        out.kind, out.reason, out.transport_error = LOST, f"{type(exc).__name__}: {exc}", True
+    out.ended = time.monotonic()
+    return out
+
+
+def _judge_whole(out: Outcome, r: httpx.Response, raw: bytes) -> None:
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        out.kind, out.reason = LOST, f"{r.status_code} with a body that is not JSON: {raw[:200]!r}"
+        return
+    if r.status_code == 200:
+        choices = data.get("choices") if isinstance(data, dict) else None
+        if choices and choices[0].get("finish_reason") in ("stop", "length"):
+            out.kind = COMPLETE
+        else:
+            out.kind, out.reason = LOST, f"200 without a whole answer: {raw[:200]!r}"
+        return
+    error = data.get("error") if isinstance(data, dict) else None
+    clean = (
+        r.status_code in (429, 503)
+        and r.headers.get("retry-after", "").isdigit()
+        and isinstance(error, dict)
+        and set(error) == ERROR_FIELDS
+    )
+    code = error.get("code") if isinstance(error, dict) else None
+    out.kind = REFUSED if clean else LOST
+    out.reason = f"{r.status_code} {code}" if clean else f"{r.status_code}: {raw[:200]!r}"
+
+
+def _judge_stream(out: Outcome, lines: list[str]) -> None:
+    data = [line[5:].strip() for line in lines if line.startswith("data:")]
+    if not data or data[-1] != "[DONE]":
+        out.kind, out.reason = LOST, f"stream cut: {len(data)} events, the last {data[-1:]!r}"
+        return
+    events = []
+    for payload in data[:-1]:
+        try:
+            events.append(json.loads(payload))
+        except ValueError:
+            out.kind, out.reason = LOST, f"stream event that is not JSON: {payload[:200]!r}"
+            return
+    errors = [e["error"] for e in events if isinstance(e.get("error"), dict)]
+    if errors:
+        clean = len(errors) == 1 and "error" in events[-1] and set(errors[0]) == ERROR_FIELDS
+        out.kind = REFUSED if clean else LOST
+        out.reason = f"error event {errors[0].get('code')}" if clean else f"malformed error events {errors}"
+        return
+    tokens = [e for e in events if e.get("choices")]
+    finished = any(c.get("finish_reason") in ("stop", "length") for e in tokens for c in e["choices"])
+    out.kind = COMPLETE if tokens and finished else LOST
+    out.reason = "" if out.kind == COMPLETE else f"stream of {len(tokens)} token events, no finish_reason"
+
+
+@dataclass
+class Load:
+    """`concurrency` requests in flight at a time until `stop()`, each bounded by `bound_s`."""
+
+    url: str
+    concurrency: int
+    max_tokens: int = 16
+    bound_s: float = 60.0
+    model: str = "tiny"
+    outcomes: list[Outcome] = field(default_factory=list)
+    _stopping: asyncio.Event = field(default_factory=asyncio.Event)
+    _next: int = 0
+    _done: asyncio.Condition = field(default_factory=asyncio.Condition)
+
+    async def __aenter__(self) -> Load:
+        # One connection per request at most, none reused across a fault: a pooled connection to
+        # a killed server would fail for reasons of the client's own pool, not the platform's.
+        limits = httpx.Limits(max_connections=self.concurrency, max_keepalive_connections=0)
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(self.bound_s), limits=limits)
+        self._workers = [asyncio.create_task(self._worker()) for _ in range(self.concurrency)]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.stop()
+        await asyncio.gather(*self._workers, return_exceptions=True)
+        await self._client.aclose()
+
+    def stop(self) -> None:
+        """No new request from now on; those in flight run to their end (or their bound)."""
+        self._stopping.set()
+
+    async def wait_finished(self, n: int, since: float = 0.0, within_s: float = 120.0) -> None:
+        """Until `n` requests that began at or after `since` have an outcome."""
+        async with asyncio.timeout(within_s):
+            async with self._done:
+                await self._done.wait_for(lambda: sum(o.started >= since for o in self.outcomes) >= n)
+
+    async def _worker(self) -> None:
+        while not self._stopping.is_set():
+            i, self._next = self._next, self._next + 1
+            path, body, stream = request_body(i, self.model, self.max_tokens)
+            outcome = await send(self._client, self.url, path, body, stream, self.bound_s)
+            async with self._done:
+                self.outcomes.append(outcome)
+                self._done.notify_all()
+
+
+async def burst(
+    url: str, n: int, *, max_tokens: int = 8, bound_s: float = 60.0, first: int = 0
+) -> list[Outcome]:
+    """`n` requests sent at once, each on its own connection; their outcomes in request order."""
+    limits = httpx.Limits(max_connections=n, max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(bound_s), limits=limits) as client:
+        jobs = []
+        for i in range(first, first + n):
+            path, body, stream = request_body(i, "tiny", max_tokens)
+            jobs.append(send(client, url, path, body, stream, bound_s))
+        return list(await asyncio.gather(*jobs))
+
+
+def tally(outcomes: list[Outcome]) -> Counter:
+    return Counter(o.kind for o in outcomes)
+
+
+def lost(outcomes: list[Outcome]) -> list[Outcome]:
+    return [o for o in outcomes if o.kind == LOST]
+
+
+@dataclass
+class ScenarioResult:
+    """One row of the README's table."""
+
+    scenario: str
+    fault: str
+    requests: int
+    complete: int
+    refused: int
+    lost: int
+    failed_at_fault: int = 0  # requests the fault itself ended on the client side (a killed gateway)
+    seconds: float = 0.0
+    notes: str = ""
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def describe(outcomes: list[Outcome], limit: int = 10) -> str:
+    """The losses, for an assertion message."""
+    return "\n".join(
+        f"{'stream' if o.stream else 'plain'} status {o.status} after {o.seconds:.2f}s on {o.instance}: {o.reason}"
+        for o in lost(outcomes)[:limit]
+    )
