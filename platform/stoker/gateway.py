@@ -37,6 +37,7 @@ from stoker.http import (
 )
 from stoker.keys import KeyAuth, KeyStore, principal_of, validate_key_request
 from stoker.limits import NO_LIMITS, Limiter, Limits, UsageTap, estimate_tokens
+from stoker.log_api import InstanceLogs
 from stoker.openai_errors import (
     SERVER_ERROR,
     UNAVAILABLE,
@@ -176,11 +177,15 @@ def build_gateway(
                 "reason": decision.reason,
                 "forecast": decision.forecast,
             }
+        failure = d.pool.last_failure
         return {
             **d.spec.to_dict(),
             "instances": d.pool.counts(),
+            "instance_list": d.pool.instances(),  # id, state, phase, url, pid, since (epoch s)
             "decision": last,
             "unavailable": d.pool.unavailable,  # why no instance can start; None: they can
+            "failed_starts": d.pool.failed_starts,  # in a row, since the last that reached READY
+            "last_failure": failure.to_dict() if failure is not None else None,  # of any instance, kept
         }
 
     async def list_deployments(request: Request) -> Response:
@@ -243,6 +248,7 @@ def build_gateway(
         Route("/admin/v1/deployments", create_deployment, methods=["POST"]),
         Route("/admin/v1/deployments/{name}", get_deployment, methods=["GET"]),
         Route("/admin/v1/deployments/{name}", delete_deployment, methods=["DELETE"]),
+        Route("/admin/v1/deployments/{name}/logs", InstanceLogs(platform), methods=["GET"]),
         Route("/admin/v1/keys", list_keys, methods=["GET"]),
         Route("/admin/v1/keys", create_key, methods=["POST"]),
         Route("/admin/v1/keys/{id}", revoke_key, methods=["DELETE"]),

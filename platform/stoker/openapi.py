@@ -12,7 +12,9 @@ from __future__ import annotations
 from typing import Any
 
 from stoker.engine.protocol import MAX_STOP_SEQUENCES
+from stoker.log_api import DEFAULT_TAIL
 from stoker.registry import ENGINES, FIELDS, NAME
+from warm_pool.instance_logs import MAX_TAIL_LINES
 from warm_pool.policies import POLICIES
 
 _ERROR = {
@@ -253,6 +255,7 @@ def openapi_schema() -> dict[str, Any]:
                     },
                 },
             },
+            "/admin/v1/deployments/{name}/logs": _logs(name_param),
             "/admin/v1/keys": {
                 "get": {
                     "summary": "Every API key: id, tenant, deployments, created (never the key)",
@@ -286,6 +289,39 @@ def openapi_schema() -> dict[str, Any]:
                 },
             },
         },
+    }
+
+
+def _logs(name_param: list[dict[str, Any]]) -> dict[str, Any]:
+    query = [
+        {
+            "name": "instance",
+            "in": "query",
+            "schema": {"type": "string"},
+            "description": "an instance id of the deployment, live or gone (default: the one that wrote last)",
+        },
+        {
+            "name": "tail",
+            "in": "query",
+            "schema": {"type": "integer", "minimum": 0, "maximum": MAX_TAIL_LINES, "default": DEFAULT_TAIL},
+            "description": "the last N lines first",
+        },
+        {
+            "name": "follow",
+            "in": "query",
+            "schema": {"type": "boolean", "default": False},
+            "description": "then stream what it writes next until the client leaves or the instance is gone",
+        },
+    ]
+    return {
+        "get": {
+            "summary": "An instance's log (secrets redacted): its last lines, then what it writes next",
+            "parameters": [*name_param, *query],
+            "responses": {
+                "200": {"description": "the log", "content": {"text/plain": {"schema": {"type": "string"}}}},
+                **_errors(400, 403, 404),
+            },
+        }
     }
 
 

@@ -78,6 +78,7 @@ class Platform:
         activator_config: ActivatorConfig | None = None,
         stable_window_s: float = 60.0,
         vllm: VllmOptions | None = None,
+        unavailable_after: int = 3,  # failed starts in a row before held requests hear why (0: never)
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.data_dir = data_dir
@@ -97,6 +98,10 @@ class Platform:
         self._lock = asyncio.Lock()  # deploys and removals one at a time
         self._vllm_options = vllm or VllmOptions()
         self._vllm: VllmLaunch | None = None  # found at the first vLLM deployment, then kept
+        self._unavailable_after = unavailable_after
+        # Whether the server is draining (`stoker up` sets it to its uvicorn's should_exit): open
+        # `stoker logs --follow` streams end then, instead of holding the drain for its grace period.
+        self.stopping: Callable[[], bool] = lambda: False
 
     # ---- lifecycle ---------------------------------------------------------------------------------
 
@@ -200,6 +205,7 @@ class Platform:
                 policy=spec.policy,
                 grace_period_s=spec.grace_period_s,
                 vllm=self._vllm if spec.engine == "vllm" else None,
+                unavailable_after=self._unavailable_after,
             ),
             self.backend,
             self.records,

@@ -31,6 +31,7 @@ def test_the_served_schema_is_openapi_and_names_every_route(shared_platform):
         "/metrics",
         "/admin/v1/deployments",
         "/admin/v1/deployments/{name}",
+        "/admin/v1/deployments/{name}/logs",
         "/admin/v1/keys",
         "/admin/v1/keys/{id}",
     }
@@ -53,6 +54,9 @@ def test_fuzzing_the_api_finds_no_server_error_and_breaks_nothing(platform_facto
             request["properties"][name] = {"type": "integer", "minimum": 1, "maximum": 8}
         request["required"] = [*request["required"], "max_tokens"]
     del schema["paths"]["/admin/v1/deployments/{name}"]["delete"]
+    # A follow streams until the client leaves, which a fuzzer's request timeout would call a hang.
+    logs = schema["paths"]["/admin/v1/deployments/{name}/logs"]["get"]
+    logs["parameters"] = [q for q in logs["parameters"] if q["name"] != "follow"]
     spec = tmp_path / "openapi.json"
     spec.write_text(json.dumps(schema))
 
