@@ -26,6 +26,7 @@ from snapshots import (
     SnapshotNotFound,
     SnapshotRecord,
     SnapshotStore,
+    hf_cache,
     import_gguf,
     import_hf_dir,
 )
@@ -240,7 +241,8 @@ class Platform:
     async def _resolve_model(self, model: str) -> str:
         """The snapshot id `model` names: a snapshot in the store, a snapshot in object storage (its
         manifest is read now; the bytes are pulled before the first instance starts), or a local
-        directory or GGUF file imported now."""
+        directory or GGUF file, or a Hugging Face repo id (`org/name[@revision]`) already in this
+        machine's Hugging Face cache, imported now."""
         if model.startswith("s3://"):
             try:
                 manifest = await read_manifest(model, RemoteConfig.from_env())
@@ -259,8 +261,8 @@ class Platform:
             raise invalid(str(exc), "model") from None
         if record is None:
             raise invalid(
-                f"Model {model!r} is neither a snapshot in the store, an s3:// snapshot, nor a local model "
-                "directory or .gguf file.",
+                f"Model {model!r} is neither a snapshot in the store, an s3:// snapshot, a local model "
+                "directory or .gguf file, nor a Hugging Face repo id (org/name).",
                 "model",
             )
         return record.id
@@ -271,6 +273,8 @@ class Platform:
             return import_hf_dir(path, self.store)
         if path.is_file() and path.suffix == ".gguf":
             return import_gguf(path, self.store)
+        if not path.exists() and hf_cache.is_repo_ref(model):  # org/name: from the local HF cache only
+            return import_hf_dir(hf_cache.resolve(model), self.store)
         return None
 
     def _source(self, snapshot_id: str, model: str) -> SnapshotSource:

@@ -1,10 +1,12 @@
 """`stoker snapshot`: import models into the local snapshot store, list them, verify them.
 
-    stoker snapshot import SOURCE [--name NAME] [--json]     a model directory or a .gguf file
+    stoker snapshot import SOURCE [--name NAME] [--json]     a model directory, a .gguf file, or a
+                                                               Hugging Face repo id in the local cache
     stoker snapshot import --builtin smollm2 [--name NAME] [--json]
     stoker snapshot ls [--json]                                most recently used first
     stoker snapshot verify REF                                 name, id, or id prefix (8+ hex)
     stoker snapshot warm REF [--json]                          read its files into the page cache
+    stoker snapshot rm REF                                     unless a deployment uses it or it is pinned
     stoker snapshot gc [--budget SIZE] [--dry-run] [--json]   leftovers, then LRU down to the budget
 
 The store lives at `$STOKER_HOME/snapshots`, within `$STOKER_SNAPSHOT_BUDGET` bytes if that is set
@@ -28,6 +30,7 @@ from snapshots import (
     SnapshotRecord,
     SnapshotStore,
     builtin_path,
+    hf_cache,
     import_gguf,
     import_hf_dir,
     pagecache,
@@ -36,6 +39,7 @@ from snapshots.errors import SnapshotNotFound
 from snapshots.sizes import format_size
 from snapshots.usage import GcReport
 from stoker import snapshot_remote_cli
+from stoker.errors import CLIError
 from stoker.paths import add_store_option, snapshot_budget, snapshot_store_dir
 
 
@@ -49,10 +53,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
     imp = sub.add_parser("import", help="import a model directory, a .gguf file, or a builtin model")
     imp.add_argument(
-        "source", nargs="?", metavar="SOURCE", help="a Hugging Face layout directory or a .gguf file"
+        "source",
+        nargs="?",
+        metavar="SOURCE",
+        help="a Hugging Face layout directory, a .gguf file, or a repo id (org/name[@revision]) already in "
+        "the local Hugging Face cache ($HF_HOME/hub)",
     )
     imp.add_argument("--builtin", metavar="NAME", help=f"a model shipped in a package: {', '.join(BUILTINS)}")
-    imp.add_argument("--name", help="alias for the snapshot (default: the directory or file name)")
+    imp.add_argument(
+        "--name", help="alias for the snapshot (default: the directory or file name, or the repo's name)"
+    )
     imp.add_argument("--json", action="store_true", help="print one JSON object")
     imp.set_defaults(func=cmd_import)
 
@@ -85,6 +95,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     warm.add_argument("--json", action="store_true", help="print one JSON object")
     warm.set_defaults(func=cmd_warm)
 
+    rm = sub.add_parser(
+        "rm", help="remove a snapshot from the store; refused while a deployment uses it or it is pinned"
+    )
+    rm.add_argument("ref", metavar="REF", help="a name, a full id, or an id prefix of 8+ hex characters")
+    rm.set_defaults(func=cmd_rm)
+
     snapshot_remote_cli.add_commands(sub)
     add_store_option(parser)
     for command in sub.choices.values():
@@ -112,6 +128,8 @@ def _import_source(source: str, store: SnapshotStore, name: str | None) -> Snaps
             raise InvalidSource(f"{source} is in object storage: `stoker snapshot pull {source}` fetches it")
         raise InvalidSource(f"unsupported source {source}: give a local model directory or .gguf file")
     path = Path(source).expanduser()
+    if not path.exists() and hf_cache.is_repo_ref(source):  # a path that exists wins over a repo id
+        return import_hf_dir(hf_cache.resolve(source), store, name or hf_cache.default_name(source))
     if not path.exists():
         raise InvalidSource(f"no such file or directory: {source}")
     name = name or _default_name(path)
@@ -306,3 +324,35 @@ def cmd_warm(args: argparse.Namespace) -> int:
             f"({report.gb_per_s:.2f} GB/s); in the page cache before {before:.0%}, after {after:.0%}"
         )
     return 0
+
+
+def cmd_rm(args: argparse.Namespace) -> int:
+    store = _store()
+    record = store.resolve(args.ref)
+    users = _deployments_using(record.id)
+    if users:
+        raise CLIError(
+            f"snapshot {record.id[:12]} is used by deployment {', '.join(users)}; not removed "
+            f"(`stoker rm {users[0]}` first)"
+        )
+    if not store.remove(record.id):  # SnapshotPinned (one line) while an instance or a process holds it
+        raise SnapshotNotFound(f"snapshot {record.id[:12]} was removed meanwhile")
+    names = f" ({', '.join(record.names)})" if record.names else ""
+    print(f"removed {record.id[:12]}{names}, {format_size(record.bytes)}")
+    return 0
+
+
+def _deployments_using(snapshot_id: str) -> list[str]:
+    """The deployments in the registry (`$STOKER_HOME/stoker.db`) that serve this snapshot, running
+    or not: one at zero instances holds no pin, but its next start needs the files."""
+    from stoker.paths import data_dir
+    from stoker.registry import Registry
+
+    db = data_dir() / "stoker.db"
+    if not db.is_file():
+        return []
+    registry = Registry(db)
+    try:
+        return [spec.name for spec in registry.all() if spec.snapshot_id == snapshot_id]
+    finally:
+        registry.close()
