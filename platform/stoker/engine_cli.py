@@ -32,8 +32,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--snapshot", required=True, help="snapshot directory, or a snapshot id or name in the store"
     )
-    p.add_argument("--port", type=_port, required=True)
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=_port, required=True, help="port to serve on")
+    p.add_argument("--host", default="127.0.0.1", help="address to serve on")
     p.add_argument("--served-model-name", help="model name clients send (default: the snapshot's name)")
     p.add_argument("--threads", type=_positive_int, help="torch CPU threads (default: torch's choice)")
     p.add_argument(
@@ -56,11 +56,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--kv-cache-tokens", type=_positive_int, help="KV cache size in tokens (default 2×context)"
     )
-    p.add_argument("--max-body-bytes", type=_positive_int, default=1 << 20)
+    p.add_argument(
+        "--max-body-bytes",
+        type=_positive_int,
+        default=1 << 20,
+        help="largest request body taken (413 beyond)",
+    )
     p.add_argument(
         "--grace-period", type=_positive_float, default=30.0, help="seconds in-flight requests get on SIGTERM"
     )
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="what the log shows",
+    )
     p.set_defaults(func=run)
 
 

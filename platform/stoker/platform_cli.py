@@ -1,83 +1,99 @@
-"""`stoker up`, `stoker deploy`, `stoker ls`, `stoker rm`, `stoker keys`: run the platform, and
-manage its deployments and API keys.
+"""`stoker up`, `stoker deploy`, `stoker ls`, `stoker describe`, `stoker logs`, `stoker rm`,
+`stoker keys`: run the platform, and manage its deployments and API keys.
 
 `up` runs the gateway in the foreground. The others talk to a running platform's admin API at
-`$STOKER_URL` (default http://127.0.0.1:8080), with `$STOKER_ADMIN_KEY` as their bearer key when
-set, and print one line on any error.
+`--url` (default `$STOKER_URL`, else http://127.0.0.1:8080: `stoker.admin_client`), with
+`$STOKER_ADMIN_KEY` as their bearer key when set, and print one line on any error. Flags that take
+seconds take durations too (`90s`, `5m`, `1h30m`: `stoker.durations`).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import difflib
 import json
 import os
 import shlex
-import urllib.error
+import sys
+import time
 import urllib.parse
-import urllib.request
+from pathlib import Path
 
+from stoker.admin_client import add_url_option, call, stream
+from stoker.durations import duration, format_duration
 from stoker.errors import CLIError
 from stoker.paths import add_store_option
 from warm_pool.policies import DEFAULT_POLICY, POLICIES
 
-DEFAULT_URL = "http://127.0.0.1:8080"
-
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     up = sub.add_parser("up", help="run the platform (gateway, activators, warm pools) in the foreground")
-    up.add_argument("--host", default="127.0.0.1")
-    up.add_argument("--port", type=int, default=8080)
+    up.add_argument("--host", default="127.0.0.1", help="address to serve on")
+    up.add_argument("--port", type=int, default=8080, help="port to serve on")
     up.add_argument(
         "--allow-open",
         action="store_true",
         help="serve a non-loopback address without STOKER_ADMIN_KEY (anyone who reaches it is admin)",
     )
-    up.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     up.add_argument(
-        "--stable-window", type=float, default=60.0, help="seconds a scale-down waits (default 60)"
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="what the log shows",
     )
+    up.add_argument("--stable-window", type=duration, default="60s", help="how long a scale-down waits")
     up.add_argument(
-        "--hold-deadline", type=float, default=120.0, help="seconds a request may wait for capacity"
+        "--hold-deadline", type=duration, default="120s", help="how long a request may wait for capacity"
     )
     up.add_argument("--max-queued", type=int, default=100, help="requests held per deployment at once")
     up.add_argument(
         "--keepalive-interval",
-        type=float,
-        default=5.0,
-        help="seconds between the SSE comments a held stream gets (default 5)",
+        type=duration,
+        default="5s",
+        help="time between the SSE comments a held stream gets",
     )
     up.add_argument(
         "--first-byte-timeout",
-        type=float,
-        default=300.0,
-        help="seconds a plain request waits for its whole answer's headers (default 300)",
+        type=duration,
+        default="300s",
+        help="how long a plain request waits for its whole answer's headers",
     )
     up.add_argument(
         "--stream-headers-timeout",
-        type=float,
-        default=10.0,
-        help="seconds a stream waits for an instance's headers before it is retried elsewhere (default 10)",
+        type=duration,
+        default="10s",
+        help="how long a stream waits for an instance's headers before it is retried elsewhere",
     )
     up.add_argument(
         "--eject-after", type=int, default=3, help="failures in a row that take an instance out of routing"
     )
     up.add_argument(
         "--eject-time",
-        type=float,
-        default=10.0,
-        help="seconds the first ejection lasts; doubled on each one in a row, up to 300 (default 10)",
+        type=duration,
+        default="10s",
+        help="how long the first ejection lasts; doubled on each one in a row, up to 300 s",
     )
     up.add_argument(
         "--replace-after-ejections",
         type=int,
         default=3,
-        help="ejections in a row after which an instance is replaced as stopped or wedged (default 3)",
+        help="ejections in a row after which an instance is replaced as stopped or wedged",
     )
     up.add_argument(
-        "--health-interval", type=float, default=5.0, help="seconds between probes of each instance's /health"
+        "--health-interval",
+        type=duration,
+        default="5s",
+        help="time between probes of each instance's /health",
     )
+    up.add_argument("--health-timeout", type=duration, default="2s", help="how long a /health probe may take")
     up.add_argument(
-        "--health-timeout", type=float, default=2.0, help="seconds a /health probe may take (default 2)"
+        "--unavailable-after",
+        type=int,
+        default=3,
+        metavar="N",
+        help="failed starts in a row after which held and new requests are refused at once with the reason, "
+        "while starts go on being retried (0: never)",
     )
     up.add_argument(
         "--vllm",
@@ -88,14 +104,14 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         "--vllm-args",
         metavar="ARGS",
         default="",
-        help="extra arguments for every vLLM instance, e.g. '--enforce-eager' (one quoted string)",
+        help="extra arguments for every vLLM instance, e.g. '--enforce-eager' (one quoted string; default none)",
     )
     up.add_argument(
         "--vllm-cpu-kv-cache",
         metavar="GIB",
         type=float,
         default=1.0,
-        help="GiB of host memory for each vLLM CPU instance's KV cache (default 1)",
+        help="GiB of host memory for each vLLM CPU instance's KV cache",
     )
     limits = up.add_argument_group("limits of tenant keys that set none of their own (default: none)")
     limits.add_argument("--key-rps", type=float, metavar="R", help="requests per second per key")
@@ -109,42 +125,65 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     up.set_defaults(func=cmd_up)
 
     deploy = sub.add_parser("deploy", help="create or update a deployment")
-    deploy.add_argument("name")
+    deploy.add_argument("name", help="the deployment's name, which clients send as `model`")
     deploy.add_argument(
         "--model",
         required=True,
-        help="snapshot name or id, s3://bucket/prefix, or a local model dir or .gguf file",
+        help="snapshot name or id, s3://bucket/prefix, a local model dir or .gguf file, or a Hugging Face "
+        "repo id (org/name[@revision]) already in the local Hugging Face cache",
     )
-    deploy.add_argument("--engine", choices=["cpu", "vllm"], default="cpu")
     deploy.add_argument(
-        "--policy",
-        default=DEFAULT_POLICY,
-        help=f"scaling policy: {', '.join(POLICIES)} (default {DEFAULT_POLICY})",
+        "--engine", choices=["cpu", "vllm"], default="cpu", help="the engine its instances run"
     )
+    deploy.add_argument("--policy", default=DEFAULT_POLICY, help=f"scaling policy: {', '.join(POLICIES)}")
     deploy.add_argument("--min-warm", type=int, default=0, help="instances kept READY even when idle")
     deploy.add_argument("--max", type=int, default=1, help="instances at most")
     deploy.add_argument(
-        "--idle-timeout", type=float, default=300.0, help="seconds without requests before zero"
+        "--idle-timeout", type=duration, default="5m", help="how long without requests before zero instances"
     )
     deploy.add_argument("--target-concurrency", type=int, default=4, help="in-flight requests per instance")
     deploy.add_argument(
-        "--grace-period", type=float, default=30.0, help="seconds draining requests may finish"
+        "--grace-period", type=duration, default="30s", help="how long draining requests may take to finish"
     )
-    deploy.add_argument("--json", action="store_true")
+    deploy.add_argument("--json", action="store_true", help="print the deployment as JSON")
     deploy.set_defaults(func=cmd_deploy)
 
     ls = sub.add_parser("ls", help="list deployments and their instances")
-    ls.add_argument("--json", action="store_true")
+    ls.add_argument("name", nargs="?", help="only this deployment (default: all)")
+    ls.add_argument("--json", action="store_true", help="print a JSON list")
     ls.set_defaults(func=cmd_ls)
 
+    describe = sub.add_parser(
+        "describe", help="one deployment in full: settings, instances, last decision, last failure"
+    )
+    describe.add_argument("name", help="the deployment")
+    describe.add_argument("--json", action="store_true", help="print the admin API's JSON")
+    describe.set_defaults(func=cmd_describe)
+
+    logs = sub.add_parser("logs", help="an instance's log (the one that wrote last, unless --instance)")
+    logs.add_argument("name", help="the deployment")
+    logs.add_argument(
+        "--instance", metavar="ID", help="an instance id, live or gone (`stoker describe` names them)"
+    )
+    logs.add_argument(
+        "--tail", type=_lines, default=100, metavar="N", help="the last N lines (at most 10000)"
+    )
+    logs.add_argument(
+        "-f",
+        "--follow",
+        action="store_true",
+        help="then print what it writes next, until it is gone (or Ctrl-C)",
+    )
+    logs.set_defaults(func=cmd_logs)
+
     rm = sub.add_parser("rm", help="drain and remove a deployment")
-    rm.add_argument("name")
+    rm.add_argument("name", help="the deployment")
     rm.set_defaults(func=cmd_rm)
 
     keys = sub.add_parser("keys", help="API keys: which tenant may call which deployments")
     keys_sub = keys.add_subparsers(dest="keys_command", required=True, metavar="COMMAND")
     create = keys_sub.add_parser("create", help="make a key (printed once, never stored in clear)")
-    create.add_argument("--tenant", required=True)
+    create.add_argument("--tenant", required=True, help="who the key is for")
     create.add_argument(
         "--deployment", action="append", required=True, help="a deployment the key may call (repeatable)"
     )
@@ -155,14 +194,22 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         type=int,
         help="requests held + in flight at once (default: the platform's --key-max-concurrent)",
     )
-    create.add_argument("--json", action="store_true")
+    create.add_argument("--json", action="store_true", help="print the id and key as JSON")
     create.set_defaults(func=cmd_keys_create)
     keys_ls = keys_sub.add_parser("ls", help="list keys (id, tenant, deployments, created; never the key)")
-    keys_ls.add_argument("--json", action="store_true")
+    keys_ls.add_argument("--json", action="store_true", help="print a JSON list")
     keys_ls.set_defaults(func=cmd_keys_ls)
     revoke = keys_sub.add_parser("revoke", help="revoke a key at once")
-    revoke.add_argument("id")
+    revoke.add_argument("id", help="the key's id (`stoker keys ls`)")
     revoke.set_defaults(func=cmd_keys_revoke)
+    for command in (deploy, ls, describe, logs, rm, create, keys_ls, revoke):
+        add_url_option(command)
+
+
+def _lines(value: str) -> int:
+    if not value.isdigit() or int(value) > 10_000:
+        raise argparse.ArgumentTypeError(f"must be a number of lines in 0..10000, got {value!r}")
+    return int(value)
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -208,12 +255,15 @@ def cmd_up(args: argparse.Namespace) -> int:
         raise CLIError(str(exc)) from None
     except APIError as exc:
         raise CLIError(exc.message.replace("'key_", "'--key-").replace("_", "-")) from None
+    if args.unavailable_after < 0:
+        raise CLIError(f"--unavailable-after must be 0 (never) or more, got {args.unavailable_after}")
     platform = Platform(
         data_dir(),
         store_dir=snapshot_store_dir(),
         activator_config=activator_config,
         stable_window_s=args.stable_window,
         vllm=vllm,
+        unavailable_after=args.unavailable_after,
     )
     keys = KeyStore(data_dir() / "stoker.db")
     if admin_key is None:
@@ -236,6 +286,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     access = Access(admin_key, keys, own_origins(args.host, args.port), default_limits)
     app = build_gateway(platform, access=access)
     server = make_server(app, host=args.host, port=args.port, log_level=args.log_level, grace_period_s=60)
+    platform.stopping = lambda: server.should_exit
     return 0 if run_server(server) else 1
 
 
@@ -243,10 +294,12 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     from stoker.registry import policy_error
 
     if (message := policy_error(args.policy)) is not None:
-        raise CLIError(message)  # before reaching for the platform: the answer does not depend on it
+        close = difflib.get_close_matches(args.policy, POLICIES, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise CLIError(message.rstrip(".") + hint)  # before reaching for the platform: the answer does not depend on it
     body = {
         "name": args.name,
-        "model": args.model,
+        "model": _model(args.model),
         "engine": args.engine,
         "policy": args.policy,
         "min_warm": args.min_warm,
@@ -255,7 +308,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
         "target_concurrency": args.target_concurrency,
         "grace_period_s": args.grace_period,
     }
-    out = _call("POST", "/admin/v1/deployments", body)
+    out = call(args, "POST", "/admin/v1/deployments", body)
     if args.json:
         print(json.dumps(out))
     else:
@@ -266,8 +319,32 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     return 0
 
 
+def _model(model: str) -> str:
+    """A local path as the platform must see it: absolute, since `stoker up` runs elsewhere. Only
+    what is spelled as a path and exists here is touched; names, ids, s3:// and Hugging Face repo
+    ids (`org/name`, resolved by the platform in its Hugging Face cache) go as given."""
+    path = Path(model).expanduser()
+    if model.startswith((".", "/", "~")) or (os.sep in model and path.exists()):
+        return str(path.resolve()) if path.exists() else model
+    return model
+
+
+def _deployments(args: argparse.Namespace) -> list[dict]:
+    if getattr(args, "name", None):
+        return [call(args, "GET", f"/admin/v1/deployments/{urllib.parse.quote(args.name, safe='')}")]
+    return call(args, "GET", "/admin/v1/deployments")["data"]
+
+
+def _ago(epoch: float) -> str:
+    return f"{format_duration(max(0, round(time.time() - epoch)))} ago"
+
+
+def _clip(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 1] + "~"
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
-    data = _call("GET", "/admin/v1/deployments")["data"]
+    data = _deployments(args)
     if args.json:
         print(json.dumps(data))
         return 0
@@ -280,13 +357,91 @@ def cmd_ls(args: argparse.Namespace) -> int:
             f"{d['name']:<20} {d['model'][:24]:<24} {d['engine']:<6} {d['policy']:<10} {d['min_warm']:>3}"
             f" {d['max']:>3} {n['READY']:>5} {n['SLEEPING']:>6}  {counts}"
         )
+        failure = d.get("last_failure")
         if d.get("unavailable"):
             print(f"  unavailable: {d['unavailable']}")
+        elif d.get("failed_starts") and failure:
+            # Starts fail but not (yet) enough in a row to refuse requests: say so, briefly.
+            line = f"failing: {d['failed_starts']} failed start(s) in a row, last {_ago(failure['at'])}: "
+            print("  " + _clip(line + failure["headline"], 160))
+    return 0
+
+
+def cmd_describe(args: argparse.Namespace) -> int:
+    [d] = _deployments(args)
+    if args.json:
+        print(json.dumps(d, indent=2))
+        return 0
+    for line in describe_lines(d):
+        print(line)
+    return 0
+
+
+def describe_lines(d: dict) -> list[str]:
+    """`stoker describe`: everything about one deployment, as `kubectl describe` lays it out."""
+    counts = ", ".join(f"{k} {state}" for state, k in d["instances"].items() if k) or "none"
+    out = [
+        f"Name:            {d['name']}",
+        f"Model:           {d['model']} (snapshot {d['snapshot_id'][:12]})",
+        f"Engine:          {d['engine']}",
+        f"Policy:          {d['policy']} (min warm {d['min_warm']}, max {d['max']}, "
+        f"target concurrency {d['target_concurrency']})",
+        f"Idle timeout:    {format_duration(d['idle_timeout_s'])}",
+        f"Grace period:    {format_duration(d['grace_period_s'])}",
+        f"Instances:       {counts}",
+    ]
+    if rows := d.get("instance_list"):
+        out.append(f"  {'ID':<30} {'STATE':<10} {'SINCE':<12} URL")
+        for i in rows:
+            state = f"{i['state']}/{i['phase']}" if i.get("phase") else i["state"]
+            out.append(f"  {i['id']:<30} {state:<10} {_ago(i['since']):<12} {i['url'] or '-'}")
+    decision = d.get("decision")
+    if decision is None:
+        out.append("Last decision:   none yet")
+    else:
+        forecast = (
+            f", forecast {decision['forecast']:.3g} req/s" if decision.get("forecast") is not None else ""
+        )
+        why = f": {decision['reason']}" if decision.get("reason") else ""
+        out.append(
+            f"Last decision:   ready {decision['ready']}, sleeping {decision['sleeping']}{forecast}{why}"
+        )
+    out.append(f"Unavailable:     {d.get('unavailable') or '-'}")
+    failure = d.get("last_failure")
+    if failure is None:
+        out.append("Last failure:    none")
+        return out
+    code = f", exit code {failure['exit_code']}" if failure.get("exit_code") is not None else ""
+    when = datetime.datetime.fromtimestamp(failure["at"]).strftime("%Y-%m-%d %H:%M:%S")
+    out += [
+        f"Last failure:    {when} ({_ago(failure['at'])}), instance {failure['instance']}",
+        f"  phase:         {failure['phase']}{code}; failed starts in a row: {d.get('failed_starts', 0)}",
+        f"  message:       {failure['message']}",
+    ]
+    if failure.get("log_tail"):
+        out.append(
+            f"  log (last lines; all of it: stoker logs {d['name']} --instance {failure['instance']}):"
+        )
+        out += [f"    {line}" for line in failure["log_tail"]]
+    return out
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    query = {"tail": args.tail, "follow": "true" if args.follow else "false"}
+    if args.instance:
+        query["instance"] = args.instance
+    name = urllib.parse.quote(args.name, safe="")
+    stream(
+        args,
+        f"/admin/v1/deployments/{name}/logs?{urllib.parse.urlencode(query)}",
+        sys.stdout.buffer,
+        follow=args.follow,
+    )
     return 0
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
-    _call("DELETE", f"/admin/v1/deployments/{args.name}")
+    call(args, "DELETE", f"/admin/v1/deployments/{urllib.parse.quote(args.name, safe='')}")
     print(f"removed {args.name}")
     return 0
 
@@ -294,7 +449,7 @@ def cmd_rm(args: argparse.Namespace) -> int:
 def cmd_keys_create(args: argparse.Namespace) -> int:
     body = {"tenant": args.tenant, "deployments": args.deployment}
     body |= {k: v for k in ("rps", "tpm", "max_concurrent") if (v := getattr(args, k)) is not None}
-    out = _call("POST", "/admin/v1/keys", body)
+    out = call(args, "POST", "/admin/v1/keys", body)
     if args.json:
         print(json.dumps({"id": out["id"], "key": out["key"]}))
     else:
@@ -305,9 +460,7 @@ def cmd_keys_create(args: argparse.Namespace) -> int:
 
 
 def cmd_keys_ls(args: argparse.Namespace) -> int:
-    import datetime
-
-    data = _call("GET", "/admin/v1/keys")["data"]
+    data = call(args, "GET", "/admin/v1/keys")["data"]
     if args.json:
         print(json.dumps(data))
         return 0
@@ -329,27 +482,6 @@ def _limits(key: dict) -> str:
 
 
 def cmd_keys_revoke(args: argparse.Namespace) -> int:
-    _call("DELETE", f"/admin/v1/keys/{urllib.parse.quote(args.id, safe='')}")
+    call(args, "DELETE", f"/admin/v1/keys/{urllib.parse.quote(args.id, safe='')}")
     print(f"revoked {args.id}")
     return 0
-
-
-def _call(method: str, path: str, body: dict | None = None) -> dict:
-    base = os.environ.get("STOKER_URL", DEFAULT_URL).rstrip("/")
-    data = json.dumps(body).encode() if body is not None else None
-    headers = {"content-type": "application/json"}
-    if admin_key := os.environ.get("STOKER_ADMIN_KEY"):
-        headers["authorization"] = f"Bearer {admin_key}"
-    request = urllib.request.Request(base + path, data=data, method=method, headers=headers)
-    try:
-        with urllib.request.urlopen(request, timeout=600) as response:
-            return json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        try:
-            message = json.loads(exc.read())["error"]["message"]
-        except (ValueError, KeyError, TypeError):
-            message = f"HTTP {exc.code}"
-        raise CLIError(message) from None
-    except (urllib.error.URLError, OSError) as exc:
-        reason = getattr(exc, "reason", exc)
-        raise CLIError(f"cannot reach the platform at {base} ({reason}); is `stoker up` running?") from None
