@@ -202,9 +202,8 @@ class Pool:
         self._failures = 0  # consecutive failed starts, for the restart backoff
         self._not_before = 0.0  # no new start before this time (backoff after a failure)
         self._corrupt: str | None = None  # set when a start found the snapshot corrupt: no more starts
-        self._start_failures = StartFailures(
-            spec.unavailable_after
-        )  # the last failure; failed starts in a row
+        # The last failure of any instance, and failed starts in a row (`warm_pool.failures`).
+        self._start_failures = StartFailures(spec.unavailable_after)
         self.last_decision: Decision | None = None
         self._warming: asyncio.Future[WarmReport] | None = None  # the snapshot's page-cache warm in flight
         self._warm_asked_at = -WARM_EVERY_S
