@@ -205,3 +205,43 @@ def test_unknown_route_and_method_are_openai_errors(engine):
     assert r.status_code == 404 and "error" in r.json()
     r = httpx.get(engine.url + "/v1/completions")
     assert r.status_code == 405 and "error" in r.json()
+
+
+def ttft_count(url: str) -> float:
+    text = httpx.get(f"{url}/metrics").text
+    return next(
+        float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith("vllm:time_to_first_token_seconds_count")
+    )
+
+
+def test_the_role_chunk_comes_with_the_first_token(engine):
+    """A chat stream announces its role only once the first token exists (as vLLM does), so a client
+    that times its first chunk reads the real TTFT: here a ~1500-token prompt's prefill."""
+    prompt = "The quick brown fox jumps over the lazy dog. " * 150
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": 2,
+        "stream": True,
+    }
+    before = ttft_count(engine.url)
+    with httpx.stream("POST", f"{engine.url}/v1/chat/completions", json=body, timeout=60) as r:
+        events = (line[len("data: ") :] for line in r.iter_lines() if line.startswith("data: "))
+        first = json.loads(next(events))
+        counted_at_first_chunk = ttft_count(engine.url)  # before reading any further
+        rest = [json.loads(e) for e in events if e != "[DONE]"]
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    # The engine observes its TTFT at the first token; the role chunk left after that, never before.
+    assert counted_at_first_chunk == before + 1
+    assert all("role" not in c["choices"][0]["delta"] for c in rest)
+    assert rest[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_retrieve_a_model_by_id(client):
+    model = client.models.retrieve("tiny")
+    assert (model.id, model.object, model.owned_by) == ("tiny", "model", "stoker")
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("gpt-4o")
+    assert info.value.body["code"] == "model_not_found"

@@ -43,3 +43,27 @@ def test_deltas(pieces, stop, deltas, stopped):
     assert got == deltas
     assert did_stop == stopped
     assert "".join(got) == (text.rstrip("\ufffd") if not stopped else text)
+
+
+@pytest.mark.parametrize(
+    ("pieces", "stop", "min_tokens", "deltas", "stopped"),
+    [
+        # A stop string wholly inside the first min_tokens tokens' text never counts...
+        ([b"ab", b"END", b"cd"], ("END",), 2, ["ab", "END", "cd"], False),
+        # ...one that ends after it does, even if it began inside (held back meanwhile)...
+        ([b"ab", b"EN", b"Dcd"], ("END",), 2, ["ab", "", ""], True),
+        # ...and so does a later one.
+        ([b"ab", b"x", b"END"], ("END",), 2, ["ab", "x", ""], True),
+        ([b"END", b"x"], ("END",), 0, [""], True),  # min_tokens 0: from the first token
+    ],
+)
+def test_stop_strings_count_only_past_min_tokens(pieces, stop, min_tokens, deltas, stopped):
+    tokens: list[int] = []
+    tracker = TextTracker(lambda toks: b"".join(pieces[i] for i in toks).decode(), stop)
+    got = []
+    for i in range(len(pieces)):
+        tokens.append(i)
+        got.append(tracker.update(tokens, check_stop=len(tokens) > min_tokens))
+        if tracker.stopped:
+            break
+    assert (got, tracker.stopped) == (deltas, stopped)

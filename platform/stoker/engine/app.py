@@ -2,7 +2,8 @@
 
 The two generation routes are pure ASGI endpoints: they read the body under a size limit, answer
 every refusal as an OpenAI error before any header goes out, then stream each delta to the client
-as it is produced (nothing buffered). A task watches the connection for `http.disconnect` the
+as it is produced (nothing buffered). A chat stream's role chunk goes out with the first token, in
+the same write, never before it exists. A task watches the connection for `http.disconnect` the
 whole time, and a client that leaves cancels its generation at once.
 """
 
@@ -22,7 +23,8 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from stoker.engine.core import Engine, Generation
-from stoker.engine.protocol import Kind, ResponseShape, ensure_served, parse_request, sse
+from stoker.engine.protocol import Kind, ensure_served, parse_request
+from stoker.engine.responses import ResponseShape, sse
 from stoker.http import (
     BearerAuth,
     ClientGone,
@@ -96,7 +98,8 @@ class CompletionsEndpoint:
             return
         except ClientGone:
             return
-        shape = ResponseShape(self.kind, _response_id(self.kind, generation.request_id), req.model)
+        text_of = engine.token_text if req.params.logprobs is not None else None
+        shape = ResponseShape(self.kind, _response_id(self.kind, generation.request_id), req.model, text_of)
         async with generation:
             if req.stream:
                 work = self._stream(generation, shape, req.include_usage, send)
@@ -105,15 +108,20 @@ class CompletionsEndpoint:
             await cancel_on_disconnect(receive, work)
 
     async def _whole(self, generation: Generation, shape: ResponseShape, scope, receive, send) -> None:
-        parts = []
+        parts, records = [], []
         try:
             async for delta in generation:
                 parts.append(delta.text)
+                records += delta.logprobs
         except Exception as exc:
             await error_response(_as_api_error(exc, generation))(scope, receive, send)
             return
         body = shape.whole(
-            "".join(parts), generation.finish_reason, generation.prompt_tokens, generation.completion_tokens
+            "".join(parts),
+            generation.finish_reason,
+            generation.prompt_tokens,
+            generation.completion_tokens,
+            records,
         )
         await JSONResponse(body)(scope, receive, send)
 
@@ -122,17 +130,23 @@ class CompletionsEndpoint:
     ) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
 
-        async def emit(data) -> None:
-            await send({"type": "http.response.body", "body": sse(data), "more_body": True})
+        async def emit(*events) -> None:
+            body = b"".join(sse(data) for data in events)
+            await send({"type": "http.response.body", "body": body, "more_body": True})
 
+        # vLLM 0.32 sends the role (content "") when the first token exists, then that token's chunk:
+        # here both go in one write, so no client sees the role before there is a token.
+        role = [shape.role_chunk()] if shape.kind == "chat" else []
         try:
-            if shape.kind == "chat":
-                await emit(shape.chunk("", first=True))
             async for delta in generation:
-                if delta.text:
-                    await emit(shape.chunk(delta.text))
+                events = [*role]
+                role = []
+                if delta.text or delta.logprobs:
+                    events.append(shape.chunk(delta.text, records=delta.logprobs))
                 if delta.finish_reason:
-                    await emit(shape.chunk("", delta.finish_reason))
+                    events.append(shape.chunk("", delta.finish_reason))
+                if events:
+                    await emit(*events)
             if include_usage:
                 await emit(shape.usage_chunk(generation.prompt_tokens, generation.completion_tokens))
         except Exception as exc:  # after the first byte an error can only travel as an event
@@ -169,8 +183,8 @@ def build_app(
     call, sleep or wake it."""
     served = engine.config.served_model_name
 
-    async def models(request: Request) -> Response:
-        card = {
+    def card() -> dict:
+        out = {
             "id": served,
             "object": "model",
             "created": 0,
@@ -178,8 +192,19 @@ def build_app(
             "root": str(engine.config.snapshot_dir),
         }
         if engine.max_model_len:
-            card["max_model_len"] = engine.max_model_len
-        return JSONResponse({"object": "list", "data": [card]})
+            out["max_model_len"] = engine.max_model_len
+        return out
+
+    async def models(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [card()]})
+
+    async def model(request: Request) -> Response:
+        """OpenAI's `GET /v1/models/{model}`: the model object, or a 404 in OpenAI's error shape."""
+        name = request.path_params["model"]
+        if name != served:
+            message = f"The model `{name}` does not exist."
+            return error_response(APIError(404, message, param="model", code="model_not_found"))
+        return JSONResponse(card())
 
     async def health(request: Request) -> Response:
         engine.check_loop()
@@ -222,6 +247,7 @@ def build_app(
         Route("/v1/chat/completions", CompletionsEndpoint(engine, "chat", max_body_bytes), methods=["POST"]),
         Route("/v1/completions", CompletionsEndpoint(engine, "completion", max_body_bytes), methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model:path}", model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/sleep", sleep, methods=["POST"]),

@@ -40,8 +40,10 @@ from transformers.generation.continuous_batching.requests import RequestStatus
 from snapshots import pagecache
 from stoker.engine import draw as draw_mod
 from stoker.engine import weights
+from stoker.engine.logprobs import TokenLogprob
 from stoker.engine.metrics import EngineMetrics
 from stoker.engine.protocol import GenerationRequest, SamplingParams
+from stoker.engine.structured import Grammars, Matcher
 from stoker.engine.text import TextTracker
 from stoker.openai_errors import SERVER_ERROR, APIError, invalid, unavailable
 
@@ -90,6 +92,7 @@ class Delta:
     text: str
     completion_tokens: int
     finish_reason: str | None = None  # set on the last delta: "stop" or "length"
+    logprobs: tuple[TokenLogprob, ...] = ()  # of the tokens since the previous delta, when asked
 
 
 class Engine:
@@ -108,7 +111,9 @@ class Engine:
         self._model = None
         self._tokenizer = None
         self._manager = None
-        self._draw = draw_mod.PerRequestDraw(config.device)
+        self._draws = draw_mod.Draws()
+        self._grammars: Grammars | None = None
+        self.vocab_size = 0  # the width of the model's logits
         self._asleep: weights.SleepPlan | None = None  # how the weights left the device, while asleep
         self._eos: set[int] = set()
         self._slots = asyncio.Semaphore(config.max_num_seqs)
@@ -139,6 +144,9 @@ class Engine:
         eos = self._model.generation_config.eos_token_id
         eos = eos if eos is not None else self._tokenizer.eos_token_id
         self._eos = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        self.vocab_size = model_cfg.vocab_size
+        self._draws.eos = min(self._eos, default=0)
+        self._grammars = Grammars(self._tokenizer, self.vocab_size, self._eos)
         self._start_manager()
         self._warm_up()
         t2 = self.clock()
@@ -171,9 +179,12 @@ class Engine:
             # the sampling as one graph, and the per-request draw (draw.py) reads each row's token on
             # the host, which a capture cannot replay. On the CPU there are none anyway.
             use_cuda_graph=False,
+            # The draw step keeps per-request state across a step's processors and reads each row's
+            # token on the host: it needs each step prepared, run and sampled in order.
+            use_async_batching=False,
         )
         manager = self._model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
-        draw_mod.install(manager, self._draw)
+        draw_mod.install(manager, self._draws)
         manager.start()
         self._manager = manager
 
@@ -217,7 +228,8 @@ class Engine:
         return ids
 
     def budget(self, prompt_tokens: int, params: SamplingParams) -> int:
-        """How many tokens this request may generate; refuses requests that cannot fit the context."""
+        """How many tokens this request may generate; refuses requests that cannot fit the context,
+        or whose `min_tokens` cannot fit it."""
         room = self.max_model_len - prompt_tokens
         if params.max_tokens is None:
             if room < 1:
@@ -226,6 +238,12 @@ class Engine:
                     f"the prompt has {prompt_tokens}.",
                     param="messages",
                     code="context_length_exceeded",
+                )
+            if params.min_tokens > room:
+                raise invalid(
+                    f"'min_tokens' ({params.min_tokens}) exceeds the {room} tokens the context leaves "
+                    f"after the prompt ({prompt_tokens} tokens).",
+                    param="min_tokens",
                 )
             return room
         if params.max_tokens > room:
@@ -259,15 +277,26 @@ class Engine:
     async def start(self, prompt_ids: list[int], params: SamplingParams, max_new: int) -> Generation:
         """Admit one request and hand it to the batching manager.
 
-        Raises `APIError` (503) before anything is generated when the engine cannot take it, so the
-        caller can answer with an error status instead of a broken stream. The returned
-        `Generation` must be used as an async context manager: leaving it frees the slot and
-        cancels generation that has not finished.
+        Raises `APIError` before anything is generated when the engine cannot take it (503) or the
+        request asks what the model cannot give (400: a token id beyond its vocabulary in
+        `logit_bias`, a `response_format` schema that cannot be enforced), so the caller can answer
+        with an error status instead of a broken stream. The returned `Generation` must be used as
+        an async context manager: leaving it frees the slot and cancels generation that has not
+        finished.
         """
         arrival = self.clock()
         self.check_serving()
+        for token, _ in params.logit_bias:
+            if token >= self.vocab_size:
+                raise invalid(
+                    f"'logit_bias' has token id {token}, outside the vocabulary (size {self.vocab_size}).",
+                    param="logit_bias",
+                )
+        grammar = None
+        if params.response_format is not None:  # compiled before admission: a bad schema holds no slot
+            grammar = await asyncio.to_thread(self._grammars.compile, params.response_format)
         await self._admit()
-        generation = Generation(self, self._manager, prompt_ids, params, arrival)
+        generation = Generation(self, self._manager, prompt_ids, params, arrival, grammar)
         try:
             generation.submit(max_new)
         except BaseException:
@@ -312,6 +341,10 @@ class Engine:
 
     def _decode(self, tokens) -> str:
         return self._tokenizer.decode(tokens, skip_special_tokens=True)
+
+    def token_text(self, token: int) -> str:
+        """One token's text as logprobs show it: special tokens included, as vLLM shows them."""
+        return self._tokenizer.decode([token])
 
     # ---- sleep, wake, stop -------------------------------------------------------------------------
 
@@ -379,7 +412,13 @@ class Generation:
     """One admitted request: an async iterator of `Delta`s, the last one carrying the finish reason."""
 
     def __init__(
-        self, engine: Engine, manager, prompt_ids: list[int], params: SamplingParams, arrival: float
+        self,
+        engine: Engine,
+        manager,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        arrival: float,
+        grammar: Matcher | None = None,
     ):
         self._engine = engine
         self._manager = manager
@@ -395,11 +434,22 @@ class Generation:
         self._last_token_at: float | None = None
         self._manager_done = False  # the manager finished the request itself (EOS or token budget)
         self._closed = False
+        self._draw: draw_mod.RequestDraw | None = None
+        if draw_mod.needs_draw(params):
+            self._draw = draw_mod.RequestDraw(
+                params,
+                prompt_ids,
+                vocab_size=engine.vocab_size,
+                eos=set() if params.ignore_eos else engine._eos,
+                device=engine.config.device,
+                grammar=grammar,
+            )
 
     def submit(self, max_new: int) -> None:
         engine, params, rid = self._engine, self._params, self.request_id
-        greedy = params.temperature == 0.0
-        engine._draw.register(rid, greedy=greedy, seed=params.seed)
+        greedy = params.greedy
+        if self._draw is not None:
+            engine._draws.register(rid, self._draw)
         self._manager.register_result_handler(rid, self._outputs.put_nowait)
         accepted = self._manager.add_request(
             self._prompt_ids,
@@ -425,23 +475,32 @@ class Generation:
         return self._deltas()
 
     async def _deltas(self) -> AsyncIterator[Delta]:
-        engine, tracker = self._engine, self._tracker
+        """One delta per output that brings text, logprobs or the end, and one for the first token
+        even without text (a stream announces its role then)."""
+        engine, tracker, params, draw = self._engine, self._tracker, self._params, self._draw
         while self.finish_reason is None:
             out = await self._next_output()
             if out.status == RequestStatus.FAILED:
                 raise APIError(500, f"Generation failed: {out.error}", type=SERVER_ERROR)
+            if draw is not None and draw.error is not None:
+                raise APIError(500, f"Generation failed: {draw.error}", type=SERVER_ERROR)
             tokens = out.generated_tokens
+            before = self.completion_tokens
             self._manager_done = out.is_finished()
             self._count(len(tokens))
-            text = tracker.update([t for t in tokens if t not in engine._eos])
+            records = tuple(draw.records[before : len(tokens)]) if params.logprobs is not None else ()
+            # As vLLM: stop strings count only once more than min_tokens tokens exist.
+            text = tracker.update(
+                [t for t in tokens if t not in engine._eos], check_stop=len(tokens) > params.min_tokens
+            )
             if tracker.stopped:
                 self._finish("stop")
             elif out.is_finished():
-                eos = tokens and tokens[-1] in engine._eos and not self._params.ignore_eos
+                eos = tokens and tokens[-1] in engine._eos and not params.ignore_eos
                 self._finish("stop" if eos else "length")
                 text += tracker.flush()
-            if text or self.finish_reason:
-                yield Delta(text, self.completion_tokens, self.finish_reason)
+            if text or records or self.finish_reason or (before == 0 and tokens):
+                yield Delta(text, self.completion_tokens, self.finish_reason, records)
 
     def _count(self, n: int) -> None:
         new = n - self.completion_tokens
@@ -488,7 +547,7 @@ class Generation:
             _forget_handler(self._manager, self.request_id)
             if self.finish_reason is None:
                 engine.metrics.finished("abort")
-        engine._draw.forget(self.request_id)
+        engine._draws.forget(self.request_id)
         engine._release()
 
 

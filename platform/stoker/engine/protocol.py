@@ -1,16 +1,39 @@
-"""OpenAI request parsing and response shapes for `/v1/chat/completions` and `/v1/completions`.
+"""OpenAI request parsing for `/v1/chat/completions` and `/v1/completions`.
 
 Parsing turns an untrusted JSON body into a frozen `GenerationRequest` or raises `APIError` (400)
-naming the offending field. Fields OpenAI defines but this engine cannot honour (`n` > 1,
-`logprobs`, tools) are refused rather than silently ignored; unknown extra fields are ignored, as
-vLLM and OpenAI do.
+naming the offending field. Our rule is that nothing a client sends is ignored silently: every
+parameter OpenAI defines is either honoured or refused with a 400 naming it. Honoured, with the
+ranges OpenAI (or vLLM, for its extensions) enforces:
+
+| parameter | range | how (engine side: `draw.py`, `structured.py`) |
+|---|---|---|
+| `temperature`, `top_p`, `seed`, `stop`, `max_tokens`/`max_completion_tokens` | OpenAI's | as before |
+| `presence_penalty`, `frequency_penalty` | [-2, 2] | subtracted per generated token, as OpenAI and vLLM define them |
+| `logit_bias` | token id strings → [-100, 100], at most 300 | added to the logits |
+| `logprobs` + `top_logprobs` (chat) | `true`, 0..20 | raw log-probabilities (vLLM's default) |
+| `logprobs` (completions) | 0..5 | the same, in the legacy shape |
+| `response_format` | `text`, `json_object`, `json_schema` | a grammar (llguidance) masks each token |
+| vLLM's `top_k` | -1 or 0 = off, else ≥ 1 | per request |
+| vLLM's `min_tokens` | 0..max_tokens | EOS suppressed (and stop strings ignored) until reached |
+| vLLM's `repetition_penalty` | > 0 | divides (or multiplies) logits of tokens seen in prompt or output |
+| vLLM's `ignore_eos` | bool | generate to max_tokens |
+
+Refused (400 naming the field): `n` > 1, `best_of` > 1, `echo`, `suffix`, tools and functions
+(`tools`, `tool_choice` even without tools, `parallel_tool_calls`, `functions`, `function_call`),
+`audio` and `modalities` other than text, `prediction`, `web_search_options`, `reasoning_effort`,
+`verbosity`, `moderation`, `store: true`, `service_tier` other than auto/default, and the vLLM
+sampling extensions this engine does not implement (`min_p`, `stop_token_ids`, `bad_words`,
+`allowed_token_ids`, `prompt_logprobs`, guided decoding's `guided_*` and `structured_outputs`, beam
+search, ...). Fields that do not change the answer (`user`, `metadata`, `safety_identifier`,
+`prompt_cache_key`, `prompt_cache_options`, `prompt_cache_retention`) are accepted; names neither
+OpenAI nor vLLM define are ignored, as vLLM ignores them.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import time
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -19,7 +42,53 @@ from stoker.openai_errors import APIError, invalid
 
 Kind = Literal["chat", "completion"]
 MAX_STOP_SEQUENCES = 4
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
+MAX_TOP_LOGPROBS = 20  # chat's `top_logprobs`, as OpenAI allows
+MAX_COMPLETION_LOGPROBS = 5  # the legacy completions' `logprobs`, as OpenAI allows
 ROLES = frozenset({"system", "user", "assistant", "developer", "tool"})
+SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for json_schema.name
+
+# Set to anything but these (None, or the value shown) and the field is refused: OpenAI's fields
+# this engine cannot honour, then vLLM's sampling extensions it does not implement.
+REFUSED: dict[str, tuple[Any, ...]] = {
+    "echo": (False,),
+    "suffix": ("",),
+    "tools": (),
+    "functions": (),
+    "function_call": (),
+    "parallel_tool_calls": (),
+    "audio": (),
+    "prediction": (),
+    "web_search_options": (),
+    "reasoning_effort": (),
+    "verbosity": (),
+    "moderation": (),
+    "store": (False,),
+    "service_tier": ("auto", "default"),
+    "min_p": (0, 0.0),
+    "stop_token_ids": ([],),
+    "bad_words": ([],),
+    "allowed_token_ids": (),
+    "prompt_logprobs": (),
+    "use_beam_search": (False,),
+    "length_penalty": (1, 1.0),
+    "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,),
+    "truncate_prompt_tokens": (),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+    "structured_outputs": (),
+}
+
+
+@dataclass(frozen=True)
+class ResponseFormat:
+    """A structured-output constraint: `json_object` (any JSON object) or `json_schema`."""
+
+    kind: Literal["json_object", "json_schema"]
+    schema: str  # the JSON Schema, serialised: an immutable value a frozen request can hold
 
 
 @dataclass(frozen=True)
@@ -30,6 +99,18 @@ class SamplingParams:
     stop: tuple[str, ...]
     seed: int | None
     ignore_eos: bool = False  # vLLM's extension: generate to max_tokens even past EOS (benchmarks, tests)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1: off
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    top_k: int = 0  # 0: off
+    logprobs: int | None = None  # None: no logprobs; N: the chosen token's and the N most likely
+    response_format: ResponseFormat | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
 
 
 @dataclass(frozen=True)
@@ -65,13 +146,22 @@ def parse_request(kind: Kind, body: dict, defaults: Mapping[str, float] | None =
         if not stream:
             raise invalid("'stream_options' is only allowed when 'stream' is true.", param="stream_options")
         include_usage = _bool(options, "include_usage", False, prefix="stream_options.")
+    max_tokens = _max_tokens(body)
     params = SamplingParams(
-        max_tokens=_max_tokens(body),
+        max_tokens=max_tokens,
         temperature=_number(body, "temperature", defaults.get("temperature", 1.0), 0.0, 2.0),
         top_p=_number(body, "top_p", defaults.get("top_p", 1.0), 0.0, 1.0, open_low=True),
         stop=_stop(body.get("stop")),
         seed=_seed(body.get("seed")),
         ignore_eos=_bool(body, "ignore_eos", False),
+        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.0, math.inf, open_low=True),
+        logit_bias=_logit_bias(body.get("logit_bias")),
+        min_tokens=_min_tokens(body, max_tokens),
+        top_k=_top_k(body.get("top_k")),
+        logprobs=_chat_logprobs(body) if kind == "chat" else _completion_logprobs(body),
+        response_format=_response_format(body.get("response_format")),
     )
     return GenerationRequest(kind, model, messages, prompt, params, stream, include_usage)
 
@@ -134,16 +224,26 @@ def _refuse_unsupported(body: dict) -> None:
     n = body.get("n", 1)
     if n is not None and (type(n) is not int or n != 1):
         raise invalid(f"'n' must be 1 on this engine, got {n!r}.", param="n")
-    for name in ("logprobs", "top_logprobs", "echo", "tools", "functions", "suffix"):
-        if body.get(name) not in (None, False, ""):
-            raise invalid(f"'{name}' is not supported by this engine.", param=name)
     if body.get("best_of") not in (None, 1):
         raise invalid("'best_of' must be 1 on this engine.", param="best_of")
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+    # `tools` comes before `tool_choice`: a request with both is refused for `tools`, the real obstacle.
+    for name, allowed in REFUSED.items():
+        value = body.get(name)
+        if value is not None and not any(_same(value, ok) for ok in allowed):
+            raise invalid(f"'{name}' is not supported by this engine.", param=name)
+    if body.get("tool_choice") is not None:
         raise invalid(
-            "'response_format' other than {'type': 'text'} is not supported.", param="response_format"
+            "'tool_choice' is only allowed when 'tools' are specified, and this engine supports no tools.",
+            param="tool_choice",
         )
+    modalities = body.get("modalities")
+    if modalities is not None and modalities != ["text"]:
+        raise invalid("'modalities' must be [\"text\"] on this engine.", param="modalities")
+
+
+def _same(value: Any, allowed: Any) -> bool:
+    # `False == 0` in Python: compare types too, so `min_p: false` is refused like any other non-number.
+    return type(value) is type(allowed) and value == allowed
 
 
 def _bool(body: dict, name: str, default: bool, prefix: str = "") -> bool:
@@ -163,21 +263,127 @@ def _number(body: dict, name: str, default: float, low: float, high: float, open
         raise invalid(f"'{name}' must be a number, got {value!r}.", param=name)
     too_low = value <= low if open_low else value < low
     if too_low or value > high:
+        if high == math.inf:
+            raise invalid(f"'{name}' must be greater than {low}, got {value}.", param=name)
         bracket = "(" if open_low else "["
         raise invalid(f"'{name}' must be in {bracket}{low}, {high}], got {value}.", param=name)
     return float(value)
 
 
+def _int(body: dict, name: str) -> int | None:
+    value = body.get(name)
+    if value is not None and type(value) is not int:
+        raise invalid(f"'{name}' must be an integer, got {value!r}.", param=name)
+    return value
+
+
 def _max_tokens(body: dict) -> int | None:
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    value = body.get(name)
-    if value is None:
-        return None
-    if type(value) is not int:
-        raise invalid(f"'{name}' must be an integer, got {value!r}.", param=name)
-    if value <= 0:
+    value = _int(body, name)
+    if value is not None and value <= 0:
         raise invalid(f"'{name}' must be at least 1, got {value}.", param=name)
     return value
+
+
+def _min_tokens(body: dict, max_tokens: int | None) -> int:
+    value = _int(body, "min_tokens")
+    if value is None:
+        return 0
+    if value < 0:
+        raise invalid(f"'min_tokens' must be at least 0, got {value}.", param="min_tokens")
+    if max_tokens is not None and value > max_tokens:
+        raise invalid(
+            f"'min_tokens' ({value}) must be at most 'max_tokens' ({max_tokens}).", param="min_tokens"
+        )
+    return value
+
+
+def _top_k(value: Any) -> int:
+    if value is None:
+        return 0
+    if type(value) is not int or value < -1:
+        raise invalid(
+            f"'top_k' must be -1 or 0 (off), or an integer of at least 1, got {value!r}.", param="top_k"
+        )
+    return max(value, 0)
+
+
+def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """OpenAI's map of token id (as a string) to a bias in [-100, 100]. Ids beyond the vocabulary
+    are refused by the engine, which knows its size."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise invalid("'logit_bias' must be an object mapping token ids to numbers.", param="logit_bias")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise invalid(
+            f"'logit_bias' takes at most {MAX_LOGIT_BIAS} entries, got {len(value)}.", param="logit_bias"
+        )
+    out = []
+    for key, bias in value.items():
+        if not (key.isascii() and key.isdigit() and len(key) <= 10):
+            raise invalid(f"'logit_bias' keys must be token ids, got {key[:20]!r}.", param="logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, int | float) or not -100 <= bias <= 100:
+            raise invalid(
+                f"'logit_bias' values must be numbers in [-100, 100], got {bias!r} for token {key}.",
+                param="logit_bias",
+            )
+        out.append((int(key), float(bias)))
+    return tuple(out)
+
+
+def _chat_logprobs(body: dict) -> int | None:
+    enabled = _bool(body, "logprobs", False)
+    top = _int(body, "top_logprobs")
+    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise invalid(f"'top_logprobs' must be in [0, {MAX_TOP_LOGPROBS}], got {top}.", param="top_logprobs")
+    if top and not enabled:
+        raise invalid("'top_logprobs' needs 'logprobs' set to true.", param="top_logprobs")
+    return (top or 0) if enabled else None
+
+
+def _completion_logprobs(body: dict) -> int | None:
+    if body.get("top_logprobs") is not None:
+        raise invalid(
+            "'top_logprobs' is a chat parameter; completions take 'logprobs': N.", param="top_logprobs"
+        )
+    value = _int(body, "logprobs")
+    if value is not None and not 0 <= value <= MAX_COMPLETION_LOGPROBS:
+        raise invalid(f"'logprobs' must be in [0, {MAX_COMPLETION_LOGPROBS}], got {value}.", param="logprobs")
+    return value
+
+
+def _response_format(value: Any) -> ResponseFormat | None:
+    """OpenAI's `response_format`. The schema itself is checked where it is compiled (a 400 too);
+    here only the envelope."""
+    param = "response_format"
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return ResponseFormat("json_object", '{"type": "object"}')
+    if kind != "json_schema":
+        raise invalid(
+            "'response_format' must be {'type': 'text'}, {'type': 'json_object'} or "
+            "{'type': 'json_schema', 'json_schema': {...}}.",
+            param=param,
+        )
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        raise invalid("'response_format.json_schema' must be an object.", param=param)
+    name = spec.get("name")
+    if not isinstance(name, str) or not SCHEMA_NAME.fullmatch(name):
+        raise invalid(
+            "'response_format.json_schema.name' must be 1 to 64 letters, digits, '_' or '-'.", param=param
+        )
+    if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+        raise invalid("'response_format.json_schema.strict' must be a boolean.", param=param)
+    schema = spec.get("schema", {})  # OpenAI's `schema` is optional: then any JSON value
+    if not isinstance(schema, dict):
+        raise invalid("'response_format.json_schema.schema' must be a JSON Schema object.", param=param)
+    return ResponseFormat("json_schema", json.dumps(schema, separators=(",", ":")))
 
 
 def _stop(value: Any) -> tuple[str, ...]:
@@ -198,69 +404,6 @@ def _seed(value: Any) -> int | None:
     if type(value) is not int or not -(2**63) <= value < 2**64:
         raise invalid(f"'seed' must be an integer, got {value!r}.", param="seed")
     return value
-
-
-# ---- responses -------------------------------------------------------------------------------------
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-
-
-class ResponseShape:
-    """Builds the response objects of one request, chat or completion, whole or streamed."""
-
-    def __init__(self, kind: Kind, request_id: str, model: str) -> None:
-        self.kind = kind
-        self.id = request_id
-        self.model = model
-        self.created = int(time.time())
-        self.object = "chat.completion" if kind == "chat" else "text_completion"
-
-    def whole(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int) -> dict:
-        if self.kind == "chat":
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": None,
-                "finish_reason": finish_reason,
-            }
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        return self._envelope(self.object, [choice], usage=usage(prompt_tokens, completion_tokens))
-
-    def chunk(self, text: str, finish_reason: str | None = None, *, first: bool = False) -> dict:
-        if self.kind == "chat":
-            delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
-            if finish_reason is not None and not text:
-                delta = {}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-            return self._envelope("chat.completion.chunk", [choice])
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        return self._envelope("text_completion", [choice])
-
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
-        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
-        return self._envelope(obj, [], usage=usage(prompt_tokens, completion_tokens))
-
-    def _envelope(self, obj: str, choices: list, **extra: Any) -> dict:
-        return {
-            "id": self.id,
-            "object": obj,
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-            **extra,
-        }
-
-
-def sse(data: dict | str) -> bytes:
-    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
-    return f"data: {payload}\n\n".encode()
 
 
 def ensure_served(model: str, served: str) -> None:

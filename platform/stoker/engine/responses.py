@@ -1,0 +1,109 @@
+"""OpenAI response objects for `/v1/chat/completions` and `/v1/completions`, whole or streamed.
+
+A chat stream opens with `{"role": "assistant", "content": ""}`, as vLLM 0.32's serving_chat
+does, but only once the first token exists: the endpoint writes that chunk and the first token's
+in one write, so a client that times its first chunk measures the real time to first token
+(sent at admission, before any token, it read as a few milliseconds whatever the prefill cost).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from stoker.engine.logprobs import LegacyLogprobs, TokenLogprob, chat_content
+from stoker.engine.protocol import Kind
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+class ResponseShape:
+    """Builds the response objects of one request, chat or completion, whole or streamed. With
+    `text_of` (a token's text), every choice carries the logprobs of its tokens."""
+
+    def __init__(
+        self, kind: Kind, request_id: str, model: str, text_of: Callable[[int], str] | None = None
+    ) -> None:
+        self.kind = kind
+        self.id = request_id
+        self.model = model
+        self.created = int(time.time())
+        self.object = "chat.completion" if kind == "chat" else "text_completion"
+        self._text_of = text_of
+        self._legacy = LegacyLogprobs(text_of) if text_of is not None and kind == "completion" else None
+
+    def _logprobs(self, records: Sequence[TokenLogprob], whole: bool = False) -> dict | None:
+        if self._text_of is None or not (records or whole):  # a chunk without tokens has none
+            return None
+        if self._legacy is not None:
+            return self._legacy.block(records)
+        return {"content": chat_content(records, self._text_of)}
+
+    def whole(
+        self,
+        text: str,
+        finish_reason: str,
+        prompt_tokens: int,
+        completion_tokens: int,
+        records: Sequence[TokenLogprob] = (),
+    ) -> dict:
+        logprobs = self._logprobs(records, whole=True)
+        if self.kind == "chat":
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": logprobs,
+                "finish_reason": finish_reason,
+            }
+        else:
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        return self._envelope(self.object, [choice], usage=usage(prompt_tokens, completion_tokens))
+
+    def role_chunk(self) -> dict:
+        choice = {
+            "index": 0,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+        return self._envelope("chat.completion.chunk", [choice])
+
+    def chunk(
+        self, text: str, finish_reason: str | None = None, records: Sequence[TokenLogprob] = ()
+    ) -> dict:
+        logprobs = self._logprobs(records)
+        if self.kind == "chat":
+            delta: dict[str, Any] = {"content": text}
+            if finish_reason is not None and not text:
+                delta = {}
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+            return self._envelope("chat.completion.chunk", [choice])
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        return self._envelope("text_completion", [choice])
+
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        return self._envelope(obj, [], usage=usage(prompt_tokens, completion_tokens))
+
+    def _envelope(self, obj: str, choices: list, **extra: Any) -> dict:
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            **extra,
+        }
+
+
+def sse(data: dict | str) -> bytes:
+    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    return f"data: {payload}\n\n".encode()
