@@ -156,6 +156,18 @@ def build_gateway(
         ]
         return JSONResponse({"object": "list", "data": cards})
 
+    async def model(request: Request) -> Response:
+        """OpenAI's `GET /v1/models/{model}`: one deployment, if the caller's key may call it;
+        another tenant's is the same 404 as one that does not exist (no existence leak)."""
+        principal = principal_of(request.scope)
+        name = request.path_params["model"]
+        d = platform.get(name)
+        if d is None or not principal.may_call(name):
+            message = f"The model `{name}` does not exist."
+            return error_response(APIError(404, message, param="model", code="model_not_found"))
+        card = {"id": d.spec.name, "object": "model", "created": 0, "owned_by": "stoker"}
+        return JSONResponse({**card, "root": d.spec.snapshot_id})
+
     async def healthz(request: Request) -> Response:
         return JSONResponse({"status": "ok", "deployments": len(platform.list())})
 
@@ -241,6 +253,7 @@ def build_gateway(
         Route("/v1/chat/completions", inference, methods=["POST"]),
         Route("/v1/completions", inference, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model:path}", model, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/openapi.json", openapi, methods=["GET"]),
