@@ -13,11 +13,12 @@ scenario is zero lost, and the number complete where the scenario can promise on
 | instance SIGSTOP | one of two instances stopped under load | none lost or hung past the bound; after the ejection every request goes to the other |
 | (its minimal case) | a stream's instance stopped after its first token | the stream ends with an error event seconds after the ejection |
 | control plane SIGKILL | `stoker up` killed under load, restarted on its data dir | requests in flight at the kill fail on the client (counted apart); no engine of the first run left; after restart all complete |
+| (a case it found, xfail) | `stoker up` killed between spawning an engine and recording it | no engine of the first run left: not so yet, that engine runs on |
 | full hold queue | more requests at zero than `--max-queued` | exactly the excess refused at once (503, Retry-After), every held one complete |
 
 Every interval comes from a flag (idle timeout, stable window, health interval, eject after,
 stream-headers timeout, hold deadline, keep-alive interval); every wait polls the admin API or the
-log with a generous deadline, so nothing depends on how fast an engine starts. Each scenario has a
+metrics with a generous deadline, so nothing depends on how fast an engine starts. Each scenario has a
 hard bound (`SCENARIO_S`) over all of it. The counts are printed, and written as JSON to
 $STOKER_RELIABILITY_OUT when set (the README's table is made from them).
 """
@@ -25,6 +26,7 @@ $STOKER_RELIABILITY_OUT when set (the README's table is made from them).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -213,7 +215,7 @@ async def test_sigkill_of_an_instance_under_load(platform_factory, tiny_model_di
         await until(lambda: ready(p, 2), "two READY instances")
         pids = p.engine_pids()
         victim = sorted(pids)[0]
-        async with Load(p.url, concurrency=4, max_tokens=48, bound_s=REQUEST_S) as load:
+        async with Load(p.url, concurrency=4, max_tokens=32, bound_s=REQUEST_S) as load:
             await load.wait_finished(6)
             os.kill(pids[victim], signal.SIGKILL)
             killed_at = time.monotonic()
@@ -222,7 +224,7 @@ async def test_sigkill_of_an_instance_under_load(platform_factory, tiny_model_di
             lambda: not pid_alive(pids[victim]) and victim not in p.engine_pids(), "the killed one forgotten"
         )
         await until(lambda: ready(p, 2), "a replacement READY")
-        after = await burst(p.url, 6, max_tokens=48, bound_s=REQUEST_S)
+        after = await burst(p.url, 6, bound_s=REQUEST_S)
     outcomes = load.outcomes + after
     record(result("instance SIGKILL", "1 of 2 instances SIGKILLed", outcomes, began))
     assert not lost(outcomes), describe(outcomes)
@@ -246,14 +248,16 @@ async def test_sigstop_of_an_instance_under_load(platform_factory, tiny_model_di
         pids = p.engine_pids()
         sick, well = sorted(pids)
         try:
-            async with Load(p.url, concurrency=4, max_tokens=48, bound_s=REQUEST_S) as load:
+            async with Load(p.url, concurrency=4, max_tokens=32, bound_s=REQUEST_S) as load:
                 await load.wait_finished(6)
                 os.kill(pids[sick], signal.SIGSTOP)
                 stopped_at = time.monotonic()
-                await until(lambda: "ejected from routing" in p.log.read_text(), "the ejection", every=0.1)
+                await until(
+                    lambda: p.metric("stoker_instances_ejected", deployment="tiny") == 1, "the ejection"
+                )
                 ejected_at = time.monotonic()
                 await load.wait_finished(12, since=ejected_at)
-            after = await burst(p.url, 6, max_tokens=48, bound_s=REQUEST_S)
+            after = await burst(p.url, 6, bound_s=REQUEST_S)
         finally:
             os.kill(pids[sick], signal.SIGCONT)
     outcomes = load.outcomes + after
@@ -304,39 +308,43 @@ async def test_a_stream_mid_answer_on_a_stopped_instance_ends_within_the_bounds(
     data = [line for line in lines if line.startswith("data:")]
     assert data[-1] == "data: [DONE]"
     assert json.loads(data[-2][5:])["error"]["code"] == "upstream_failed"
-    assert "ejected from routing" in p.log.read_text()
+    assert p.metric("stoker_instance_ejections_total", deployment="tiny") >= 1
 
 
 async def test_control_plane_sigkill_under_load_and_restart(platform_factory, tiny_model_dir, tmp_path):
-    """`stoker up` SIGKILLed with requests in flight and a second instance starting (target 1, four
-    at once), restarted on the same data dir. What was in flight fails on the client, counted apart;
-    the restarted platform stops every engine of the first run, brings the deployment back, and
-    answers every new request."""
+    """`stoker up` SIGKILLed with requests in flight, restarted on the same data dir. What was in
+    flight fails on the client, counted apart; the restarted platform stops every engine of the
+    first run, brings the deployment back, and answers every new request. (Killed with its instance
+    READY: a kill while an instance starts is the xfail test below.)"""
     began = time.monotonic()
     home = tmp_path / "home"
     flags = ("--stable-window", "1", "--keepalive-interval", "0.2")
-    p = platform_factory(*flags, home=home)
-    async with asyncio.timeout(SCENARIO_S):
-        await deploy(p, tiny_model_dir, min_warm=1, max=2, target_concurrency=1, idle_timeout_s=600)
-        await until(lambda: ready(p, 1), "one READY instance")
-        async with Load(p.url, concurrency=4, max_tokens=48, bound_s=REQUEST_S) as load:
-            await load.wait_finished(4)
-            await until(lambda: starting_or_two(p), "a second instance asked for")
-            first_run = descendants(p.proc.pid) | set(p.engine_pids().values())
-            p.proc.kill()
-            killed_at = time.monotonic()
-            load.stop()
-        p.proc.wait(timeout=30)
-        first_run |= engines_of(home)  # an engine spawned between the look and the kill, if any
-        before = [o for o in load.outcomes if o.ended < killed_at]
-        at_kill = [o for o in load.outcomes if o.ended >= killed_at]
+    p = again = platform_factory(*flags, home=home)
+    try:
+        async with asyncio.timeout(SCENARIO_S):
+            await deploy(p, tiny_model_dir, min_warm=1, max=1, idle_timeout_s=600)
+            await until(lambda: ready(p, 1), "one READY instance")
+            async with Load(p.url, concurrency=4, max_tokens=32, bound_s=REQUEST_S) as load:
+                await load.wait_finished(6)
+                first_run = descendants(p.proc.pid) | set(p.engine_pids().values())
+                p.proc.kill()
+                killed_at = time.monotonic()
+                load.stop()
+            p.proc.wait(timeout=30)
+            first_run |= engines_of(home)  # an engine spawned between the look and the kill, if any
+            before = [o for o in load.outcomes if o.ended < killed_at]
+            at_kill = [o for o in load.outcomes if o.ended >= killed_at]
 
-        again = platform_factory(*flags, home=home)
-        await until(lambda: not any(pid_alive(pid) for pid in first_run), "the first run's engines stopped")
-        await until(lambda: ready(again, 1), "the deployment back")
-        assert engines_of(home) <= descendants(again.proc.pid)  # nothing else runs on this data dir
-        async with Load(again.url, concurrency=4, max_tokens=48, bound_s=REQUEST_S) as load2:
-            await load2.wait_finished(12)
+            again = platform_factory(*flags, home=home)
+            await until(
+                lambda: not any(pid_alive(pid) for pid in first_run), "the first run's engines stopped"
+            )
+            await until(lambda: ready(again, 1), "the deployment back")
+            assert engines_of(home) <= descendants(again.proc.pid)  # nothing else runs on this data dir
+            async with Load(again.url, concurrency=4, max_tokens=32, bound_s=REQUEST_S) as load2:
+                await load2.wait_finished(12)
+    finally:
+        stop_strays(home, again)
     cut = [o for o in at_kill if o.kind != COMPLETE]
     outcomes = before + [o for o in at_kill if o.kind == COMPLETE] + load2.outcomes
     record(
@@ -346,7 +354,7 @@ async def test_control_plane_sigkill_under_load_and_restart(platform_factory, ti
             outcomes,
             began,
             failed_at_fault=len(cut),
-            notes=f"{len(first_run)} processes of the first run, none left after the restart",
+            notes=f"{len(first_run)} process(es) of the first run, none left after the restart",
         )
     )
     assert first_run
@@ -356,9 +364,66 @@ async def test_control_plane_sigkill_under_load_and_restart(platform_factory, ti
     assert all(o.transport_error for o in cut), describe(cut)
 
 
-async def starting_or_two(p: PlatformProcess) -> bool:
-    n = await counts(p)
-    return n["STARTING"] + n["PENDING"] > 0 or n["READY"] == 2
+# Loaded into `stoker up` only (PYTHONPATH): the instance record's write takes `delay` seconds, as
+# an fsync on a busy disk may. `put` is synchronous, so the whole control plane waits meanwhile,
+# with the engine process already spawned and not yet recorded.
+SLOW_RECORDS = """
+import os, sys, time
+if sys.argv[1:2] == ["up"] and os.environ.get("STOKER_TEST_RECORD_DELAY_S"):
+    from warm_pool import records
+
+    def put(self, record, _put=records.InstanceRecords.put):
+        time.sleep(float(os.environ["STOKER_TEST_RECORD_DELAY_S"]))
+        _put(self, record)
+
+    records.InstanceRecords.put = put
+"""
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="an engine spawned but not yet recorded when `stoker up` dies is never reaped: the pool "
+    "writes the instance record after the spawn (warm_pool/pool.py _launch), and reap_orphans knows "
+    "only recorded processes",
+)
+async def test_control_plane_killed_between_spawning_an_engine_and_recording_it(
+    platform_factory, tiny_model_dir, tmp_path
+):
+    """Found by the control-plane scenario on a busy machine (it killed `stoker up` while a second
+    instance started): an engine of the first run still ran after the restart, and ran on for good.
+    Here the window is held open (the record's write takes 60 s) so the kill lands in it."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(SLOW_RECORDS)
+    home = tmp_path / "home"
+    p = again = platform_factory(home=home, env={"PYTHONPATH": str(hook), "STOKER_TEST_RECORD_DELAY_S": "60"})
+    try:
+        async with asyncio.timeout(SCENARIO_S):
+            deploying = asyncio.ensure_future(
+                deploy(p, tiny_model_dir, min_warm=1, max=1, idle_timeout_s=600)
+            )
+            await until(lambda: engines_of(home) and not p.engine_pids(), "an engine spawned, not recorded")
+            orphan = engines_of(home)
+            p.proc.kill()
+            p.proc.wait(timeout=30)
+            deploying.cancel()
+            again = platform_factory(home=home)  # up: its start-up has stopped what the records name
+            # This engine, never named in a record, runs on.
+            await until(lambda: not any(pid_alive(pid) for pid in orphan), "the orphan stopped", within_s=5)
+    finally:
+        stop_strays(home, again)
+
+
+def stop_strays(home: Path, *platforms: PlatformProcess) -> None:
+    """SIGKILL every engine on `home` that none of the live `platforms` owns: a failed test's
+    leftovers, not left running on a shared machine. (The fixture stops the platforms themselves.)"""
+    owned = set()
+    for p in platforms:
+        if p.proc is not None and p.proc.poll() is None:
+            owned |= descendants(p.proc.pid)
+    for pid in engines_of(home) - owned:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
 
 
 async def test_a_full_hold_queue_refuses_exactly_the_excess(platform_factory, tiny_model_dir):
