@@ -152,10 +152,18 @@ def log_tail(path: Path, lines: int = _LOG_TAIL_LINES) -> str:
     return " | ".join(log_tail_lines(path, lines))
 
 
+OWNER_ENV = "STOKER_ENGINE_OF"  # in every engine's environment: whose it is (see `records.marked`)
+
+
 class LocalBackend:
-    def __init__(self, log_dir: Path, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, log_dir: Path, clock: Callable[[], float] = time.monotonic, owner: str | None = None
+    ) -> None:
+        """`owner`, when given, goes into every engine's environment as `OWNER_ENV`, so a later run
+        finds the engines of this one even where no record was written (`records.reap_orphans`)."""
         self.log_dir = log_dir
         self._clock = clock
+        self._owner = {OWNER_ENV: owner} if owner else {}
         self._children: dict[ProcessHandle, _Child] = {}  # processes this backend started and has not reaped
 
     def log_path(self, instance_id: str) -> Path:
@@ -170,7 +178,7 @@ class LocalBackend:
         with log_path.open("ab") as log:
             process = await asyncio.create_subprocess_exec(
                 *spec.argv,
-                env=os.environ | dict(spec.env),
+                env=os.environ | dict(spec.env) | self._owner,
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=log,
                 stderr=asyncio.subprocess.STDOUT,

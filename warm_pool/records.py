@@ -2,7 +2,10 @@
 
 One small JSON file per instance in a directory, written whole or not at all (temp file, fsync,
 rename). On start-up the platform calls `reap_orphans`: every recorded process that still runs
-(same PID and start time) is stopped; every record is removed.
+(same PID and start time) is stopped; every record is removed. A record is written once the engine
+is spawned, so a run killed between the two leaves an engine no record names: every engine also
+carries its owner in its environment (`local.OWNER_ENV`, the data dir), and `reap_orphans` stops
+any process that says it belongs to this data dir, recorded or not (`marked`).
 
 We stop orphans rather than adopt them: an adopted engine runs with whatever flags and snapshot the
 previous run gave it, which need not match the deployment as restored from the registry (a new
@@ -22,7 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Protocol
 
-from warm_pool.local import ProcessHandle
+from warm_pool.local import OWNER_ENV, ProcessHandle, read_start_ticks
 
 log = logging.getLogger("warm_pool.records")
 _SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -95,11 +98,41 @@ class ProcessStopper(Protocol):
     async def stop(self, handle: ProcessHandle, term_timeout_s: float) -> int | None: ...
 
 
+def marked(owner: str, proc: Path = Path("/proc")) -> list[ProcessHandle]:
+    """Every process whose environment says `OWNER_ENV=owner`, but this one: one handle per
+    process group (stopping a group stops all of it). Processes of other users cannot be read,
+    and are none of ours."""
+    needle = f"{OWNER_ENV}={owner}".encode()
+    me, groups = os.getpid(), {}
+    for entry in proc.glob("[0-9]*"):
+        pid = int(entry.name)
+        if pid == me:
+            continue
+        try:
+            if needle not in (entry / "environ").read_bytes().split(b"\0"):
+                continue
+            pgid = os.getpgid(pid)
+        except OSError:  # gone, or not ours to read
+            continue
+        ticks = read_start_ticks(pid)
+        if ticks is not None and pgid not in groups:
+            leader = read_start_ticks(pgid) if pgid != pid else ticks
+            groups[pgid] = (
+                ProcessHandle(pgid, pgid, leader) if leader is not None else ProcessHandle(pid, pgid, ticks)
+            )
+    return list(groups.values())
+
+
 async def reap_orphans(
-    records: InstanceRecords, backend: ProcessStopper, *, term_timeout_s: float = 10.0
+    records: InstanceRecords,
+    backend: ProcessStopper,
+    *,
+    owner: str | None = None,
+    term_timeout_s: float = 10.0,
 ) -> list[str]:
     """Stop every recorded process still running (SIGTERM, SIGKILL after `term_timeout_s`), drop
-    every record; the ids of the processes stopped."""
+    every record, then stop every process still marked as `owner`'s (an engine spawned but never
+    recorded); the ids of the recorded processes stopped, and `pid:N` for each unrecorded one."""
     stopped: list[str] = []
 
     async def reap(record: InstanceRecord) -> None:
@@ -109,7 +142,17 @@ async def reap_orphans(
             stopped.append(record.id)
         records.remove(record.id)
 
+    async def reap_unrecorded(handle: ProcessHandle) -> None:
+        log.info("stopping process %d left by a previous run, which never recorded it", handle.pid)
+        await backend.stop(handle, term_timeout_s)
+        stopped.append(f"pid:{handle.pid}")
+
     async with asyncio.TaskGroup() as tg:
         for record in records.all():
             tg.create_task(reap(record))
+    if owner is not None:
+        async with asyncio.TaskGroup() as tg:
+            for handle in marked(owner):
+                if backend.is_alive(handle):
+                    tg.create_task(reap_unrecorded(handle))
     return sorted(stopped)

@@ -86,7 +86,8 @@ class Platform:
         self.registry = Registry(data_dir / "stoker.db")
         self.store = SnapshotStore(store_dir or data_dir / "snapshots", budget_bytes=snapshot_budget())
         self.records = InstanceRecords(data_dir / "instances")
-        self.backend = LocalBackend(data_dir / "logs", clock=clock)
+        self._owner = str(data_dir.resolve())  # marks its engines, for the next run's reap_orphans
+        self.backend = LocalBackend(data_dir / "logs", clock=clock, owner=self._owner)
         self.gpus = GpuInventory.from_env()
         self.metrics_registry = CollectorRegistry()
         self._activator_metrics = ActivatorMetrics(self.metrics_registry)
@@ -113,7 +114,7 @@ class Platform:
         self._session = aiohttp.ClientSession(
             connector=connector, timeout=aiohttp.ClientTimeout(total=None), auto_decompress=False
         )
-        stopped = await reap_orphans(self.records, self.backend)
+        stopped = await reap_orphans(self.records, self.backend, owner=self._owner)
         if stopped:
             log.warning(
                 "stopped %d engine process(es) left by a previous run: %s", len(stopped), ", ".join(stopped)

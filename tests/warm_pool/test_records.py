@@ -12,7 +12,7 @@ import pytest
 
 from warm_pool.launch import LaunchSpec
 from warm_pool.local import LocalBackend, read_start_ticks
-from warm_pool.records import InstanceRecord, InstanceRecords, reap_orphans
+from warm_pool.records import InstanceRecord, InstanceRecords, marked, reap_orphans
 
 from .support import SLEEPER, pid_gone, python, wait_gone
 
@@ -122,3 +122,22 @@ async def test_a_recycled_pid_is_left_alone_and_its_record_removed(tmp_path):
         assert records.all() == []
     finally:
         await backend.stop(bystander, term_timeout_s=5)
+
+
+async def test_an_engine_never_recorded_is_found_by_its_owner_mark_and_stopped(tmp_path):
+    # A run killed between spawning an engine and writing its record: the engine carries its owner.
+    first = LocalBackend(tmp_path / "logs", owner=str(tmp_path))
+    unrecorded = await first.start("m-0b0b0b0b", LaunchSpec(python(SLEEPER)))
+    other = LocalBackend(tmp_path / "logs", owner=str(tmp_path / "another-data-dir"))
+    bystander = await other.start("m-other", LaunchSpec(python(SLEEPER)))
+    try:
+        assert [h.pid for h in marked(str(tmp_path))] == [unrecorded.pid]
+        records = InstanceRecords(tmp_path / "instances")
+        stopped = await reap_orphans(records, LocalBackend(tmp_path), owner=str(tmp_path), term_timeout_s=5)
+        assert stopped == [f"pid:{unrecorded.pid}"]
+        assert await wait_gone(unrecorded.pid)
+        assert other.is_alive(bystander)  # another data dir's engine is none of ours
+        assert await reap_orphans(records, LocalBackend(tmp_path), owner=str(tmp_path)) == []
+    finally:
+        await first.stop(unrecorded, term_timeout_s=5)
+        await other.stop(bystander, term_timeout_s=5)
