@@ -25,7 +25,8 @@ Sick instances leave routing (`ejection.py`): every request's outcome on an inst
 probe of its /health by `watch_health` (each `health_interval_s`), feeds that instance's `Health`;
 `eject_after` failures in a row eject it, and only routable instances are offered to `Slots`. An
 ejection also ends the waits for headers of the requests already sent to that instance, which are
-then retried elsewhere. A probe answering 503 (the engine says it is failed) is reported to the
+then retried elsewhere, and bounds the silence of its answers already under way to
+`stream_headers_timeout_s` (`proxy.Silence`): a stream cut that way ends with an SSE error event. A probe answering 503 (the engine says it is failed) is reported to the
 source (`report_unhealthy`), which replaces the instance; so is one ejected `replace_after_ejections`
 times in a row (stopped or wedged: were it kept, a deployment whose every instance is ejected would
 hold its requests until their deadline).
@@ -127,7 +128,9 @@ class Activator:
         self._rules = EjectionRules(config.eject_after, config.eject_base_s, config.eject_max_s)
         self._health: dict[Key, Health] = {}  # instances that failed lately; absent: HEALTHY
         self._ejected: set[Key] = set()  # those out of routing now
-        self._waits: dict[Key, set[asyncio.Timeout]] = {}  # requests waiting for an instance's headers
+        # Requests on each instance whose deadline an ejection shortens: waits for headers, and
+        # answers under way (`proxy.forward`'s `waits`).
+        self._waits: dict[Key, set[asyncio.Timeout]] = {}
         self._last_arrival: float | None = None
         self._metrics = metrics
         self._codes: dict[int, Any] = {}
