@@ -26,10 +26,11 @@ probe of its /health by `watch_health` (each `health_interval_s`), feeds that in
 `eject_after` failures in a row eject it, and only routable instances are offered to `Slots`. An
 ejection also ends the waits for headers of the requests already sent to that instance, which are
 then retried elsewhere, and bounds the silence of its answers already under way to
-`stream_headers_timeout_s` (`proxy.Silence`): a stream cut that way ends with an SSE error event. A probe answering 503 (the engine says it is failed) is reported to the
-source (`report_unhealthy`), which replaces the instance; so is one ejected `replace_after_ejections`
-times in a row (stopped or wedged: were it kept, a deployment whose every instance is ejected would
-hold its requests until their deadline).
+`stream_headers_timeout_s` (`proxy.Silence`): a stream cut that way ends with an SSE error event.
+A probe answering 503 (the engine says it is failed) is reported to the source
+(`report_unhealthy`), which replaces the instance; so is one ejected `replace_after_ejections` times
+in a row (stopped or wedged: were it kept, a deployment whose every instance is ejected would hold
+its requests until their deadline).
 """
 
 from __future__ import annotations
