@@ -10,8 +10,10 @@ Held requests wait on a future that `Slots` resolves, in arrival order for each 
 in turns between owners, when `capacity_changed()` is called or a request finishes; a full queue
 refuses the newest request of the owner holding the most before it refuses a newcomer holding fewer.
 A task watches `receive()` the whole time: a client that leaves cancels the work at once, which
-takes it out of the queue or closes the upstream connection. When the source says no instance can start (`set_unavailable`, e.g. a corrupt snapshot), held
-requests are answered 503 with its reason at once, and new ones are not held.
+takes it out of the queue or closes the upstream connection; it counts as 499 only when it left
+before the whole answer went out (`proxy.Reply.delivered`). When the source says no instance can
+start (`set_unavailable`, e.g. a corrupt snapshot), held requests are answered 503 with its reason
+at once, and new ones are not held.
 
 The source hears of every request twice, `request_arrived` and `request_finished` (with the seconds
 it held instances, and the instance it was a cold start on): the scaler's tracker counts arrivals,
@@ -196,8 +198,10 @@ class Activator:
             watcher.cancel()
             await asyncio.wait((work, watcher))  # both settled; their outcome is read below
         try:
-            if work.cancelled():  # the client left first
-                ex.code = CLIENT_LEFT
+            if work.cancelled():  # the client left first ...
+                # ... before the end of the answer, or after it (the openai client closes at
+                # `data: [DONE]`, and may be heard before the relay has seen the body's end).
+                ex.code = (ex.code or ex.reply.status) if ex.reply.delivered else CLIENT_LEFT
                 if not watcher.cancelled():
                     watcher.exception()  # a failing receive() also ends the exchange: retrieved
             else:
@@ -290,7 +294,8 @@ class Activator:
         self._queue_length.inc()
         held_at = self._clock()
         deadline = held_at + config.hold_deadline_s
-        next_keepalive = held_at + config.keepalive_interval_s if ex.stream else math.inf
+        interval = config.keepalive_interval_s
+        next_keepalive = held_at + interval if ex.stream and interval is not None else math.inf
         taken = False
         try:
             while True:
@@ -302,7 +307,7 @@ class Activator:
                     raise DeadlineExceeded(config.retry_after_s, now - held_at)
                 if now >= next_keepalive:
                     await ex.reply.keepalive(ex.cold)
-                    next_keepalive += config.keepalive_interval_s
+                    next_keepalive += interval
                     continue
                 # Not wait_for: a timeout must not cancel the future the dispatcher resolves.
                 await asyncio.wait((waiter.future,), timeout=min(deadline, next_keepalive) - now)

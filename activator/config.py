@@ -18,7 +18,12 @@ class ActivatorConfig:
     # Must cover a cold start: the CPU engine is up in 6-9 s, vLLM in 30-90 s (imports, CUDA
     # context, weight load, graph capture); 120 s leaves room for the slow end plus a retry.
     hold_deadline_s: float = 120.0
-    keepalive_interval_s: float = 5.0  # SSE comment cadence while a stream is held
+    # While a stream is held, a keep-alive (`proxy.KEEPALIVE`) this often; None: none, and the held
+    # stream's headers wait for its answer's. 5 s is well inside the shortest idle timeouts of the
+    # proxies in front of such streams (30 s: HAProxy's usual `timeout server`, Heroku's router before
+    # a first byte; nginx and AWS's load balancers allow 60 s): even a stream held for the whole
+    # `hold_deadline_s` (24 keep-alives) stays well under go-openai's 300 lines that are not data.
+    keepalive_interval_s: float | None = 5.0
     connect_timeout_s: float = 5.0  # TCP connect to an instance
     # Upstream response headers of a plain (non-stream) request. Both engines send those with the
     # whole answer, after the last token, so this bounds the entire generation: keep it long. It also bounds a stream's.
@@ -54,6 +59,8 @@ class ActivatorConfig:
         _check_int("replace_after_ejections", self.replace_after_ejections, 1, 1000)
         for f in fields(self):
             if f.name.endswith("_s") and f.name != "retry_after_s":
+                if f.name == "keepalive_interval_s" and self.keepalive_interval_s is None:
+                    continue  # off
                 _check_seconds(f.name, getattr(self, f.name))
         _check_order("eject_base_s", self.eject_base_s, "eject_max_s", self.eject_max_s)
 

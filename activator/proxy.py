@@ -46,6 +46,7 @@ DROPPED = frozenset(
     }
 )
 ERROR_BODY_LIMIT = 64 * 1024  # an instance's error body, re-framed as one SSE event
+DONE = b"data: [DONE]\n\n"  # the last event of an OpenAI stream
 
 
 class Failed(Exception):
@@ -88,16 +89,31 @@ def error_event(message: str, type: str, code: str) -> bytes:
     return sse_event(body) + sse_event("[DONE]")
 
 
+# What a held stream gets every `keepalive_interval_s`: a blank line pair, not an SSE comment.
+# Both are nothing to a reader that follows the SSE spec (an empty event is not dispatched), and
+# bytes enough for a proxy's idle timer. But vLLM's benchmark client strips each network read before
+# it looks for the blank line that ends an event: a comment read alone (": waiting\n\n") loses its
+# end there, and the data lines read after it join the comment and are skipped as one; a read that
+# is only blank lines is dropped whole. So are readers that split on "\n\n" without stripping:
+# "\n\n" keeps the stream on an event boundary, where a lone "\n" would prefix the first event. And
+# go-openai, which fails a stream after 300 lines that are not data, counts two lines for either.
+KEEPALIVE = b"\n\n"
+
+
 class Reply:
     """What has gone to the client so far, and the only ways to add to it."""
 
-    __slots__ = ("_send", "sse", "started", "status")
+    __slots__ = ("_send", "delivered", "sse", "started", "status")
 
     def __init__(self, send: Send) -> None:
         self._send = send
         self.started = False  # the response start (status and headers) went out
         self.sse = False  # ... and it announced an event stream
         self.status = 0
+        # The whole answer went out: the instance's body to its end, or an event stream's
+        # `data: [DONE]`. A client that leaves after that (the openai client closes at [DONE],
+        # before the body's last frame) was answered, not lost.
+        self.delivered = False
 
     async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self.started, self.status = True, status
@@ -111,10 +127,10 @@ class Reply:
         await self._send({"type": "http.response.body", "body": chunk, "more_body": False})
 
     async def keepalive(self, cold: bool) -> None:
-        """An SSE comment for a held stream, after a 200 event-stream start if none went out yet."""
+        """`KEEPALIVE` for a held stream, after a 200 event-stream start if none went out yet."""
         if not self.started:
             await self.start(200, held_headers(cold))
-        await self.body(b": waiting for capacity\n\n")
+        await self.body(KEEPALIVE)
 
 
 def held_headers(cold: bool) -> list[tuple[bytes, bytes]]:
@@ -240,9 +256,12 @@ async def _relay(
     resp: aiohttp.ClientResponse, first: bytes, reply: Reply, gap_s: float, endpoint_id: str, silence: Silence
 ) -> int:
     """Each chunk to the client as it arrives; a failure from here on ends the response."""
-    chunk = first
+    chunk, seen = first, b""
     while chunk:
         await reply.body(chunk)
+        if reply.sse:  # [DONE] may straddle two reads only when the last is shorter than it
+            seen = (seen + chunk)[-len(DONE) :] if len(chunk) < len(DONE) else chunk
+            reply.delivered = seen.endswith(DONE)
         try:
             chunk = await _read(resp, gap_s, endpoint_id)
             silence.heard()
@@ -250,6 +269,7 @@ async def _relay(
             resp.close()
             await reply.end(_failure_event(str(exc)) if reply.sse else b"")
             return 502
+    reply.delivered = True
     await reply.end()
     return resp.status
 

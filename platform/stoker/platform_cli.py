@@ -49,9 +49,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--max-queued", type=int, default=100, help="requests held per deployment at once")
     up.add_argument(
         "--keepalive-interval",
-        type=duration,
+        type=_duration_or_off,
         default="5s",
-        help="time between the SSE comments a held stream gets",
+        help="time between the keep-alives (blank lines) a held stream gets; 0 or off: none, and a held "
+        "stream's headers wait for its answer",
     )
     up.add_argument(
         "--first-byte-timeout",
@@ -204,6 +205,13 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     revoke.set_defaults(func=cmd_keys_revoke)
     for command in (deploy, ls, describe, logs, rm, create, keys_ls, revoke):
         add_url_option(command)
+
+
+def _duration_or_off(value: str) -> float | None:
+    """A duration, or None for `off` (or any zero duration): a setting that can be switched off."""
+    if value.strip().lower() == "off":
+        return None
+    return duration(value) or None
 
 
 def _lines(value: str) -> int:

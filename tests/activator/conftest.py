@@ -76,8 +76,10 @@ class Upstream:
     """An engine stand-in: a completion as JSON, or `CHUNKS` SSE chunks when the body says stream.
 
     Switches: `before_headers`, when set, holds every answer until the test sets it; `status` answers that status with an OpenAI error body; `gate`, when set, holds a
-    stream after its first chunk until the test sets it; `die_after_first` drops the connection
-    after the first chunk (or, for JSON, after the first half of the body). `disconnected` is set when a client leaves a stream midway.
+    stream after its first chunk until the test sets it; `after_done`, when set, holds a stream
+    after its `data: [DONE]` event, before the body's end, until the test sets it; `die_after_first`
+    drops the connection after the first chunk (or, for JSON, after the first half of the body).
+    `disconnected` is set when a client leaves a stream midway.
     """
 
     def __init__(self) -> None:
@@ -87,6 +89,7 @@ class Upstream:
         self.health = 200  # what GET /health answers
         self.gate: asyncio.Event | None = None
         self.before_headers: asyncio.Event | None = None
+        self.after_done: asyncio.Event | None = None
         self.die_after_first = False
         self.chunk_delay_s = 0.001
         self.disconnected = asyncio.Event()
@@ -162,6 +165,11 @@ class Upstream:
                     await asyncio.sleep(self.chunk_delay_s)
         finally:
             watcher.cancel()
+        if self.after_done is not None:
+            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": True})
+            await self.after_done.wait()
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
 
 

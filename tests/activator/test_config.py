@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 
 import pytest
 
 from activator.config import ActivatorConfig
+from stoker.platform_cli import _duration_or_off
 
 
 def test_defaults_cover_a_vllm_cold_start() -> None:
@@ -45,3 +47,25 @@ def test_bad_values_are_refused_with_value_and_range(field, value, message) -> N
 def test_zero_queue_and_fractional_seconds_are_allowed() -> None:
     config = ActivatorConfig(max_queued=0, hold_deadline_s=0.25, keepalive_interval_s=1)
     assert config.max_queued == 0 and config.keepalive_interval_s == 1
+
+
+def test_keepalives_can_be_off_but_not_zero() -> None:
+    assert ActivatorConfig(keepalive_interval_s=None).keepalive_interval_s is None
+    with pytest.raises(
+        ValueError, match="keepalive_interval_s must be a finite number of seconds > 0, got 0"
+    ):
+        ActivatorConfig(keepalive_interval_s=0)
+
+
+@pytest.mark.parametrize(
+    ("flag", "seconds"),
+    [("off", None), ("OFF", None), ("0", None), ("0s", None), ("5s", 5.0), ("250ms", 0.25)],
+)
+def test_the_keepalive_flag_takes_a_duration_or_off(flag, seconds) -> None:
+    """`stoker up --keepalive-interval`: `off` and zero switch keep-alives off (None in the config)."""
+    assert _duration_or_off(flag) == seconds
+
+
+def test_the_keepalive_flag_refuses_other_words() -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match="'never' is not a duration"):
+        _duration_or_off("never")

@@ -81,6 +81,23 @@ async def test_client_disconnect_cancels_the_upstream_request(rig: Rig) -> None:
     assert rig.a.sent == 1
 
 
+async def test_a_client_that_leaves_right_after_done_was_answered_not_lost(rig: Rig) -> None:
+    """The openai client closes its connection at `data: [DONE]`, before the body's last frame: the
+    activator may hear it leave while the relay still waits for the instance's end. Held here
+    between the two, that client left after its whole answer: a 200, not a 499."""
+    activator = rig.activator(MemorySource([Ep("a", rig.a_url)]))
+    rig.a.after_done = asyncio.Event()
+    response, chunks, received = await open_stream(rig.client)
+    while not received.endswith(b"data: [DONE]\n\n"):
+        received += await anext(chunks)
+    await response.aclose()
+    await eventually(lambda: rig.sample("stoker_requests_total", code="200") == 1)
+    assert rig.sample("stoker_requests_total", code="499") is None
+    assert len(data_events(received)) == CHUNKS + 1 and activator.outstanding("a") == 0
+    assert rig.sample("stoker_request_duration_seconds_count") == 1
+    rig.a.after_done.set()
+
+
 async def test_refused_connection_is_retried_on_another_instance(rig: Rig) -> None:
     dead = Ep("dead", f"http://127.0.0.1:{closed_port()}")
     source = MemorySource([dead])

@@ -7,6 +7,7 @@ import asyncio
 import json
 import time
 
+from activator.proxy import KEEPALIVE
 from tests.activator.conftest import Ep, MemorySource, Rig, eventually
 
 PLAIN = {"model": "m", "prompt": "hi"}
@@ -47,7 +48,7 @@ async def test_a_held_stream_ends_with_the_reason_as_an_error_event(rig: Rig) ->
         assert response.status_code == 200
         received = b""
         chunks = response.aiter_raw()
-        while b": waiting for capacity" not in received:
+        while KEEPALIVE not in received:
             received += await anext(chunks)
         activator.set_unavailable(REASON)
         async for chunk in chunks:
