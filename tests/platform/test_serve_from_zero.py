@@ -42,17 +42,18 @@ def test_request_at_zero_is_held_then_answered_whole_and_streamed(platform_facto
     assert [m.id for m in client(p).models.list().data] == ["tiny"]
 
 
-def test_a_stream_at_zero_gets_keepalive_comments_then_tokens(platform_factory, tiny_model_dir):
-    # Comments every 50 ms: an engine process takes far longer than that to start (importing torch
-    # alone does), so the first line is a comment however fast this machine starts one.
+def test_a_stream_at_zero_gets_keepalives_then_tokens(platform_factory, tiny_model_dir):
+    # Keep-alives every 50 ms: an engine process takes far longer than that to start (importing
+    # torch alone does), so the body begins with one however fast this machine starts one.
     p = platform_factory("--keepalive-interval", "0.05")
     p.deploy("tiny", tiny_model_dir)
     body = {"model": "tiny", "prompt": "x", "max_tokens": 4, "stream": True}
     with httpx.stream("POST", f"{p.url}/v1/completions", json=body, timeout=120) as r:
         assert r.status_code == 200
         assert r.headers["x-stoker-cold-start"] == "true"
-        lines = [line for line in r.iter_lines() if line]
-    assert lines[0] == ": waiting for capacity"
+        raw = b"".join(r.iter_raw())
+    assert raw.startswith(b"\n\n")  # a keep-alive is a blank line pair (activator.proxy.KEEPALIVE)
+    lines = [line for line in raw.decode().splitlines() if line]
     data = [line for line in lines if line.startswith("data:")]
     assert data[-1] == "data: [DONE]"
     assert json.loads(data[-2][6:])["choices"][0]["finish_reason"] in ("stop", "length")
