@@ -206,6 +206,18 @@ def openapi_schema() -> dict[str, Any]:
                     "responses": {"200": {"description": "the list", **_json({"type": "object"})}},
                 }
             },
+            "/v1/models/{model}": {
+                "get": {
+                    "summary": "One deployment, as OpenAI's model object, if the caller's key may call it",
+                    "parameters": [
+                        {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}
+                    ],
+                    "responses": {
+                        "200": {"description": "the model", **_json({"type": "object"})},
+                        **_errors(401, 404),
+                    },
+                }
+            },
             "/healthz": {
                 "get": {"summary": "The gateway is up", "responses": {"200": {"description": "up"}}}
             },
