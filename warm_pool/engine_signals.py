@@ -1,9 +1,9 @@
 """What the engines themselves say about their load: read from each READY instance's `/metrics`.
 
 The activator counts requests it holds and has sent; only the engine knows how many of those wait
-inside it for a batch slot and how full its KV cache is. vLLM publishes both (the CPU engine serves
-the same names, without a KV figure), and the pool hands them to the shared rules' saturation rule
-(`warm_pool.policies.rules`):
+inside it for a batch slot and how full its KV cache is. vLLM publishes both, and so does the CPU
+engine, under the same names (its KV figure: the blocks its running requests' tokens fill), and the
+pool hands them to the shared rules' saturation rule (`warm_pool.policies.rules`):
 
 | vLLM metric | here | across one engine's label sets |
 |---|---|---|

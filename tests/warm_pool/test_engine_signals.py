@@ -99,12 +99,13 @@ def test_the_newer_kv_name_wins_when_both_are_there():
     assert parse_engine_metrics(both).kv_cache_usage == pytest.approx(0.6)
 
 
-def test_the_cpu_engines_own_exposition_has_the_counts_and_no_kv_figure():
+def test_the_cpu_engines_own_exposition_has_the_counts_and_its_kv_figure():
     metrics = EngineMetrics("tiny")
     metrics.running.set(2)
     metrics.waiting.set(5)
+    metrics.kv_blocks(used=64, total=128)
     text = generate_latest(metrics.registry).decode()
-    assert parse_engine_metrics(text) == EngineLoad(waiting=5, running=2, kv_cache_usage=None)
+    assert parse_engine_metrics(text) == EngineLoad(waiting=5, running=2, kv_cache_usage=0.5)
 
 
 @pytest.mark.parametrize(

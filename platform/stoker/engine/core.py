@@ -46,7 +46,7 @@ from snapshots import pagecache
 from stoker.engine import draw as draw_mod
 from stoker.engine import weights
 from stoker.engine.logprobs import TokenLogprob
-from stoker.engine.metrics import EngineMetrics
+from stoker.engine.metrics import EngineMetrics, blocks
 from stoker.engine.protocol import GenerationRequest, SamplingParams
 from stoker.engine.structured import Grammars, Matcher
 from stoker.engine.text import TextTracker
@@ -124,6 +124,8 @@ class Engine:
         self._slots = asyncio.Semaphore(config.max_num_seqs)
         self._running = 0
         self._waiting = 0
+        self._kv_used = 0  # KV blocks the running requests' tokens fill (`vllm:kv_cache_usage_perc`)
+        self._kv_total = 1
         self._idle = asyncio.Event()
         self._idle.set()
         self._lifecycle = asyncio.Lock()
@@ -144,6 +146,7 @@ class Engine:
             raise ValueError(
                 f"max_model_len {self.max_model_len} exceeds the model's context of {limit} tokens"
             )
+        self.metrics.sized(self.max_model_len)
         if cfg.kv_cache_tokens is not None and cfg.kv_cache_tokens < self.max_model_len:
             raise ValueError(f"kv_cache_tokens must be at least max_model_len ({self.max_model_len})")
         eos = self._model.generation_config.eos_token_id
@@ -172,10 +175,11 @@ class Engine:
             pad_token_id=next(iter(self._eos), 0),
         )
         kv_tokens = self.config.kv_cache_tokens or 2 * self.max_model_len
+        self._kv_total = blocks(kv_tokens, PAGE_SIZE)
         cb = ContinuousBatchingConfig(
             per_request_processors=True,
             page_size=PAGE_SIZE,
-            num_blocks=-(-kv_tokens // PAGE_SIZE),
+            num_blocks=self._kv_total,
             max_batch_tokens=self.config.max_prefill_tokens,
             max_queue_size=self.config.max_num_seqs,
             q_padding_interval_size=0,  # padding serves CUDA graphs; on the CPU it only adds work
@@ -301,7 +305,7 @@ class Engine:
         if params.response_format is not None:  # compiled before admission: a bad schema holds no slot
             grammar = await asyncio.to_thread(self._grammars.compile, params.response_format)
         await self._admit()
-        generation = Generation(self, self._manager, prompt_ids, params, arrival, grammar)
+        generation = Generation(self, self._manager, prompt_ids, params, arrival, grammar, self.clock())
         try:
             generation.submit(max_new)
         except BaseException:
@@ -344,6 +348,10 @@ class Engine:
         if self._running == 0:
             self._idle.set()
 
+    def _kv(self, blocks_delta: int) -> None:
+        self._kv_used += blocks_delta
+        self.metrics.kv_blocks(self._kv_used, self._kv_total)
+
     def _decode(self, tokens) -> str:
         return self._tokenizer.decode(tokens, skip_special_tokens=True)
 
@@ -367,7 +375,7 @@ class Engine:
                 async with asyncio.timeout(drain_timeout_s):
                     await self._idle.wait()
             await asyncio.to_thread(self._unload, level)
-            self.metrics.sleeping.set(1)
+            self.metrics.asleep(level)
 
     def _unload(self, level: int) -> None:
         plan = self._asleep = weights.sleep_plan(level, self.config.device)
@@ -387,7 +395,7 @@ class Engine:
             await asyncio.to_thread(self._reload)
             self.phases["wake_up"] = self.clock() - t0
             self.metrics.phase("wake_up", self.phases["wake_up"])
-            self.metrics.sleeping.set(0)
+            self.metrics.asleep(None)
             self.state = "ready"
             if from_host:  # serving first: unpinning gigabytes of host memory need not delay the wake
                 await asyncio.to_thread(weights.release_pinned)
@@ -424,12 +432,18 @@ class Generation:
         params: SamplingParams,
         arrival: float,
         grammar: Matcher | None = None,
+        admitted: float | None = None,  # when it got its slot; default: arrival
     ):
         self._engine = engine
         self._manager = manager
         self._prompt_ids = prompt_ids
         self._params = params
         self._arrival = arrival
+        self._admitted = arrival if admitted is None else admitted
+        self._first_token_at: float | None = None
+        self._max_new = 0
+        self._kv_blocks = 0  # KV blocks this request's tokens fill, while it runs
+        self._failed = False  # ended by an error, not by the client or a stop: "error", not "abort"
         self._outputs: asyncio.Queue = asyncio.Queue()  # at most one item per generated token
         self._tracker = TextTracker(engine._decode, params.stop)
         self.request_id = uuid.uuid4().hex
@@ -469,6 +483,8 @@ class Generation:
             engine.check_loop()
             raise APIError(500, "The engine's generation loop is not running.", type=SERVER_ERROR)
         engine.metrics.prompt_tokens.inc(self.prompt_tokens)
+        self._max_new = max_new
+        self._fill_kv(self.prompt_tokens)
 
     async def __aenter__(self) -> Generation:
         return self
@@ -486,8 +502,10 @@ class Generation:
         while self.finish_reason is None:
             out = await self._next_output()
             if out.status == RequestStatus.FAILED:
+                self._failed = True
                 raise APIError(500, f"Generation failed: {out.error}", type=SERVER_ERROR)
             if draw is not None and draw.error is not None:
+                self._failed = True
                 raise APIError(500, f"Generation failed: {draw.error}", type=SERVER_ERROR)
             tokens = out.generated_tokens
             before = self.completion_tokens
@@ -514,15 +532,37 @@ class Generation:
         metrics, now = self._engine.metrics, self._engine.clock()
         if self._last_token_at is None:
             metrics.ttft.observe(now - self._arrival)
+            self._first_token_at = now
         else:
             metrics.itl.observe((now - self._last_token_at) / new)
         metrics.generation_tokens.inc(new)
         self._last_token_at, self.completion_tokens = now, n
+        self._fill_kv(self.prompt_tokens + n)
+
+    def _fill_kv(self, tokens: int) -> None:
+        now_filled = blocks(tokens, PAGE_SIZE)
+        if now_filled != self._kv_blocks:
+            self._engine._kv(now_filled - self._kv_blocks)
+            self._kv_blocks = now_filled
 
     def _finish(self, reason: str) -> None:
         self.finish_reason = reason
-        self._engine.metrics.e2e.observe(self._engine.clock() - self._arrival)
-        self._engine.metrics.finished(reason)
+        self._observe(reason)
+
+    def _observe(self, reason: str) -> None:
+        """The request's end, in vLLM's per-request metrics (`EngineMetrics.request_done`)."""
+        self._engine.metrics.request_done(
+            reason,
+            arrival=self._arrival,
+            admitted=self._admitted,
+            first_token=self._first_token_at,
+            last_token=self._last_token_at,
+            now=self._engine.clock(),
+            prompt_tokens=self.prompt_tokens,
+            generation_tokens=self.completion_tokens,
+            max_tokens=self._params.max_tokens,
+            max_new_tokens=self._max_new,
+        )
 
     async def _next_output(self):
         """The next output; fails instead of hanging if the generation thread died or stalled."""
@@ -551,7 +591,8 @@ class Generation:
             self._manager.cancel_request(self.request_id)
             _forget_handler(self._manager, self.request_id)
             if self.finish_reason is None:
-                engine.metrics.finished("abort")
+                self._observe("error" if self._failed else "abort")
+        self._fill_kv(0)
         engine._draws.forget(self.request_id)
         engine._release()
 
