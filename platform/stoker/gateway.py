@@ -179,6 +179,11 @@ def build_gateway(
     async def metrics(request: Request) -> Response:
         return Response(generate_latest(platform.metrics_registry), media_type=CONTENT_TYPE_LATEST)
 
+    async def engine_metrics(request: Request) -> Response:
+        """Every READY instance's own metrics, labelled by deployment, revision and instance,
+        read now (`stoker.federate`); admin-only, as /metrics."""
+        return Response(await platform.engine_metrics(), media_type=CONTENT_TYPE_LATEST)
+
     def describe(d) -> dict:
         decision = d.pool.last_decision
         last = None
@@ -256,6 +261,7 @@ def build_gateway(
         Route("/v1/models/{model:path}", model, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        Route("/metrics/engines", engine_metrics, methods=["GET"]),
         Route("/openapi.json", openapi, methods=["GET"]),
         Route("/admin/v1/deployments", list_deployments, methods=["GET"]),
         Route("/admin/v1/deployments", create_deployment, methods=["POST"]),

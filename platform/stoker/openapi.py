@@ -227,6 +227,12 @@ def openapi_schema() -> dict[str, Any]:
                     "responses": {"200": {"description": "text exposition", "content": {"text/plain": {}}}},
                 }
             },
+            "/metrics/engines": {
+                "get": {
+                    "summary": "Every READY instance's engine metrics, labelled deployment, revision, instance",
+                    "responses": {"200": {"description": "text exposition", "content": {"text/plain": {}}}},
+                }
+            },
             "/admin/v1/deployments": {
                 "get": {
                     "summary": "Every deployment",

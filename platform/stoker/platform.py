@@ -32,6 +32,7 @@ from snapshots import (
 )
 from snapshots.remote import read_manifest
 from snapshots.s3 import RemoteConfig
+from stoker.federate import EngineFederation, Target, revision_of
 from stoker.openai_errors import APIError, invalid
 from stoker.paths import snapshot_budget
 from stoker.registry import DeploymentSpec, Registry, not_found, validate
@@ -92,6 +93,7 @@ class Platform:
         self.metrics_registry = CollectorRegistry()
         self._activator_metrics = ActivatorMetrics(self.metrics_registry)
         self._pool_metrics = PoolMetrics(self.metrics_registry)
+        self._federation = EngineFederation(self.metrics_registry)  # GET /metrics/engines
         self._activator_config = activator_config or ActivatorConfig()
         self._stable_window_s = stable_window_s
         self._clock = clock
@@ -143,6 +145,7 @@ class Platform:
             *(self._stop(d) for d in list(self._deployments.values())), return_exceptions=True
         )
         self._deployments.clear()
+        await self._federation.aclose()
         if self._session is not None:
             await self._session.close()
         self.registry.close()
@@ -154,6 +157,19 @@ class Platform:
 
     def list(self) -> list[Deployment]:
         return list(self._deployments.values())
+
+    def engine_targets(self) -> list[Target]:
+        """Every READY instance's engine, with its deployment, revision and key (`stoker.federate`).
+        READY only: the pool's public view of its instances with their keys is its routing set."""
+        return [
+            Target(d.spec.name, revision_of(d.spec.snapshot_id), inst.id, inst.url, inst.auth_headers)
+            for d in self.list()
+            for inst in d.pool.endpoints()
+        ]
+
+    async def engine_metrics(self) -> bytes:
+        """Every READY instance's engine metrics, federated now (`stoker.federate`)."""
+        return await self._federation.scrape(self.engine_targets())
 
     async def deploy(self, body: object) -> tuple[DeploymentSpec, bool]:
         """Create or update a deployment; returns its spec and whether it was created."""
