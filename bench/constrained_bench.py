@@ -87,9 +87,8 @@ QUICK = Plan(reps=3, batch_reps=1, tokens=32)
 
 
 def body(i: int, tokens: int, constrained: bool) -> dict:
-    user = f"Write a long story about {TOPICS[i % len(TOPICS)]}."
-    if constrained:
-        user += " Answer as JSON with a title and the story."
+    # The same prompt either way (so TTFT compares like with like): only response_format differs.
+    user = f"Write a long story about {TOPICS[i % len(TOPICS)]}, as JSON with a title and the story."
     out = {
         "model": MODEL,
         "messages": [nonce_system(), {"role": "user", "content": user}],
