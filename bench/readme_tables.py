@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def main() -> None:
     readme = ROOT / "README.md"
     text = readme.read_text()
-    for name in ("engine", "engines", "vllm_start", "proxy", "s3", "scale", "policies"):
+    for name in ("engine", "constrained", "engines", "vllm_start", "proxy", "s3", "scale", "policies"):
         source = ROOT / "bench" / "results" / f"{name}.md"
         if not source.exists():
             continue
