@@ -304,7 +304,8 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     if (message := policy_error(args.policy)) is not None:
         close = difflib.get_close_matches(args.policy, POLICIES, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise CLIError(message.rstrip(".") + hint)  # before reaching for the platform: the answer does not depend on it
+        # Before reaching for the platform: the answer does not depend on it.
+        raise CLIError(message.rstrip(".") + hint)
     body = {
         "name": args.name,
         "model": _model(args.model),
