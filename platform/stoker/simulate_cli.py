@@ -19,6 +19,7 @@ import json
 import math
 from pathlib import Path
 
+from stoker.durations import duration
 from stoker.errors import CLIError
 
 DEFAULT_POLICIES = ("kpa", "keepalive", "histogram", "predictive")
@@ -55,33 +56,46 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--plot", type=Path, metavar="FILE.png", help="draw the run over time (needs matplotlib)")
 
     m = p.add_argument_group("instance model (defaults: the --profile preset)")
-    m.add_argument("--profile", choices=["gpu", "cpu", "vllm-cpu"], default="gpu")
+    m.add_argument(
+        "--profile",
+        choices=["gpu", "cpu", "vllm-cpu"],
+        default="gpu",
+        help="the instance preset the flags below adjust (default gpu)",
+    )
     m.add_argument("--concurrency", type=int, help="requests one instance serves at once")
     m.add_argument("--prefill-tps", type=float, help="prompt tokens per second")
     m.add_argument("--decode-tps", type=float, help="generated tokens per second per stream")
     m.add_argument("--jitter", type=float, help="log-normal sigma on each service time")
     for tier in ("wake", "page-cache", "disk", "object-storage"):
-        m.add_argument(f"--{tier}-s", type=float, help=f"seconds to READY from the {tier} tier")
+        m.add_argument(
+            f"--{tier}-s", type=duration, help=f"time to READY from the {tier} tier (default: the preset's)"
+        )
     m.add_argument("--initial-tier", choices=["page_cache", "disk", "object_storage"], help="snapshot at t=0")
-    m.add_argument("--page-cache-ttl", type=float, help="seconds the page cache keeps the snapshot")
+    m.add_argument(
+        "--page-cache-ttl",
+        type=duration,
+        help="how long the page cache keeps the snapshot (default: the preset's)",
+    )
     m.add_argument("--max-queue", type=int, help="requests held at once (default 100)")
     m.add_argument(
-        "--deadline", type=float, help="seconds a held request waits before rejection (default 120)"
+        "--deadline", type=duration, help="how long a held request waits before rejection (default 2m)"
     )
 
     s = p.add_argument_group("scaling and prices")
     s.add_argument("--max", type=int, default=16, help="instances at most (default 16)")
-    s.add_argument("--min-warm", type=int, default=0)
+    s.add_argument("--min-warm", type=int, default=0, help="instances every policy keeps READY (default 0)")
     s.add_argument(
         "--target-concurrency", type=int, help="requests per instance aimed at (default: --concurrency)"
     )
     s.add_argument(
         "--idle-timeout",
-        type=float,
+        type=duration,
         help="configure each policy as a deployment with this --idle-timeout would be (with "
         "--stable-window; default: the policies' own settings)",
     )
-    s.add_argument("--stable-window", type=float, help="the platform's --stable-window for that (default 60)")
+    s.add_argument(
+        "--stable-window", type=duration, help="the platform's --stable-window for that (default 1m)"
+    )
     s.add_argument("--gpu-price", type=float, default=3.00, help="$ per GPU-hour (default 3.00)")
     s.add_argument(
         "--sleep-price", type=float, default=0.08, help="$ per sleeping-instance-hour (default 0.08)"
