@@ -8,6 +8,7 @@ No test downloads anything.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -15,6 +16,13 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 STOKER = str(Path(sys.executable).with_name("stoker"))
+
+
+def promtool() -> str | None:
+    """Prometheus's checker: on PATH, or where `make test` put it (.tools/); None where neither."""
+    local = REPO / ".tools" / "promtool"
+    return shutil.which("promtool") or (str(local) if os.access(local, os.X_OK) else None)
+
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",

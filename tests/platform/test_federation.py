@@ -5,7 +5,6 @@ fast, slow, dead, refusing, oversized or not Prometheus; the real platform with 
 from __future__ import annotations
 
 import asyncio
-import shutil
 import subprocess
 import time
 
@@ -15,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from stoker.federate import EngineFederation, FederationLimits, Target, federate, revision_of
 from tests.activator.conftest import closed_port, running
+from tests.conftest import promtool
 
 A = Target("chat", "0123456789ab", "chat-1", "http://a")
 B = Target("chat", "0123456789ab", "chat-2", "http://b")
@@ -244,8 +244,8 @@ def test_the_gateway_federates_every_ready_instance(platform_factory, tiny_model
     assert {key[:2]: v for key, v in generated.items()} == {key: 3.0 for key in expected}
     assert body.decode().count("# TYPE vllm:time_to_first_token_seconds histogram") == 1
     assert {v for v in samples(body, "stoker_engine_scrape_up").values()} == {1.0}
-    if (promtool := shutil.which("promtool")) is not None:
-        check = subprocess.run([promtool, "check", "metrics"], input=body, capture_output=True, timeout=60)
+    if (checker := promtool()) is not None:
+        check = subprocess.run([checker, "check", "metrics"], input=body, capture_output=True, timeout=60)
         # vLLM's names hold ':', which promtool's lint flags (it does so for vLLM's own server too).
         problems = [
             line
