@@ -222,6 +222,11 @@ class Pool:
     def endpoints(self) -> list[Instance]:
         return [i for i in self._instances.values() if i.state == S.READY and i.id not in self._phases]
 
+    def engines(self) -> list[Instance]:
+        """Every instance whose engine serves HTTP now: READY (routing or not), SLEEPING, DRAINING.
+        For reading them (their metrics), never for routing: that is `endpoints`."""
+        return [i for i in self._instances.values() if i.state in (S.READY, S.SLEEPING, S.DRAINING)]
+
     def poke(self) -> None:
         self._wake.set()
 

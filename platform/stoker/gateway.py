@@ -180,7 +180,7 @@ def build_gateway(
         return Response(generate_latest(platform.metrics_registry), media_type=CONTENT_TYPE_LATEST)
 
     async def engine_metrics(request: Request) -> Response:
-        """Every READY instance's own metrics, labelled by deployment, revision and instance,
+        """Every serving instance's own metrics (READY, SLEEPING, DRAINING), labelled by deployment, revision and instance,
         read now (`stoker.federate`); admin-only, as /metrics."""
         return Response(await platform.engine_metrics(), media_type=CONTENT_TYPE_LATEST)
 

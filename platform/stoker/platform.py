@@ -159,16 +159,17 @@ class Platform:
         return list(self._deployments.values())
 
     def engine_targets(self) -> list[Target]:
-        """Every READY instance's engine, with its deployment, revision and key (`stoker.federate`).
-        READY only: the pool's public view of its instances with their keys is its routing set."""
+        """Every instance's engine that serves HTTP now (READY, SLEEPING, DRAINING), with its
+        deployment, revision and key (`stoker.federate`): an asleep engine's `engine_sleep_state`
+        and a draining one's last requests are what an operator looks for."""
         return [
             Target(d.spec.name, revision_of(d.spec.snapshot_id), inst.id, inst.url, inst.auth_headers)
             for d in self.list()
-            for inst in d.pool.endpoints()
+            for inst in d.pool.engines()
         ]
 
     async def engine_metrics(self) -> bytes:
-        """Every READY instance's engine metrics, federated now (`stoker.federate`)."""
+        """Every serving instance's engine metrics, federated now (`stoker.federate`)."""
         return await self._federation.scrape(self.engine_targets())
 
     async def deploy(self, body: object) -> tuple[DeploymentSpec, bool]:

@@ -7,6 +7,7 @@ import sqlite3
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from stoker.registry import Registry
 from tests.platform.conftest import pid_alive
@@ -47,6 +48,16 @@ def test_an_idle_instance_sleeps_and_a_request_wakes_it_as_a_cold_start(platform
     url = f"{instance_url(p, instance)}/is_sleeping"
     assert httpx.get(url).status_code == 401
     assert httpx.get(url, headers=engine_auth(pid)).json() == {"is_sleeping": True}
+    # Its engine is still federated, asleep: its sleep state is what an operator looks for.
+    engines = httpx.get(f"{p.url}/metrics/engines", timeout=30).text
+    states = {
+        s.labels["sleep_state"]: s.value
+        for family in text_string_to_metric_families(engines)
+        if family.name == "vllm:engine_sleep_state"
+        for s in family.samples
+        if s.labels["instance"] == instance
+    }
+    assert states["weights_offloaded"] == 1.0 and states["awake"] == 0.0, states
     listing = p.cli("ls").stdout
     assert "predictive" in listing and "ASLEEP" in listing
     decision = p.deployments()["tiny"]["decision"]
