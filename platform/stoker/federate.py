@@ -2,9 +2,8 @@
 
 Federated at scrape time, as Prometheus's own `/federate` and production-stack's router serve what
 they front: each scrape of the gateway reads every serving instance's `/metrics` (READY, SLEEPING
-or DRAINING; with that
-instance's key: engines demand one), adds `deployment`, `revision` and `instance` labels to each
-sample, merges the families of all instances under one HELP and TYPE, and answers one Prometheus
+or DRAINING; with that instance's key: engines demand one), adds `deployment`, `revision` and
+`instance` labels to each sample, merges the families of all instances under one HELP and TYPE, and answers one Prometheus
 text exposition. Nothing is cached between scrapes: what Prometheus stores is what the engines said
 when it asked.
 
