@@ -5,7 +5,7 @@
 All four policies (kpa, keepalive, histogram, predictive) on both traces (code: bursts and idle
 gaps; conv: steady and rising), each whole and thinned (every 50th and every 500th request: the
 same shapes as low-traffic endpoints), with the simulator's GPU-class instance model and prices
-(`warm_pool.simulate.GPU`, `Prices`), max 16 instances, target concurrency 16 per instance.
+(`warm_pool.profiles.GPU`, `warm_pool.simulate.Prices`), max 16 instances, target concurrency 16 per instance.
 Writes the JSON, a markdown table (`.md`), a scatter of cold-start share against GPU-seconds per
 trace (`.png`) and the code trace's run over time (`policies_timeline.png`).
 
@@ -28,8 +28,9 @@ from common import REPO, say, write_results
 
 from stoker.simulate_cli import plot_timelines
 from warm_pool.policies import make_policy
-from warm_pool.policy import ScalingConfig
-from warm_pool.simulate import GPU, Prices, simulate
+from warm_pool.policies.base import ScalingConfig
+from warm_pool.profiles import GPU
+from warm_pool.simulate import Prices, simulate
 from warm_pool.trace import load_trace
 
 POLICIES = ("kpa", "keepalive", "histogram", "predictive")

@@ -59,8 +59,8 @@ from warm_pool.launch import GpuInventory, LaunchSpec, cpu_engine_spec
 from warm_pool.local import EngineCapabilities, Headers, ProcessHandle, free_port
 from warm_pool.metrics import PoolMetrics, split_cold_start
 from warm_pool.policies import DEFAULT_POLICY
-from warm_pool.policy import Decision, ScalingConfig, Tier
-from warm_pool.policy_settings import bind_policy, startup_priors
+from warm_pool.policies.base import Decision, ScalingConfig, Tier
+from warm_pool.policies.settings import bind_policy, startup_priors
 from warm_pool.reconcile import Correction, Observed, SleepStates, correction
 from warm_pool.records import InstanceRecord, InstanceRecords
 from warm_pool.snapshot import SnapshotSource

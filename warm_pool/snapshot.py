@@ -26,7 +26,7 @@ from snapshots.pins import Pin
 from snapshots.remote import PullReport, pull
 from snapshots.s3 import RemoteConfig
 from warm_pool.errors import PoolError, SnapshotCorrupt
-from warm_pool.policy import Tier
+from warm_pool.policies.base import Tier
 
 # At least this much of the snapshot in the page cache counts as a start at memory speed.
 RESIDENT_ENOUGH = 0.9

@@ -22,7 +22,7 @@ from collections import deque
 from dataclasses import replace
 
 from warm_pool.errors import InvalidConfig
-from warm_pool.policy import Observation, SecondSample, Tier, TierTimes
+from warm_pool.policies.base import Observation, SecondSample, Tier, TierTimes
 
 # Latency: a running mean for the first 100 requests, then an exponential average over ~100 (alpha
 # 0.01), so one slow request moves it by 1 %, and a lasting change of workload is learned within a few

@@ -40,7 +40,7 @@ from warm_pool.errors import EngineUnavailable, PoolError
 from warm_pool.launch import GpuInventory
 from warm_pool.local import LocalBackend
 from warm_pool.metrics import PoolMetrics
-from warm_pool.policy import ScalingConfig
+from warm_pool.policies.base import ScalingConfig
 from warm_pool.pool import Pool, PoolSpec
 from warm_pool.records import InstanceRecords, reap_orphans
 from warm_pool.snapshot import SnapshotSource

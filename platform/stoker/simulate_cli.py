@@ -105,8 +105,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def instance_model(args: argparse.Namespace):
     """The preset named by --profile with any flags given laid over it."""
-    from warm_pool.policy import Tier
-    from warm_pool.simulate import PROFILES
+    from warm_pool.policies.base import Tier
+    from warm_pool.profiles import PROFILES
 
     model = PROFILES[args.profile]
     startup = model.startup
@@ -134,8 +134,8 @@ def instance_model(args: argparse.Namespace):
 def cmd_simulate(args: argparse.Namespace) -> int:
     from warm_pool.errors import PoolError
     from warm_pool.policies import make_policy
-    from warm_pool.policy import ScalingConfig
-    from warm_pool.policy_settings import bind_policy
+    from warm_pool.policies.base import ScalingConfig
+    from warm_pool.policies.settings import bind_policy
     from warm_pool.simulate import Prices, simulate
     from warm_pool.trace import load_trace
 

@@ -8,7 +8,7 @@ second; idle gaps of 6-7 s (the instance sleeps and is woken), one of 12.5 s (it
 default `predictive` policy with one instance at most, `--stable-window 1 --idle-timeout 8`. Every
 request asks for 4 tokens (ignore_eos): what varies is when requests come, not how long each takes.
 
-Both sides bind the policy with `warm_pool.policy_settings.bind_policy` from the same settings and
+Both sides bind the policy with `warm_pool.policies.settings.bind_policy` from the same settings and
 build observations with the same `ObservationTracker`; both call a request a cold start when the
 instance that served it became READY (started or woke) after it arrived (the live side counts it in
 `stoker_cold_start_requests_total`; `x-stoker-cold-start` says the same for these plain requests).
@@ -41,9 +41,10 @@ from pathlib import Path
 
 import httpx
 
-from warm_pool.policy import ScalingConfig, Tier, TierTimes
-from warm_pool.policy_settings import bind_policy
-from warm_pool.simulate import InstanceModel, Report, simulate
+from warm_pool.policies.base import ScalingConfig, Tier, TierTimes
+from warm_pool.policies.settings import bind_policy
+from warm_pool.profiles import InstanceModel
+from warm_pool.simulate import Report, simulate
 from warm_pool.trace import TraceRequest, load_trace
 
 TRACE = Path(__file__).resolve().parents[1] / "data" / "azure-llm-code-2023-first29min.csv"  # see its README

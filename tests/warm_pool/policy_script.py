@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from warm_pool.policy import Observation, SecondSample, TierTimes
+from warm_pool.policies.base import Observation, SecondSample, TierTimes
 
 
 def second(t: float, concurrency: float, arrivals: int = 0) -> SecondSample:

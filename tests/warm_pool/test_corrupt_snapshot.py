@@ -17,7 +17,7 @@ from tests.activator.conftest import eventually
 from tests.warm_pool.test_pool_sleep import Load, MemoryBackend
 from warm_pool.errors import SnapshotCorrupt
 from warm_pool.metrics import PoolMetrics
-from warm_pool.policy import ScalingConfig
+from warm_pool.policies.base import ScalingConfig
 from warm_pool.pool import Pool, PoolSpec
 from warm_pool.records import InstanceRecords
 from warm_pool.snapshot import SnapshotSource

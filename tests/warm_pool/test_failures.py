@@ -23,7 +23,7 @@ from warm_pool.failures import REDACTED, FailureRecord, StartFailures, record_of
 from warm_pool.launch import LaunchSpec
 from warm_pool.local import LocalBackend, free_port
 from warm_pool.metrics import PoolMetrics
-from warm_pool.policy import ScalingConfig
+from warm_pool.policies.base import ScalingConfig
 from warm_pool.pool import Pool, PoolSpec
 from warm_pool.records import InstanceRecords
 from warm_pool.snapshot import SnapshotSource

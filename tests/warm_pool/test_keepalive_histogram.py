@@ -6,10 +6,10 @@ import pytest
 
 from tests.warm_pool.policy_script import every_second, obs
 from warm_pool.errors import InvalidConfig
+from warm_pool.policies.base import TierTimes
 from warm_pool.policies.histogram import HistogramPolicyConfig, HistogramState, histogram
 from warm_pool.policies.idle_histogram import HistogramConfig, IdleHistogram
 from warm_pool.policies.keepalive import KeepaliveConfig, KeepaliveState, keepalive
-from warm_pool.policy import TierTimes
 
 H = HistogramConfig()
 

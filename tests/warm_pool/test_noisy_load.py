@@ -10,8 +10,8 @@ from dataclasses import replace
 import pytest
 
 from warm_pool.policies import make_policy
+from warm_pool.policies.base import ScalingConfig
 from warm_pool.policies.rules import RulesConfig
-from warm_pool.policy import ScalingConfig
 from warm_pool.simulate import simulate
 from warm_pool.trace import TraceRequest
 

@@ -9,7 +9,8 @@ import random
 import pytest
 
 from warm_pool.errors import InvalidConfig, InvalidScalingConfig, PoolError
-from warm_pool.policy import Decision, Observation, Policy, PolicyState, ScalingConfig, reactive
+from warm_pool.policies.base import Decision, Observation, Policy, ScalingConfig
+from warm_pool.policies.reactive import PolicyState, reactive
 
 
 def obs(in_flight=0, queued=0, ready=0, starting=0, last_arrival=None) -> Observation:

@@ -20,7 +20,7 @@ from tests.warm_pool.test_pool_sleep import MemoryBackend, MemoryDemand, Rig
 from warm_pool.launch import LaunchSpec
 from warm_pool.local import EngineCapabilities, ProcessHandle
 from warm_pool.metrics import PoolMetrics
-from warm_pool.policy import Decision, ScalingConfig
+from warm_pool.policies.base import Decision, ScalingConfig
 from warm_pool.pool import Pool, PoolSpec
 from warm_pool.records import InstanceRecords
 from warm_pool.snapshot import SnapshotSource

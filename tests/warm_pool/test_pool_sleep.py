@@ -21,7 +21,7 @@ from warm_pool.errors import PoolError
 from warm_pool.launch import LaunchSpec
 from warm_pool.local import EngineCapabilities, ProcessHandle
 from warm_pool.metrics import PoolMetrics
-from warm_pool.policy import ScalingConfig
+from warm_pool.policies.base import ScalingConfig
 from warm_pool.pool import Pool, PoolSpec
 from warm_pool.records import InstanceRecords
 from warm_pool.snapshot import SnapshotSource

@@ -10,9 +10,9 @@ import pytest
 
 from tests.warm_pool.policy_script import obs, second
 from warm_pool.policies import make_policy
+from warm_pool.policies.base import ScalingConfig, TierTimes
 from warm_pool.policies.predictive import PredictiveConfig, PredictiveState, predictive
 from warm_pool.policies.rules import RuledState
-from warm_pool.policy import ScalingConfig, TierTimes
 
 C = PredictiveConfig(target_concurrency=4, max=16)  # 2.8 per instance at 70 %
 STARTUP = TierTimes(wake=1.0, page_cache=20.0, disk=28.0, object_storage=60.0)

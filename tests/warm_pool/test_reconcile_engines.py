@@ -27,7 +27,7 @@ from tests.activator.conftest import running as serving
 from warm_pool.launch import ENGINE_KEY_ENV
 from warm_pool.local import LocalBackend
 from warm_pool.metrics import PoolMetrics
-from warm_pool.policy import ScalingConfig
+from warm_pool.policies.base import ScalingConfig
 from warm_pool.pool import Pool, PoolSpec
 from warm_pool.records import InstanceRecord, InstanceRecords
 from warm_pool.snapshot import SnapshotSource

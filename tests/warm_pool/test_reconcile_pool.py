@@ -23,7 +23,7 @@ from tests.warm_pool.test_pool_sleep import MemoryBackend, MemoryDemand, Rig, as
 from warm_pool.launch import ENGINE_KEY_ENV, LaunchSpec
 from warm_pool.local import ProcessHandle
 from warm_pool.metrics import PoolMetrics
-from warm_pool.policy import ScalingConfig
+from warm_pool.policies.base import ScalingConfig
 from warm_pool.pool import Pool, PoolSpec
 from warm_pool.records import InstanceRecords
 from warm_pool.snapshot import SnapshotSource

@@ -8,8 +8,9 @@ import pytest
 
 from warm_pool.errors import InvalidConfig
 from warm_pool.policies import DEFAULT_POLICY, POLICIES, make_policy, policy_config
+from warm_pool.policies.base import Decision, Observation, ScalingConfig
 from warm_pool.policies.kpa import KpaConfig
-from warm_pool.policy import Decision, Observation, PolicyState, ScalingConfig, reactive
+from warm_pool.policies.reactive import PolicyState, reactive
 
 
 def test_the_four_policies_and_the_reactive_one_are_there_and_predictive_is_the_default():

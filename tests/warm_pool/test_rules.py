@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from warm_pool.errors import InvalidConfig
+from warm_pool.policies.base import Decision, Observation, ScalingConfig
 from warm_pool.policies.rules import RuledState, RulesConfig, with_rules
-from warm_pool.policy import Decision, Observation, ScalingConfig
 
 
 def scripted(*answers: tuple[int, int]):

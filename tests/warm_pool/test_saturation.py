@@ -7,8 +7,8 @@ import pytest
 
 from warm_pool.errors import InvalidConfig
 from warm_pool.policies import make_policy
+from warm_pool.policies.base import Decision, Observation, ScalingConfig
 from warm_pool.policies.rules import RuledState, RulesConfig, with_rules
-from warm_pool.policy import Decision, Observation, ScalingConfig
 
 
 def answering(ready: int):

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from warm_pool.policies import POLICIES, make_policy
-from warm_pool.policy import ScalingConfig, Tier, TierTimes
-from warm_pool.simulate import GPU, InstanceModel, Prices, Simulation, simulate
+from warm_pool.policies.base import ScalingConfig, Tier, TierTimes
+from warm_pool.profiles import GPU, InstanceModel
+from warm_pool.simulate import Prices, Simulation, simulate
 from warm_pool.trace import TraceRequest, load_trace
 
 TRACES = Path(__file__).resolve().parents[1] / "data"  # a copy of the shared trace: see its README

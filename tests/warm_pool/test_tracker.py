@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from warm_pool.policy import SecondSample, Tier, TierTimes
+from warm_pool.policies.base import SecondSample, Tier, TierTimes
 from warm_pool.tracker import ObservationTracker
 
 

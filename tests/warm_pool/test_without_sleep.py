@@ -10,11 +10,12 @@ import pytest
 
 from tests.warm_pool.policy_script import obs
 from warm_pool.policies import POLICIES, make_policy
+from warm_pool.policies.base import Decision, Observation, ScalingConfig, Tier, TierTimes
 from warm_pool.policies.predictive import PredictiveConfig, PredictiveState, predictive
 from warm_pool.policies.rules import RuledState, with_rules
-from warm_pool.policy import Decision, Observation, ScalingConfig, Tier, TierTimes
-from warm_pool.policy_settings import bind_policy
-from warm_pool.simulate import InstanceModel, simulate
+from warm_pool.policies.settings import bind_policy
+from warm_pool.profiles import InstanceModel
+from warm_pool.simulate import simulate
 from warm_pool.trace import TraceRequest
 from warm_pool.tracker import ObservationTracker
 

@@ -6,7 +6,7 @@
 | `kpa` | Knative's KPA: 60 s stable / 6 s panic windows, 200 % panic threshold, 70 % target utilization | no |
 | `keepalive` | every instance kept 600 s after the last second that needed it | no |
 | `histogram` | Shahrad et al.'s hybrid histogram: pre-warm at the 5th, keep until the 99th percentile of idle gaps | no |
-| `reactive` | the pool's original policy (`warm_pool.policy.reactive`) | no |
+| `reactive` | the pool's original policy (`warm_pool.policies.reactive`) | no |
 
 Each is a pure function `(observation, state, now, config) -> (decision, state)`. `make_policy`
 binds the config with `functools.partial`, wraps the result in `rules.with_rules` and hands back the
@@ -25,12 +25,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from warm_pool.errors import InvalidConfig
+from warm_pool.policies.base import Policy, ScalingConfig
 from warm_pool.policies.histogram import HistogramPolicyConfig, HistogramState, histogram
 from warm_pool.policies.keepalive import KeepaliveConfig, KeepaliveState, keepalive
 from warm_pool.policies.kpa import KpaConfig, KpaState, kpa
 from warm_pool.policies.predictive import PredictiveConfig, PredictiveState, predictive
+from warm_pool.policies.reactive import PolicyState, reactive
 from warm_pool.policies.rules import RuledState, RulesConfig, with_rules
-from warm_pool.policy import Policy, PolicyState, ScalingConfig, reactive
 
 DEFAULT_POLICY = "predictive"
 

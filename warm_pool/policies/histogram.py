@@ -25,9 +25,9 @@ import math
 from dataclasses import dataclass, field
 
 from warm_pool.errors import InvalidConfig
+from warm_pool.policies.base import Decision, Observation
 from warm_pool.policies.idle_histogram import HistogramConfig, IdleHistogram
 from warm_pool.policies.windows import Peak, instances_for, peak, push_peak
-from warm_pool.policy import Decision, Observation
 
 
 @dataclass(frozen=True)

@@ -31,8 +31,8 @@ import math
 from dataclasses import dataclass
 
 from warm_pool.errors import InvalidConfig
+from warm_pool.policies.base import Decision, Observation, SecondSample
 from warm_pool.policies.windows import instances_for, push_seconds
-from warm_pool.policy import Decision, Observation, SecondSample
 
 
 @dataclass(frozen=True)

@@ -77,10 +77,10 @@ import math
 from dataclasses import dataclass, field
 
 from warm_pool.errors import InvalidConfig
+from warm_pool.policies.base import Decision, Observation, SecondSample, Tier
 from warm_pool.policies.forecast import Forecast, ForecastConfig
 from warm_pool.policies.idle_histogram import HistogramConfig, IdleHistogram
 from warm_pool.policies.windows import Peak, instances_for, peak, push_peak, push_seconds
-from warm_pool.policy import Decision, Observation, SecondSample, Tier
 
 
 @dataclass(frozen=True)

@@ -61,7 +61,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from warm_pool.errors import InvalidConfig
-from warm_pool.policy import Decision, Observation, Policy, ScalingConfig
+from warm_pool.policies.base import Decision, Observation, Policy, ScalingConfig
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from warm_pool.policy import SecondSample
+from warm_pool.policies.base import SecondSample
 
 Peak = tuple[tuple[float, int], ...]  # (time, value), times rising and values falling
 

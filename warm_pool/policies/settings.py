@@ -21,9 +21,9 @@ from __future__ import annotations
 from typing import Any
 
 from warm_pool.policies import BoundPolicy, make_policy
+from warm_pool.policies.base import ScalingConfig, TierTimes
 from warm_pool.policies.rules import RulesConfig
-from warm_pool.policy import ScalingConfig, TierTimes
-from warm_pool.simulate import CPU, GPU, VLLM_CPU
+from warm_pool.profiles import CPU, GPU, VLLM_CPU
 
 KPA_MIN_WINDOW_S = 6.0  # KpaConfig's lower bound (Knative's own)
 
