@@ -9,8 +9,8 @@ observes, decides and applies, as the simulator does (`warm_pool.simulate`), thr
   requests in flight and held, and its instances by state. Instances on their way to sleep count as
   sleeping, waking ones as waking.
 - decide: `bound.decide(observation, state, now)` → `Decision(ready, sleeping, warm)`.
-- apply, up: instances on their way to sleep that have not slept yet go back into routing; sleeping
-  ones wake (`POST /wake_up`, then back into routing); the rest start (PENDING → STARTING → READY).
+- apply (`warm_pool.plan.plan`, a pure function the simulator carries out too), up: instances on
+  their way to sleep that have not slept yet go back into routing; sleeping ones wake (`POST /wake_up`, then back into routing); the rest start (PENDING → STARTING → READY).
   Down: starts are cancelled (newest first), then the least busy READY instances leave routing and,
   once their requests are done (within the grace period), go to sleep (`POST /sleep?level=1`) while
   fewer sleep than asked, or are drained and stopped; sleeping instances beyond what is asked are
@@ -51,6 +51,7 @@ from cachetools import LRUCache
 
 from snapshots import SnapshotError, WarmReport, pagecache
 from snapshots.pins import Pin
+from warm_pool import plan
 from warm_pool.backoff import restart_delay
 from warm_pool.engine_signals import EngineScraper, EngineTotals, engine_totals
 from warm_pool.errors import PoolError, SnapshotCorrupt, StartFailed
@@ -452,40 +453,36 @@ class Pool:
         return c
 
     def _apply(self, decision: Decision, c: Census, now: float, outstanding: Mapping[str, int]) -> None:
-        active = len(c.routing) + len(c.coming) + len(c.waking)
-        if decision.ready > active:
-            need = decision.ready - active
-            for inst in c.to_sleep[:need]:  # not asleep yet: back into routing at no cost
-                self._take_back(inst)
-                need -= 1
-            # Asleep in a moment (the sleep call cannot be taken back): the loop is poked when it
-            # is, and wakes it then, which beats starting a new process meanwhile.
-            need -= min(need, len(c.falling))
-            for inst in sorted(c.asleep, key=lambda i: i.created_at, reverse=True)[:need]:
-                self._begin_wake(inst)
-                need -= 1
-            if need > 0 and now >= self._not_before and self._corrupt is None:
-                for _ in range(need):
+        """Carry out `warm_pool.plan`'s actions: tasks and backend calls."""
+        by_id = {inst.id: inst for group in c for inst in group}
+        members = plan.Census(*(tuple(plan.Member(i.id, i.created_at, i.state_since) for i in g) for g in c))
+        may_start = now >= self._not_before and self._corrupt is None
+        actions = plan.plan(
+            decision.ready,
+            decision.sleeping,
+            members,
+            can_sleep=self.can_sleep,
+            may_start=may_start,
+            outstanding=outstanding,
+        )
+        for action in actions:
+            match action:
+                case plan.TakeBack(id=ident):
+                    self._take_back(by_id[ident])
+                case plan.Wake(id=ident):
+                    self._begin_wake(by_id[ident])
+                case plan.Start():
                     self._start_instance(now)
-        elif decision.ready < active:
-            surplus = active - decision.ready
-            for inst in sorted(c.coming, key=lambda i: i.created_at, reverse=True)[:surplus]:
-                if (task := self._launches.get(inst.id)) is not None:
-                    task.cancel()
-                surplus -= 1
-            sleepers = c.sleeping
-            for inst in sorted(c.routing, key=lambda i: (outstanding.get(i.id, 0), -i.created_at))[:surplus]:
-                # can_sleep: the rules ask no sleep of an engine without sleep mode; this holds even if not.
-                if self.can_sleep and sleepers < decision.sleeping:
-                    self._begin_sleep(inst)
-                    sleepers += 1
-                else:
-                    self._spawn(self._stops, inst, self._drain(inst, self.spec.grace_period_s))
-        # Sleeping beyond what the policy keeps: stopped, the longest asleep first.
-        after = self._census()
-        extra = after.sleeping - decision.sleeping
-        for inst in sorted(after.asleep, key=lambda i: i.state_since)[: max(0, extra)]:
-            self._spawn(self._stops, inst, self._drain(inst, 0.0))
+                case plan.Cancel(id=ident):
+                    if (task := self._launches.get(ident)) is not None:
+                        task.cancel()
+                case plan.Sleep(id=ident):
+                    self._begin_sleep(by_id[ident])
+                case plan.Drain(id=ident, grace=grace):
+                    inst = by_id[ident]
+                    self._spawn(
+                        self._stops, inst, self._drain(inst, self.spec.grace_period_s if grace else 0.0)
+                    )
 
     def _start_instance(self, now: float) -> None:
         inst = Instance(

@@ -19,11 +19,13 @@ The instance model (`InstanceModel`; two presets, `GPU` the default and `CPU`):
 - requests that find no free slot wait FIFO, at most `max_queue` of them (more are rejected at
   once) and for at most `deadline_s` (then rejected): the activator's defaults, 100 and 120 s.
 
-Applying a decision follows the pool: more READY first takes back instances that are out of
-routing waiting for their last requests before going to sleep (the sleep has not happened yet),
-then wakes sleeping ones and starts the rest; fewer cancels starts (newest first), then takes the
-least busy READY instances out of routing and, once their in-flight requests finish, puts them to
-sleep (while fewer sleep than asked) or stops them; surplus sleeping instances are stopped. The
+Applying a decision is `warm_pool.plan.plan`, the very function the pool carries out (a start is
+always allowed here, and a sleep is instant, so nothing is ever falling asleep): more READY first
+takes back instances that are out of routing waiting for their last requests before going to sleep
+(the sleep has not happened yet), then wakes sleeping ones and starts the rest; fewer cancels
+starts (newest first), then takes the least busy READY instances out of routing and, once their
+in-flight requests finish, puts them to sleep (while fewer sleep than asked) or stops them; surplus
+sleeping instances are stopped, the longest asleep first. The
 observation counts instances on their way to sleep as sleeping.
 
 Accounting: `gpu_seconds` = READY instance-seconds (draining ones included: they hold the GPU),
@@ -41,6 +43,7 @@ import random
 from collections import deque
 from dataclasses import dataclass, field
 
+from warm_pool import plan
 from warm_pool.errors import InvalidConfig
 from warm_pool.policies import BoundPolicy
 from warm_pool.policies.base import ScalingConfig, Tier
@@ -95,13 +98,14 @@ class Report:
 
 
 class _Instance:
-    __slots__ = ("began", "busy", "id", "leaving", "ready_since", "state", "tier")
+    __slots__ = ("asleep_since", "began", "busy", "id", "leaving", "ready_since", "state", "tier")
 
     def __init__(self, ident: int, state: str, tier: Tier, now: float) -> None:
         self.id, self.state, self.tier, self.began = ident, state, tier, now
         self.busy = 0
         self.leaving: str | None = None  # "sleep" or "stop" once out of routing
         self.ready_since = math.inf
+        self.asleep_since = 0.0  # when it last fell asleep: the longest asleep are stopped first
 
 
 _READY_EVENT, _DONE, _ARRIVAL, _DEADLINE, _WARMED, _TICK = range(6)
@@ -290,7 +294,7 @@ class Simulation:
     def _leave(self, inst: _Instance) -> None:
         """An instance out of routing with nothing in flight: asleep or gone."""
         if inst.leaving == "sleep":
-            inst.state, inst.leaving = "sleeping", None
+            inst.state, inst.leaving, inst.asleep_since = "sleeping", None, self._now
         else:
             self._remove(inst)
 
@@ -343,42 +347,45 @@ class Simulation:
             self._tick_arrivals = 0
 
     def _apply(self, want_ready: int, want_sleeping: int, warm: bool) -> None:
-        insts = list(self._instances.values())
-        ready = [i for i in insts if i.state == "ready" and i.leaving is None]
-        coming = [i for i in insts if i.state in ("starting", "waking")]
-        asleep = [i for i in insts if i.state == "sleeping"]
-        active = len(ready) + len(coming)
-        if want_ready > active:
-            need = want_ready - active
-            for inst in [i for i in insts if i.leaving == "sleep"][:need]:
-                inst.leaving = None  # not asleep yet: back into routing at no cost
-                need -= 1
-            for inst in sorted(asleep, key=lambda i: -i.id)[:need]:
-                self._wake(inst)
-                need -= 1
-            for _ in range(need):
-                self._start()
-        elif want_ready < active:
-            surplus = active - want_ready
-            for inst in sorted((i for i in coming if i.state == "starting"), key=lambda i: -i.began)[
-                :surplus
-            ]:
-                self._remove(inst)
-                surplus -= 1
-            going_to_sleep = sum(1 for i in insts if i.leaving == "sleep")
-            for inst in sorted(ready, key=lambda i: (i.busy, -i.id))[:surplus]:
-                if self.model.can_sleep and len(asleep) + going_to_sleep < want_sleeping:
-                    inst.leaving, going_to_sleep = "sleep", going_to_sleep + 1
-                else:
-                    inst.leaving = "stop"
-                if inst.busy == 0:
-                    self._leave(inst)
-        asleep = [i for i in self._instances.values() if i.state == "sleeping"]
-        going_to_sleep = sum(1 for i in self._instances.values() if i.leaving == "sleep")
-        for inst in sorted(asleep, key=lambda i: i.id)[
-            : max(0, len(asleep) + going_to_sleep - want_sleeping)
-        ]:
-            self._remove(inst)
+        """Carry out `warm_pool.plan`'s actions, as the pool does, in virtual time."""
+        insts = {str(i.id): i for i in self._instances.values()}
+
+        def group(test) -> tuple[plan.Member, ...]:
+            return tuple(plan.Member(k, float(i.id), i.asleep_since) for k, i in insts.items() if test(i))
+
+        census = plan.Census(
+            routing=group(lambda i: i.state == "ready" and i.leaving is None),
+            coming=group(lambda i: i.state == "starting"),
+            waking=group(lambda i: i.state == "waking"),
+            asleep=group(lambda i: i.state == "sleeping"),
+            to_sleep=group(lambda i: i.leaving == "sleep"),
+        )
+        outstanding = {k: i.busy for k, i in insts.items()}
+        actions = plan.plan(
+            want_ready,
+            want_sleeping,
+            census,
+            can_sleep=self.model.can_sleep,
+            may_start=True,
+            outstanding=outstanding,
+        )
+        for action in actions:
+            match action:
+                case plan.TakeBack(id=ident):
+                    insts[ident].leaving = None  # not asleep yet: back into routing at no cost
+                case plan.Wake(id=ident):
+                    self._wake(insts[ident])
+                case plan.Start():
+                    self._start()
+                case plan.Cancel(id=ident):
+                    self._remove(insts[ident])
+                case plan.Sleep(id=ident) | plan.Drain(id=ident, grace=True):
+                    inst = insts[ident]
+                    inst.leaving = "sleep" if isinstance(action, plan.Sleep) else "stop"
+                    if inst.busy == 0:
+                        self._leave(inst)
+                case plan.Drain(id=ident):
+                    self._remove(insts[ident])
         tier = self._cached_tier()
         if warm and not self._warming and tier != Tier.PAGE_CACHE:
             self._warming = True
