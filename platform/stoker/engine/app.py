@@ -22,7 +22,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from stoker.engine.core import Engine, Generation
+from stoker.engine.core import Engine
+from stoker.engine.generation import Generation
 from stoker.engine.protocol import Kind, ensure_served, parse_request
 from stoker.engine.responses import ResponseShape, sse
 from stoker.http import (

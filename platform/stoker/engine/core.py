@@ -33,24 +33,22 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import AutoTokenizer, GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
-from transformers.generation.continuous_batching.requests import RequestStatus
 
 from snapshots import pagecache
 from stoker.engine import draw as draw_mod
 from stoker.engine import weights
-from stoker.engine.logprobs import TokenLogprob
+from stoker.engine.generation import PAGE_SIZE, Generation
 from stoker.engine.metrics import EngineMetrics, blocks
 from stoker.engine.protocol import GenerationRequest, SamplingParams
-from stoker.engine.structured import Grammars, Matcher
-from stoker.engine.text import TextTracker
-from stoker.openai_errors import SERVER_ERROR, APIError, invalid, unavailable
+from stoker.engine.structured import Grammars
+from stoker.openai_errors import invalid, unavailable
 
 log = logging.getLogger("stoker.engine")
 
@@ -58,7 +56,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # This CPU has no bf16 instructions (bf16 prompt processing is ~10x slower than fp32); GPUs compute in
 # bf16 natively, and fp32 would double both the weights' memory and every copy of them.
 DEFAULT_DTYPES = {"cpu": "float32", "cuda": "bfloat16"}
-PAGE_SIZE = 32  # tokens per KV block: small pages waste little memory on short CPU requests
 
 
 @dataclass(frozen=True)
@@ -90,14 +87,6 @@ class EngineConfig:
         for name in ("queue_timeout_s", "stall_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-
-
-@dataclass(frozen=True)
-class Delta:
-    text: str
-    completion_tokens: int
-    finish_reason: str | None = None  # set on the last delta: "stop" or "length"
-    logprobs: tuple[TokenLogprob, ...] = ()  # of the tokens since the previous delta, when asked
 
 
 class Engine:
@@ -421,182 +410,6 @@ class Engine:
             self._manager = None
 
 
-class Generation:
-    """One admitted request: an async iterator of `Delta`s, the last one carrying the finish reason."""
-
-    def __init__(
-        self,
-        engine: Engine,
-        manager,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        arrival: float,
-        grammar: Matcher | None = None,
-        admitted: float | None = None,  # when it got its slot; default: arrival
-    ):
-        self._engine = engine
-        self._manager = manager
-        self._prompt_ids = prompt_ids
-        self._params = params
-        self._arrival = arrival
-        self._admitted = arrival if admitted is None else admitted
-        self._first_token_at: float | None = None
-        self._max_new = 0
-        self._kv_blocks = 0  # KV blocks this request's tokens fill, while it runs
-        self._failed = False  # ended by an error, not by the client or a stop: "error", not "abort"
-        self._outputs: asyncio.Queue = asyncio.Queue()  # at most one item per generated token
-        self._tracker = TextTracker(engine._decode, params.stop)
-        self.request_id = uuid.uuid4().hex
-        self.prompt_tokens = len(prompt_ids)
-        self.completion_tokens = 0
-        self.finish_reason: str | None = None
-        self._last_token_at: float | None = None
-        self._manager_done = False  # the manager finished the request itself (EOS or token budget)
-        self._closed = False
-        self._draw: draw_mod.RequestDraw | None = None
-        if draw_mod.needs_draw(params):
-            self._draw = draw_mod.RequestDraw(
-                params,
-                prompt_ids,
-                vocab_size=engine.vocab_size,
-                eos=set() if params.ignore_eos else engine._eos,
-                device=engine.config.device,
-                grammar=grammar,
-            )
-
-    def submit(self, max_new: int) -> None:
-        engine, params, rid = self._engine, self._params, self.request_id
-        greedy = params.greedy
-        if self._draw is not None:
-            engine._draws.register(rid, self._draw)
-        self._manager.register_result_handler(rid, self._outputs.put_nowait)
-        accepted = self._manager.add_request(
-            self._prompt_ids,
-            request_id=rid,
-            max_new_tokens=max_new,
-            streaming=True,
-            temperature=draw_mod.GREEDY_TEMPERATURE if greedy else max(params.temperature, 1e-3),
-            top_p=params.top_p,
-            eos_token_id=-1 if params.ignore_eos else None,  # -1: no EOS for this request
-        )
-        if accepted is None:
-            engine.check_loop()
-            raise APIError(500, "The engine's generation loop is not running.", type=SERVER_ERROR)
-        engine.metrics.prompt_tokens.inc(self.prompt_tokens)
-        self._max_new = max_new
-        self._fill_kv(self.prompt_tokens)
-
-    async def __aenter__(self) -> Generation:
-        return self
-
-    async def __aexit__(self, *exc_info) -> None:
-        await self.close()
-
-    def __aiter__(self) -> AsyncIterator[Delta]:
-        return self._deltas()
-
-    async def _deltas(self) -> AsyncIterator[Delta]:
-        """One delta per output that brings text, logprobs or the end, and one for the first token
-        even without text (a stream announces its role then)."""
-        engine, tracker, params, draw = self._engine, self._tracker, self._params, self._draw
-        while self.finish_reason is None:
-            out = await self._next_output()
-            if out.status == RequestStatus.FAILED:
-                self._failed = True
-                raise APIError(500, f"Generation failed: {out.error}", type=SERVER_ERROR)
-            if draw is not None and draw.error is not None:
-                self._failed = True
-                raise APIError(500, f"Generation failed: {draw.error}", type=SERVER_ERROR)
-            tokens = out.generated_tokens
-            before = self.completion_tokens
-            self._manager_done = out.is_finished()
-            self._count(len(tokens))
-            records = tuple(draw.records[before : len(tokens)]) if params.logprobs is not None else ()
-            # As vLLM: stop strings count only once more than min_tokens tokens exist.
-            text = tracker.update(
-                [t for t in tokens if t not in engine._eos], check_stop=len(tokens) > params.min_tokens
-            )
-            if tracker.stopped:
-                self._finish("stop")
-            elif out.is_finished():
-                eos = tokens and tokens[-1] in engine._eos and not params.ignore_eos
-                self._finish("stop" if eos else "length")
-                text += tracker.flush()
-            if text or records or self.finish_reason or (before == 0 and tokens):
-                yield Delta(text, self.completion_tokens, self.finish_reason, records)
-
-    def _count(self, n: int) -> None:
-        new = n - self.completion_tokens
-        if new <= 0:
-            return
-        metrics, now = self._engine.metrics, self._engine.clock()
-        if self._last_token_at is None:
-            metrics.ttft.observe(now - self._arrival)
-            self._first_token_at = now
-        else:
-            metrics.itl.observe((now - self._last_token_at) / new)
-        metrics.generation_tokens.inc(new)
-        self._last_token_at, self.completion_tokens = now, n
-        self._fill_kv(self.prompt_tokens + n)
-
-    def _fill_kv(self, tokens: int) -> None:
-        now_filled = blocks(tokens, PAGE_SIZE)
-        if now_filled != self._kv_blocks:
-            self._engine._kv(now_filled - self._kv_blocks)
-            self._kv_blocks = now_filled
-
-    def _finish(self, reason: str) -> None:
-        self.finish_reason = reason
-        self._observe(reason)
-
-    def _observe(self, reason: str) -> None:
-        """The request's end, in vLLM's per-request metrics (`EngineMetrics.request_done`)."""
-        self._engine.metrics.request_done(
-            reason,
-            arrival=self._arrival,
-            admitted=self._admitted,
-            first_token=self._first_token_at,
-            last_token=self._last_token_at,
-            now=self._engine.clock(),
-            prompt_tokens=self.prompt_tokens,
-            generation_tokens=self.completion_tokens,
-            max_tokens=self._params.max_tokens,
-            max_new_tokens=self._max_new,
-        )
-
-    async def _next_output(self):
-        """The next output; fails instead of hanging if the generation thread died or stalled."""
-        stall_s = self._engine.config.stall_timeout_s
-        deadline = self._engine.clock() + stall_s
-        while True:
-            try:
-                async with asyncio.timeout(1.0):
-                    return await self._outputs.get()
-            except TimeoutError:
-                if not self._manager.is_running():
-                    raise APIError(500, "The engine's generation loop stopped.", type=SERVER_ERROR) from None
-                if self._engine.clock() >= deadline:
-                    raise APIError(
-                        500,
-                        f"No token for {stall_s:g} s: the engine's generation loop is stalled.",
-                        type=SERVER_ERROR,
-                    ) from None
-
-    async def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        engine = self._engine
-        if not self._manager_done:  # a stop string, a client that left, or an error
-            self._manager.cancel_request(self.request_id)
-            _forget_handler(self._manager, self.request_id)
-            if self.finish_reason is None:
-                self._observe("error" if self._failed else "abort")
-        self._fill_kv(0)
-        engine._draws.forget(self.request_id)
-        engine._release()
-
-
 def sampling_defaults(snapshot_dir: Path) -> dict[str, float]:
     """The sampling parameters the snapshot's generation_config.json sets (temperature, top_p): the
     defaults for requests that leave them out, as vLLM applies them. Values out of range are ignored."""
@@ -613,14 +426,6 @@ def sampling_defaults(snapshot_dir: Path) -> dict[str, float]:
     if out.get("top_p") == 0.0:
         del out["top_p"]
     return out
-
-
-def _forget_handler(manager, request_id: str) -> None:
-    # A cancelled request may never deliver a final output, so its handler would stay registered.
-    router = getattr(manager, "output_router", None)
-    if router is not None:
-        with router._lock:
-            router.result_handlers.pop(request_id, None)
 
 
 def _trim_heap() -> None:
