@@ -1,0 +1,101 @@
+{{/*
+Named templates shared by the chart's files.
+
+The chart keeps to the subset of Helm's template language that tests/infra/helmlite.py renders
+(no helm binary is installable where the tests run): fields, include of these defines, if/else,
+with, and the functions include, required, default, quote, toYaml, indent, nindent, printf, trunc,
+trimSuffix, not. helmlite refuses anything else, loudly.
+*/}}
+
+{{/* The prefix of every object's name: the release name, at most 40 characters. */}}
+{{- define "stoker.fullname" -}}
+{{ .Values.fullnameOverride | default .Release.Name | trunc 40 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Labels on every object. */}}
+{{- define "stoker.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{ include "stoker.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{/* The labels selectors match on; each object adds app.kubernetes.io/component itself. */}}
+{{- define "stoker.selectorLabels" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "stoker.image" -}}
+{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end }}
+
+{{/* The address gateways and node agents reach the controller at (its Service). */}}
+{{- define "stoker.controllerURL" -}}
+http://{{ include "stoker.fullname" . }}-controller:8081
+{{- end }}
+
+{{/* The Secret holding the admin key: the user's, or the one secret.yaml creates. */}}
+{{- define "stoker.adminKeySecret" -}}
+{{ .Values.adminKey.existingSecret | default (printf "%s-admin-key" (include "stoker.fullname" .)) }}
+{{- end }}
+
+{{/* Environment every process gets: the admin key, and HOME on the writable /tmp. */}}
+{{- define "stoker.commonEnv" -}}
+- name: STOKER_ADMIN_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "stoker.adminKeySecret" . }}
+      key: {{ .Values.adminKey.key }}
+- name: HOME
+  value: /tmp
+{{- end }}
+
+{{/* Object storage settings, for the processes that move snapshots (controller, node agent). */}}
+{{- define "stoker.s3Env" -}}
+{{- with .Values.s3.endpointUrl }}
+- name: STOKER_S3_ENDPOINT_URL
+  value: {{ . | quote }}
+{{- end }}
+{{- with .Values.s3.existingSecret }}
+- name: AWS_ACCESS_KEY_ID
+  valueFrom:
+    secretKeyRef:
+      name: {{ . }}
+      key: {{ $.Values.s3.accessKeyIdKey }}
+- name: AWS_SECRET_ACCESS_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ . }}
+      key: {{ $.Values.s3.secretAccessKeyKey }}
+{{- end }}
+{{- end }}
+
+{{/* Every container's security context: nothing it does not need. */}}
+{{- define "stoker.containerSecurityContext" -}}
+runAsNonRoot: true
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+capabilities:
+  drop:
+    - ALL
+seccompProfile:
+  type: RuntimeDefault
+{{- end }}
+
+{{/* Liveness and readiness on /healthz of the container's port named "http". */}}
+{{- define "stoker.probes" -}}
+readinessProbe:
+  httpGet:
+    path: /healthz
+    port: http
+  periodSeconds: 5
+  failureThreshold: 3
+livenessProbe:
+  httpGet:
+    path: /healthz
+    port: http
+  initialDelaySeconds: 10
+  periodSeconds: 10
+  failureThreshold: 6
+{{- end }}

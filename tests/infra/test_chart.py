@@ -1,0 +1,490 @@
+"""The Helm chart in infra/helm/stoker, rendered by helmlite (no helm binary is installable here) with
+the default values and with every optional feature on, then checked object by object: against the
+Kubernetes API schemas (kubernetes-validate, strict: an unknown or misplaced field fails), and
+against what Stoker's processes need and may have: their command lines, the admin key from a
+Secret, RBAC exactly as the processes use it, least-privilege security contexts, probes, and
+Services, selectors and the autoscaler pointing at the right pods.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from tests.infra.helmlite import RequiredError, manifests, render_chart
+
+CHART = Path(__file__).resolve().parents[2] / "infra" / "helm" / "stoker"
+NAMESPACE = "inference"
+KUBERNETES = "1.33"  # a recent release whose schemas kubernetes-validate bundles
+
+DEFAULTS = {"adminKey": {"existingSecret": "stoker-admin"}}
+EVERYTHING = {
+    "adminKey": {"value": "sk-admin-test", "key": "token"},
+    "s3": {"endpointUrl": "http://minio.storage:9000", "existingSecret": "s3-creds"},
+    "serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
+    "imagePullSecrets": [{"name": "regcred"}],
+    "node": {
+        "nodeSelector": {"nvidia.com/gpu.present": "true"},
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+    },
+    "gateway": {"nodeSelector": {"pool": "cpu"}},
+    "controller": {"persistence": {"storageClassName": "fast-ssd"}},
+    "engineImage": "registry.example/stoker-engine:1.2.3",
+    "image": {"tag": "1.2.3"},
+}
+RENDERS = {"defaults": DEFAULTS, "everything": EVERYTHING}
+
+
+def render(values: dict) -> list[dict]:
+    return manifests(render_chart(CHART, values, release="stoker", namespace=NAMESPACE))
+
+
+@pytest.fixture(scope="module", params=list(RENDERS))
+def objects(request) -> list[dict]:
+    return render(RENDERS[request.param])
+
+
+@pytest.fixture(scope="module")
+def everything() -> list[dict]:
+    return render(EVERYTHING)
+
+
+def one(objects: list[dict], kind: str, component: str | None = None) -> dict:
+    found = [
+        o
+        for o in objects
+        if o["kind"] == kind
+        and (component is None or o["metadata"]["labels"].get("app.kubernetes.io/component") == component)
+    ]
+    assert len(found) == 1, f"expected one {kind} {component or ''}, found {len(found)}"
+    return found[0]
+
+
+def workloads(objects: list[dict]) -> list[dict]:
+    return [o for o in objects if o["kind"] in ("StatefulSet", "Deployment", "DaemonSet")]
+
+
+def container(workload: dict) -> dict:
+    (only,) = workload["spec"]["template"]["spec"]["containers"]
+    return only
+
+
+def env(c: dict) -> dict[str, dict]:
+    return {e["name"]: e for e in c.get("env", [])}
+
+
+# --- every object is one the API server accepts -------------------------------------------------
+
+
+def test_the_chart_renders_the_objects_stoker_needs(objects):
+    kinds = sorted(o["kind"] for o in objects if o["kind"] not in ("Secret", "ServiceMonitor"))
+    assert kinds == sorted(
+        ["ClusterRole"] * 2
+        + ["ClusterRoleBinding"] * 2
+        + ["DaemonSet", "Deployment", "HorizontalPodAutoscaler", "PodDisruptionBudget", "Role"]
+        + ["RoleBinding", "StatefulSet"]
+        + ["Service"] * 2
+        + ["ServiceAccount"] * 3
+    )
+    names = [(o["kind"], o["metadata"]["name"]) for o in objects]
+    assert len(names) == len(set(names))
+
+
+def test_every_builtin_object_passes_the_strict_api_schema(objects):
+    for obj in objects:
+        if obj["apiVersion"] != "monitoring.coreos.com/v1":
+            kubernetes_validate.validate(obj, KUBERNETES, strict=True)
+
+
+def test_the_strict_schema_catches_a_misplaced_field(everything):
+    """Guards the test above: a field where the API has none must fail, not pass silently."""
+    broken = yaml.safe_load(yaml.safe_dump(one(everything, "Deployment")))
+    broken["spec"]["template"]["spec"]["containers"][0]["probe"] = {"path": "/healthz"}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, KUBERNETES, strict=True)
+
+
+# The fields of monitoring.coreos.com/v1 ServiceMonitor this chart uses, as the CRD defines them.
+SERVICE_MONITOR = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "additionalProperties": False,
+    "properties": {
+        "apiVersion": {"const": "monitoring.coreos.com/v1"},
+        "kind": {"const": "ServiceMonitor"},
+        "metadata": {
+            "type": "object",
+            "required": ["name"],
+            "additionalProperties": False,
+            "properties": {
+                "name": {"type": "string", "pattern": "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", "maxLength": 253},
+                "labels": {"type": "object", "additionalProperties": {"type": "string"}},
+            },
+        },
+        "spec": {
+            "type": "object",
+            "required": ["selector", "endpoints"],
+            "additionalProperties": False,
+            "properties": {
+                "selector": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {
+                        "matchLabels": {"type": "object", "additionalProperties": {"type": "string"}},
+                        "matchExpressions": {
+                            "type": "array",
+                            "items": {
+                                "type": "object",
+                                "required": ["key", "operator"],
+                                "additionalProperties": False,
+                                "properties": {
+                                    "key": {"type": "string"},
+                                    "operator": {"enum": ["In", "NotIn", "Exists", "DoesNotExist"]},
+                                    "values": {"type": "array", "items": {"type": "string"}},
+                                },
+                            },
+                        },
+                    },
+                },
+                "endpoints": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "properties": {
+                            "port": {"type": "string"},
+                            "path": {"type": "string"},
+                            "interval": {
+                                "type": "string",
+                                "pattern": "^(0|(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$",
+                            },
+                            "authorization": {
+                                "type": "object",
+                                "required": ["credentials"],
+                                "additionalProperties": False,
+                                "properties": {
+                                    "type": {"type": "string"},
+                                    "credentials": {
+                                        "type": "object",
+                                        "required": ["key"],
+                                        "additionalProperties": False,
+                                        "properties": {"name": {"type": "string"}, "key": {"type": "string"}},
+                                    },
+                                },
+                            },
+                        },
+                    },
+                },
+            },
+        },
+    },
+}
+
+
+def test_the_service_monitor_is_off_by_default():
+    assert not [o for o in render(DEFAULTS) if o["kind"] == "ServiceMonitor"]
+
+
+def test_the_service_monitor_scrapes_the_controller_and_gateways_with_the_admin_key(everything):
+    monitor = one(everything, "ServiceMonitor")
+    jsonschema.validate(monitor, SERVICE_MONITOR)
+    assert monitor["metadata"]["labels"]["release"] == "prometheus"
+    scraped = [s for s in everything if s["kind"] == "Service" and selects(monitor["spec"]["selector"], s)]
+    components = sorted(s["metadata"]["labels"]["app.kubernetes.io/component"] for s in scraped)
+    assert components == ["controller", "gateway"]
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert all(endpoint["port"] in [p["name"] for p in s["spec"]["ports"]] for s in scraped)
+    assert endpoint["path"] == "/metrics" and endpoint["authorization"]["type"] == "Bearer"
+    secret = one(everything, "Secret")
+    assert endpoint["authorization"]["credentials"] == {
+        "name": secret["metadata"]["name"],
+        "key": "token",
+    }
+
+
+def selects(selector: dict, obj: dict) -> bool:
+    """A LabelSelector (matchLabels and In expressions, all this chart uses) against obj's labels."""
+    labels = obj["metadata"]["labels"]
+    matched = all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+    for expression in selector.get("matchExpressions", []):
+        assert expression["operator"] == "In"
+        matched = matched and labels.get(expression["key"]) in expression["values"]
+    return matched
+
+
+# --- the admin key -----------------------------------------------------------------------------
+
+
+def test_rendering_without_an_admin_key_fails_and_says_what_to_set():
+    with pytest.raises(RequiredError, match=r"adminKey\.existingSecret.*adminKey\.value"):
+        render({})
+
+
+def test_values_yaml_holds_no_admin_key():
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert values["adminKey"]["value"] == "" and values["adminKey"]["existingSecret"] == ""
+
+
+def test_an_existing_secret_is_used_and_none_is_created():
+    objects = render(DEFAULTS)
+    assert not [o for o in objects if o["kind"] == "Secret"]
+    for workload in workloads(objects):
+        ref = env(container(workload))["STOKER_ADMIN_KEY"]["valueFrom"]["secretKeyRef"]
+        assert ref == {"name": "stoker-admin", "key": "admin-key"}
+
+
+def test_a_given_value_becomes_a_chart_secret_every_process_reads(everything):
+    secret = one(everything, "Secret")
+    assert secret["stringData"] == {"token": "sk-admin-test"}
+    for workload in workloads(everything):
+        ref = env(container(workload))["STOKER_ADMIN_KEY"]["valueFrom"]["secretKeyRef"]
+        assert ref == {"name": secret["metadata"]["name"], "key": "token"}
+
+
+# --- what each process runs with --------------------------------------------------------------
+
+
+def test_the_controller_runs_alone_on_kubernetes_with_the_engine_image(everything):
+    controller = one(everything, "StatefulSet", "controller")
+    assert controller["spec"]["replicas"] == 1
+    assert container(controller)["args"] == [
+        "controller",
+        "--host", "0.0.0.0",
+        "--port", "8081",
+        "--data-dir", "/var/lib/stoker",
+        "--backend", "kubernetes",
+        "--namespace", NAMESPACE,
+        "--engine-image", "registry.example/stoker-engine:1.2.3",
+        "--store-path", "/var/lib/stoker-store",
+    ]  # fmt: skip
+    mounts = {m["mountPath"]: m["name"] for m in container(controller)["volumeMounts"]}
+    claims = {c["metadata"]["name"]: c["spec"] for c in controller["spec"]["volumeClaimTemplates"]}
+    assert claims.keys() == {mounts["/var/lib/stoker"], mounts["/var/lib/stoker-store"]}
+    assert {c["storageClassName"] for c in claims.values()} == {"fast-ssd"}
+    assert controller["spec"]["serviceName"] == one(everything, "Service", "controller")["metadata"]["name"]
+
+
+def test_gateways_and_node_agents_reach_the_controller_through_its_service(everything):
+    service = one(everything, "Service", "controller")
+    url = f"http://{service['metadata']['name']}:{service['spec']['ports'][0]['port']}"
+    gateway = container(one(everything, "Deployment", "gateway"))
+    node = container(one(everything, "DaemonSet", "node"))
+    assert gateway["args"] == ["gateway", "--host", "0.0.0.0", "--port", "8080", "--controller", url]
+    assert node["args"] == [
+        "node",
+        "--store", "/var/lib/stoker-store",
+        "--controller", url,
+        "--node-name", "$(NODE_NAME)",
+        "--port", "8082",
+    ]  # fmt: skip
+
+
+def test_the_node_agent_knows_its_node_and_mounts_the_nvme_store(everything):
+    node = one(everything, "DaemonSet", "node")
+    assert env(container(node))["NODE_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    volumes = {v["name"]: v for v in node["spec"]["template"]["spec"]["volumes"]}
+    mount = next(m for m in container(node)["volumeMounts"] if m["mountPath"] == "/var/lib/stoker-store")
+    assert volumes[mount["name"]]["hostPath"] == {"path": "/mnt/nvme/stoker", "type": "Directory"}
+    pod = node["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == EVERYTHING["node"]["nodeSelector"]
+    assert pod["tolerations"] == EVERYTHING["node"]["tolerations"]
+
+
+def test_object_storage_settings_reach_the_processes_that_move_snapshots(everything):
+    for workload in (one(everything, "StatefulSet"), one(everything, "DaemonSet")):
+        variables = env(container(workload))
+        assert variables["STOKER_S3_ENDPOINT_URL"]["value"] == "http://minio.storage:9000"
+        for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+            assert variables[name]["valueFrom"]["secretKeyRef"] == {"name": "s3-creds", "key": name}
+    assert not env(container(one(everything, "Deployment"))).keys() & {
+        "STOKER_S3_ENDPOINT_URL",
+        "AWS_ACCESS_KEY_ID",
+    }
+
+
+def test_without_object_storage_settings_no_s3_variables_are_set():
+    for workload in workloads(render(DEFAULTS)):
+        assert not {n for n in env(container(workload)) if "S3" in n or n.startswith("AWS_")}
+
+
+def test_images_come_from_values(everything):
+    assert {container(w)["image"] for w in workloads(everything)} == {"stoker:1.2.3"}
+    assert {container(w)["image"] for w in workloads(render(DEFAULTS))} == {"stoker:0.1.0"}
+    for workload in workloads(everything):
+        assert workload["spec"]["template"]["spec"]["imagePullSecrets"] == [{"name": "regcred"}]
+
+
+# --- RBAC: exactly what the processes use -----------------------------------------------------
+
+CONTROLLER_RULES = [
+    {
+        "apiGroups": [""],
+        "resources": ["pods"],
+        "verbs": ["get", "list", "watch", "create", "delete", "patch"],
+    },
+    {"apiGroups": [""], "resources": ["pods/log"], "verbs": ["get"]},
+    {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "create", "delete"]},
+    {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["get", "create", "update"]},
+]
+CONTROLLER_CLUSTER_RULES = [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]}]
+NODE_CLUSTER_RULES = [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]}]
+
+
+def test_rbac_grants_exactly_the_listed_verbs(objects):
+    assert one(objects, "Role", "controller")["rules"] == CONTROLLER_RULES
+    assert one(objects, "ClusterRole", "controller")["rules"] == CONTROLLER_CLUSTER_RULES
+    assert one(objects, "ClusterRole", "node")["rules"] == NODE_CLUSTER_RULES
+
+
+def test_rbac_has_no_wildcards(objects):
+    for role in (o for o in objects if o["kind"] in ("Role", "ClusterRole")):
+        for rule in role["rules"]:
+            granted = [*rule["apiGroups"], *rule["resources"], *rule["verbs"], *rule.get("resourceNames", [])]
+            assert not [g for g in granted if "*" in g], role["metadata"]["name"]
+
+
+def test_each_binding_gives_its_role_to_its_own_service_account_only(objects):
+    accounts = {o["metadata"]["name"]: o for o in objects if o["kind"] == "ServiceAccount"}
+    bindings = [o for o in objects if o["kind"] in ("RoleBinding", "ClusterRoleBinding")]
+    for binding in bindings:
+        kind = binding["roleRef"]["kind"]
+        role = next(
+            o for o in objects if o["kind"] == kind and o["metadata"]["name"] == binding["roleRef"]["name"]
+        )
+        (subject,) = binding["subjects"]
+        account = accounts[subject["name"]]
+        assert subject == {"kind": "ServiceAccount", "name": subject["name"], "namespace": NAMESPACE}
+        component = role["metadata"]["labels"]["app.kubernetes.io/component"]
+        assert account["metadata"]["labels"]["app.kubernetes.io/component"] == component
+    bound = {b["subjects"][0]["name"] for b in bindings}
+    assert one(objects, "ServiceAccount", "gateway")["metadata"]["name"] not in bound
+
+
+def test_cluster_wide_names_carry_the_namespace(objects):
+    for obj in objects:
+        if obj["kind"] in ("ClusterRole", "ClusterRoleBinding"):
+            assert obj["metadata"]["name"].startswith(f"{NAMESPACE}-")
+
+
+def test_each_workload_runs_as_its_own_service_account(objects):
+    for workload in workloads(objects):
+        account = workload["spec"]["template"]["spec"]["serviceAccountName"]
+        component = workload["metadata"]["labels"]["app.kubernetes.io/component"]
+        assert account == one(objects, "ServiceAccount", component)["metadata"]["name"]
+
+
+def test_the_gateway_has_no_kubernetes_token(objects):
+    assert one(objects, "ServiceAccount", "gateway")["automountServiceAccountToken"] is False
+    pod = one(objects, "Deployment", "gateway")["spec"]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is False
+
+
+# --- security contexts, probes, resources ------------------------------------------------------
+
+CONTAINER_SECURITY = {
+    "runAsNonRoot": True,
+    "allowPrivilegeEscalation": False,
+    "readOnlyRootFilesystem": True,
+    "capabilities": {"drop": ["ALL"]},
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+
+
+def test_every_container_runs_with_least_privilege(objects):
+    for workload in workloads(objects):
+        pod = workload["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"]["runAsUser"] != 0
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        assert "hostNetwork" not in pod and "hostPID" not in pod
+        for c in pod["containers"] + pod.get("initContainers", []):
+            assert c["securityContext"] == CONTAINER_SECURITY, c["name"]
+
+
+def test_a_read_only_root_still_has_a_writable_tmp_and_home(objects):
+    for workload in workloads(objects):
+        c = container(workload)
+        volumes = {v["name"]: v for v in workload["spec"]["template"]["spec"]["volumes"]}
+        tmp = next(m["name"] for m in c["volumeMounts"] if m["mountPath"] == "/tmp")
+        assert volumes[tmp] == {"name": tmp, "emptyDir": {}}
+        assert env(c)["HOME"]["value"] == "/tmp"
+
+
+def test_every_container_is_probed_on_healthz_of_its_own_port(objects):
+    for workload in workloads(objects):
+        c = container(workload)
+        (port,) = c["ports"]
+        assert c["args"][c["args"].index("--port") + 1] == str(port["containerPort"])
+        for probe in ("readinessProbe", "livenessProbe"):
+            assert c[probe]["httpGet"] == {"path": "/healthz", "port": port["name"]}
+
+
+def test_every_container_requests_cpu_and_memory_from_values(objects):
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    for workload in workloads(objects):
+        component = workload["metadata"]["labels"]["app.kubernetes.io/component"]
+        assert container(workload)["resources"] == values[component]["resources"]
+        assert container(workload)["resources"]["requests"].keys() == {"cpu", "memory"}
+
+
+# --- selectors, Services, the autoscaler ------------------------------------------------------
+
+
+def test_each_workload_selects_its_own_pods_and_no_others(objects):
+    for workload in workloads(objects):
+        selector = workload["spec"]["selector"]
+        assert selects(selector, workload["spec"]["template"])
+        assert [w for w in workloads(objects) if selects(selector, w["spec"]["template"])] == [workload]
+
+
+def test_each_service_selects_exactly_one_workload_and_targets_its_port(objects):
+    for service in (o for o in objects if o["kind"] == "Service"):
+        selector = {"matchLabels": service["spec"]["selector"]}
+        (workload,) = [w for w in workloads(objects) if selects(selector, w["spec"]["template"])]
+        assert workload["metadata"]["labels"] == service["metadata"]["labels"]
+        ports = {p["name"] for p in container(workload)["ports"]}
+        assert {p["targetPort"] for p in service["spec"]["ports"]} <= ports
+
+
+def test_the_gateways_are_scaled_by_cpu_and_kept_up_through_drains(objects):
+    gateway = one(objects, "Deployment", "gateway")
+    hpa = one(objects, "HorizontalPodAutoscaler", "gateway")
+    target = hpa["spec"]["scaleTargetRef"]
+    assert (target["apiVersion"], target["kind"], target["name"]) == (
+        "apps/v1",
+        "Deployment",
+        gateway["metadata"]["name"],
+    )
+    assert "replicas" not in gateway["spec"]  # the HPA owns the count
+    assert hpa["spec"]["metrics"][0]["resource"]["name"] == "cpu"
+    pdb = one(objects, "PodDisruptionBudget", "gateway")
+    assert pdb["spec"]["selector"] == gateway["spec"]["selector"]
+    assert pdb["spec"]["minAvailable"] < hpa["spec"]["minReplicas"]  # a drain can always evict one
+
+
+# --- the chart's own files ---------------------------------------------------------------------
+
+
+def test_chart_yaml_is_a_helm_3_chart():
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart["apiVersion"] == "v2" and chart["name"] == "stoker" and chart["type"] == "application"
+
+
+def test_the_notes_say_where_the_gateway_is(everything):
+    notes = render_chart(CHART, EVERYTHING, namespace=NAMESPACE)["NOTES.txt"]
+    assert f"http://stoker-gateway.{NAMESPACE}:8080/v1" in notes
+    assert "jsonpath='{.data.token}'" in notes
+
+
+def test_object_names_stay_within_kubernetes_limits_for_the_longest_release_name():
+    long_name = "r" * 53  # the longest release name Helm accepts
+    objects = manifests(render_chart(CHART, DEFAULTS, release=long_name, namespace=NAMESPACE))
+    for obj in objects:
+        name = obj["metadata"]["name"]
+        assert len(name) <= 63 and not name.endswith("-"), name
+        kubernetes_validate.validate(obj, KUBERNETES, strict=True)
