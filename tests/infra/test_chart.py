@@ -33,6 +33,7 @@ EVERYTHING = {
     },
     "gateway": {"nodeSelector": {"pool": "cpu"}},
     "controller": {"persistence": {"storageClassName": "fast-ssd"}},
+    "store": {"hostPath": "/nvme0/stoker"},
     "engineImage": "registry.example/stoker-engine:1.2.3",
     "image": {"tag": "1.2.3"},
 }
@@ -260,13 +261,27 @@ def test_the_controller_runs_alone_on_kubernetes_with_the_engine_image(everythin
         "--backend", "kubernetes",
         "--namespace", NAMESPACE,
         "--engine-image", "registry.example/stoker-engine:1.2.3",
-        "--store-path", "/var/lib/stoker-store",
+        "--store-path", "/nvme0/stoker",
     ]  # fmt: skip
-    mounts = {m["mountPath"]: m["name"] for m in container(controller)["volumeMounts"]}
-    claims = {c["metadata"]["name"]: c["spec"] for c in controller["spec"]["volumeClaimTemplates"]}
-    assert claims.keys() == {mounts["/var/lib/stoker"], mounts["/var/lib/stoker-store"]}
-    assert {c["storageClassName"] for c in claims.values()} == {"fast-ssd"}
     assert controller["spec"]["serviceName"] == one(everything, "Service", "controller")["metadata"]["name"]
+
+
+def test_the_registry_outlives_the_controller_pod(everything):
+    controller = one(everything, "StatefulSet", "controller")
+    mounts = {m["mountPath"]: m["name"] for m in container(controller)["volumeMounts"]}
+    (claim,) = controller["spec"]["volumeClaimTemplates"]
+    assert claim["metadata"]["name"] == mounts["/var/lib/stoker"]
+    assert claim["spec"]["storageClassName"] == "fast-ssd"
+    assert claim["spec"]["resources"]["requests"]["storage"] == "1Gi"
+
+
+def test_engine_pods_and_the_node_agent_share_the_nodes_store(everything):
+    """The controller mounts `--store-path` as a hostPath at that same path in each engine pod
+    (warm_pool/kube_pod.py), so it must name the directory the node agent keeps."""
+    args = container(one(everything, "StatefulSet", "controller"))["args"]
+    node = one(everything, "DaemonSet", "node")
+    (host,) = [v["hostPath"] for v in node["spec"]["template"]["spec"]["volumes"] if "hostPath" in v]
+    assert args[args.index("--store-path") + 1] == host["path"]
 
 
 def test_gateways_and_node_agents_reach_the_controller_through_its_service(everything):
@@ -289,7 +304,7 @@ def test_the_node_agent_knows_its_node_and_mounts_the_nvme_store(everything):
     assert env(container(node))["NODE_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
     volumes = {v["name"]: v for v in node["spec"]["template"]["spec"]["volumes"]}
     mount = next(m for m in container(node)["volumeMounts"] if m["mountPath"] == "/var/lib/stoker-store")
-    assert volumes[mount["name"]]["hostPath"] == {"path": "/mnt/nvme/stoker", "type": "Directory"}
+    assert volumes[mount["name"]]["hostPath"] == {"path": "/nvme0/stoker", "type": "Directory"}
     pod = node["spec"]["template"]["spec"]
     assert pod["nodeSelector"] == EVERYTHING["node"]["nodeSelector"]
     assert pod["tolerations"] == EVERYTHING["node"]["tolerations"]

@@ -62,12 +62,12 @@ http://{{ include "stoker.fullname" . }}-controller:8081
   valueFrom:
     secretKeyRef:
       name: {{ . }}
-      key: {{ $.Values.s3.accessKeyIdKey }}
+      key: AWS_ACCESS_KEY_ID
 - name: AWS_SECRET_ACCESS_KEY
   valueFrom:
     secretKeyRef:
       name: {{ . }}
-      key: {{ $.Values.s3.secretAccessKeyKey }}
+      key: AWS_SECRET_ACCESS_KEY
 {{- end }}
 {{- end }}
 
