@@ -22,6 +22,7 @@ import re
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import aiohttp
 import httpx2
@@ -214,6 +215,9 @@ class NodeAgent:
         self.metrics = AgentMetrics()
         self.last_sync_at: float | None = None
         self.last_errors: list[str] = []
+        # Why each wanted snapshot's last pull failed, until one succeeds: /healthz shows it also
+        # during the syncs that skip the snapshot while it backs off.
+        self.pull_failures: dict[str, str] = {}
 
     async def run(self) -> None:
         """Sync now, then every interval, until cancelled."""
@@ -234,6 +238,9 @@ class NodeAgent:
         except ControllerAnswerError as exc:
             errors.append(f"controller: {exc}")
             wanted = []
+        else:
+            ids = {snapshot.id for snapshot in wanted}
+            self.pull_failures = {sid: why for sid, why in self.pull_failures.items() if sid in ids}
         await self._report(errors)
         held = set(self.store.ids())
         for snapshot in wanted:
@@ -279,18 +286,29 @@ class NodeAgent:
         each request (`RemoteConfig.retry_attempts`); what still fails waits for `self.backoff`."""
         try:
             report = await pull(self.store, uri, self.remote, expected_id=snapshot_id)
-            if self.config.warm:
-                await asyncio.to_thread(pagecache.warm, report.path)
         except (SnapshotError, OSError) as exc:
             self.metrics.pulls.labels("failed").inc()
             delay = self.backoff.failed(snapshot_id, self.clock())
-            errors.append(f"pulling {snapshot_id[:12]} from {uri}: {exc} (next try in {delay:g} s)")
+            why = f"pulling {snapshot_id[:12]} from {uri}: {exc} (next try in {delay:g} s)"
+            self.pull_failures[snapshot_id] = why
+            errors.append(why)
             return False
         self.backoff.succeeded(snapshot_id)
+        self.pull_failures.pop(snapshot_id, None)
         self.metrics.pulls.labels("ok").inc()
         self.metrics.pulled_bytes.inc(report.bytes_downloaded)
         log.info("pulled %s from %s: %d bytes", snapshot_id[:12], uri, report.bytes_downloaded)
+        if self.config.warm:
+            await self._warm(snapshot_id, report.path, errors)
         return True
+
+    async def _warm(self, snapshot_id: str, path: Path, errors: list[str]) -> None:
+        """Read a pulled snapshot into the page cache (in a thread: it reads every byte). A failure
+        costs only speed: the snapshot is in the store and labelled all the same."""
+        try:
+            await asyncio.to_thread(pagecache.warm, path)
+        except SnapshotError as exc:
+            errors.append(f"warming {snapshot_id[:12]}: {exc}")
 
     def health(self) -> dict:
         return {
@@ -298,6 +316,7 @@ class NodeAgent:
             "snapshots": self.store.ids(),
             "last_sync_at": self.last_sync_at,
             "last_error": "; ".join(self.last_errors) or None,
+            "pull_failures": dict(self.pull_failures),
         }
 
 

@@ -382,6 +382,7 @@ async def test_pulls_a_wanted_snapshot_into_an_empty_store_and_labels_the_node(s
             "snapshots": [sid],
             "last_sync_at": health["last_sync_at"],
             "last_error": None,
+            "pull_failures": {},
         }
         assert abs(health["last_sync_at"] - time.time()) < 60
 
@@ -466,14 +467,19 @@ async def test_a_failing_pull_leaves_the_agent_running_and_is_retried(scene, s3_
     scene.controller.body = answer(entry(sid, uri))
 
     async with running_agent(scene) as running:
-        await until(
-            lambda: running.agent.metrics.pulls.labels("failed")._value.get() >= 2, "two failed pulls"
-        )
-        health = await running.health()
-        assert health["last_error"] is None or f"pulling {sid[:12]}" in health["last_error"]
+        registry = running.agent.metrics.registry
+
+        def failed() -> float:
+            return registry.get_sample_value("stoker_node_pulls_total", {"result": "failed"}) or 0
+
+        await until(lambda: failed() >= 2, "two failed pulls")
+        health = await running.health()  # the agent still answers, and says why the pull fails
+        assert health["pull_failures"][sid].startswith(f"pulling {sid[:12]} from {uri}: ")
+        assert "next try in" in health["pull_failures"][sid]
         assert scene.store.ids() == [] and scene.our_labels() == set()
 
         await publish(publisher, sid, uri)
         await until(lambda: snapshot_label(sid) in scene.labels(), "the retried pull's label")
         assert scene.store.ids() == [sid]
-        assert (await running.next_sync())["last_error"] is None
+        health = await running.next_sync()
+        assert (health["last_error"], health["pull_failures"]) == (None, {})
