@@ -41,18 +41,19 @@ from snapshots.remote import RemoteConfig, pull
 from snapshots.s3 import S3Uri
 from stoker.http import BearerAuth, nesting_exceeds
 from warm_pool.backoff import restart_delay
+from warm_pool.kube import snapshot_label
+from warm_pool.kube_pod import SNAPSHOT_LABEL_PREFIX
 
 log = logging.getLogger("stoker.node")
 
 SNAPSHOTS_PATH = "/cluster/v1/snapshots"
-LABEL_PREFIX = "snapshots.stoker.dev/"
 # Bounds on the controller's answer: a cluster with 1000 deployments on distinct snapshots answers
 # ~150 kB; anything past these is a broken or hostile controller, refused before it costs memory.
 MAX_ANSWER_BYTES = 4 * 1024 * 1024
 MAX_SNAPSHOTS = 10_000
 MAX_DEPLOYMENTS = 10_000
 _ID = re.compile(r"[0-9a-f]{64}")
-_OUR_LABEL = re.compile(re.escape(LABEL_PREFIX) + r"[0-9a-f]{40}")
+_OUR_LABEL = re.compile(re.escape(SNAPSHOT_LABEL_PREFIX) + r"[0-9a-f]{40}")  # `snapshot_label`'s form
 
 
 class ControllerAnswerError(Exception):
@@ -64,12 +65,6 @@ class WantedSnapshot:
     id: str
     uri: str | None  # None: the snapshot exists only in some store, so there is nowhere to pull it from
     deployments: tuple[str, ...]
-
-
-def snapshot_label(snapshot_id: str) -> str:
-    """The node label that says a node holds `snapshot_id`. 40 hex digits keep the name part within
-    Kubernetes' 63 characters and are as unique as a git commit id."""
-    return LABEL_PREFIX + snapshot_id[:40]
 
 
 def parse_wanted(raw: bytes) -> list[WantedSnapshot]:

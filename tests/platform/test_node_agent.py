@@ -41,7 +41,6 @@ from stoker.cli import StokerParser
 from stoker.errors import CLIError
 from stoker.http import make_server
 from stoker.node_agent import (
-    LABEL_PREFIX,
     MAX_ANSWER_BYTES,
     AgentConfig,
     ControllerAnswerError,
@@ -50,11 +49,12 @@ from stoker.node_agent import (
     build_app,
     label_patch,
     parse_wanted,
-    snapshot_label,
 )
 from stoker.node_cli import _kube_config, add_parser, serve_node
 from tests.kube.fake_apiserver import FakeApiServer
 from tests.snapshots.s3_support import MotoServer, aws_env, free_port
+from warm_pool.kube import snapshot_label
+from warm_pool.kube_pod import SNAPSHOT_LABEL_PREFIX
 
 BUCKET = "node-agent"
 ADMIN_KEY = "node-agent-admin-key"
@@ -118,7 +118,7 @@ def test_a_bad_answer_is_refused_whole(raw: bytes):
 
 
 def test_the_label_names_the_first_40_hex_digits():
-    assert snapshot_label(ID_A) == LABEL_PREFIX + "a" * 40
+    assert snapshot_label(ID_A) == SNAPSHOT_LABEL_PREFIX + "a" * 40
     assert len(snapshot_label(ID_A).split("/")[1]) <= 63  # Kubernetes' limit on a label's name
 
 
