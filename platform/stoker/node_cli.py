@@ -70,26 +70,28 @@ def cmd_node(args: argparse.Namespace) -> int:
     admin_key = os.environ.get("STOKER_ADMIN_KEY", "")
     if not admin_key:
         raise CLIError(
-            "stoker node needs STOKER_ADMIN_KEY: it asks the controller with it, and /metrics requires it"
+            "STOKER_ADMIN_KEY is not set: `stoker node` asks the controller with it, and /metrics requires it"
         )
     try:
         config = AgentConfig(args.controller, args.node_name, args.interval, args.warm)
     except ValueError as exc:
         raise CLIError(str(exc)) from None
+    kube_config = _kube_config(args.kubeconfig)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     # uvicorn re-raises SIGTERM once it has drained; ignored, a clean stop exits 0 (stoker.http.run_server).
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    started = asyncio.run(_main(args, config, admin_key))
-    if not started:
-        raise CLIError(f"could not serve on {args.host}:{args.port}")
+    try:
+        asyncio.run(_main(args, config, kube_config, admin_key))
+    except SystemExit:  # uvicorn's startup exits this way when it cannot bind, having logged why
+        raise CLIError(f"could not serve on {args.host}:{args.port}") from None
     return 0
 
 
-async def _main(args: argparse.Namespace, config, admin_key: str) -> bool:
-    """Build the agent and its server inside the event loop (lightkube's client belongs to one), run
-    both; whether the server started."""
+async def _main(args: argparse.Namespace, config, kube_config, admin_key: str) -> None:
+    """Build the agent and its server inside the event loop (lightkube's client belongs to one), and
+    run both."""
     from lightkube import AsyncClient
 
     from snapshots import SnapshotStore
@@ -97,13 +99,12 @@ async def _main(args: argparse.Namespace, config, admin_key: str) -> bool:
     from stoker.http import make_server
     from stoker.node_agent import NodeAgent, build_app
 
-    kube = AsyncClient(config=_kube_config(args.kubeconfig))
+    kube = AsyncClient(config=kube_config)
     try:
         agent = NodeAgent(config, SnapshotStore(Path(args.store)), kube, RemoteConfig.from_env(), admin_key)
         app = build_app(agent, admin_key)
         server = make_server(app, host=args.host, port=args.port, log_level=args.log_level, grace_period_s=5)
         await serve_node(agent, server)
-        return server.started
     finally:
         await kube.close()
 
