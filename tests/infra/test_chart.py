@@ -8,6 +8,7 @@ Services, selectors and the autoscaler pointing at the right pods.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import jsonschema
@@ -20,6 +21,13 @@ from tests.infra.helmlite import RequiredError, manifests, render_chart
 CHART = Path(__file__).resolve().parents[2] / "infra" / "helm" / "stoker"
 NAMESPACE = "inference"
 KUBERNETES = "1.33"  # a recent release whose schemas kubernetes-validate bundles
+
+
+def oldest_kubernetes() -> str:
+    """The oldest release Chart.yaml's kubeVersion admits (">=1.29.0-0" -> "1.29")."""
+    floor = yaml.safe_load((CHART / "Chart.yaml").read_text())["kubeVersion"]
+    return re.fullmatch(r">=(\d+\.\d+)\.0-0", floor).group(1)
+
 
 DEFAULTS = {"adminKey": {"existingSecret": "stoker-admin"}}
 EVERYTHING = {
@@ -95,10 +103,11 @@ def test_the_chart_renders_the_objects_stoker_needs(objects):
     assert len(names) == len(set(names))
 
 
-def test_every_builtin_object_passes_the_strict_api_schema(objects):
+@pytest.mark.parametrize("version", [oldest_kubernetes(), KUBERNETES])
+def test_every_builtin_object_passes_the_strict_api_schema(objects, version):
     for obj in objects:
         if obj["apiVersion"] != "monitoring.coreos.com/v1":
-            kubernetes_validate.validate(obj, KUBERNETES, strict=True)
+            kubernetes_validate.validate(obj, version, strict=True)
 
 
 def test_the_strict_schema_catches_a_misplaced_field(everything):
