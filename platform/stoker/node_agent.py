@@ -328,7 +328,12 @@ async def _read_at_most(resp: aiohttp.ClientResponse, limit: int) -> bytes:
 
 
 def build_app(agent: NodeAgent, admin_key: str) -> BearerAuth:
-    """`/healthz` (open: a kubelet probe carries no key) and `/metrics` (the admin key)."""
+    """`/healthz` (open: a kubelet probe carries no key) and `/metrics` (the admin key).
+
+    /healthz always answers 200 (a failing pull or an unreachable controller is no reason for the
+    kubelet to restart the agent): `{"node", "snapshots": [held ids], "last_sync_at": Unix time or
+    null, "last_error": this sync's errors or null, "pull_failures": {id: why, until it succeeds}}`.
+    """
 
     async def healthz(request: Request) -> Response:
         return JSONResponse(agent.health())

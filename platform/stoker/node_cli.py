@@ -19,9 +19,16 @@ import logging
 import os
 import signal
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from stoker.durations import duration
 from stoker.errors import CLIError
+
+if TYPE_CHECKING:
+    import uvicorn
+    from lightkube import KubeConfig
+
+    from stoker.node_agent import AgentConfig, NodeAgent
 
 # lightkube, aiohttp and aiobotocore are imported inside the command: `stoker --help` stays instant.
 
@@ -89,7 +96,9 @@ def cmd_node(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _main(args: argparse.Namespace, config, kube_config, admin_key: str) -> None:
+async def _main(
+    args: argparse.Namespace, config: AgentConfig, kube_config: KubeConfig, admin_key: str
+) -> None:
     """Build the agent and its server inside the event loop (lightkube's client belongs to one), and
     run both."""
     from lightkube import AsyncClient
@@ -109,7 +118,7 @@ async def _main(args: argparse.Namespace, config, kube_config, admin_key: str) -
         await kube.close()
 
 
-def _kube_config(path: str | None):
+def _kube_config(path: str | None) -> KubeConfig:
     """The kubeconfig at `path`, else the pod's service account; a CLIError saying which failed."""
     from lightkube import KubeConfig
     from lightkube.core.exceptions import ConfigError
@@ -123,7 +132,7 @@ def _kube_config(path: str | None):
         raise CLIError(f"cannot read {where}: {exc}") from None
 
 
-async def serve_node(agent, server) -> None:
+async def serve_node(agent: NodeAgent, server: uvicorn.Server) -> None:
     """Run the agent's sync loop beside its HTTP server; the server's exit (SIGTERM, Ctrl-C) ends both."""
     syncing = asyncio.create_task(agent.run())
     try:
