@@ -18,7 +18,9 @@ import yaml
 
 from tests.infra.helmlite import RequiredError, manifests, render_chart
 
-CHART = Path(__file__).resolve().parents[2] / "infra" / "helm" / "stoker"
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "infra" / "helm" / "stoker"
+PACKAGES = ("platform/stoker", "activator", "warm_pool", "snapshots")
 NAMESPACE = "inference"
 KUBERNETES = "1.33"  # a recent release whose schemas kubernetes-validate bundles
 
@@ -322,13 +324,25 @@ def test_the_node_agent_knows_its_node_and_mounts_the_nvme_store(everything):
 def test_object_storage_settings_reach_the_processes_that_move_snapshots(everything):
     for workload in (one(everything, "StatefulSet"), one(everything, "DaemonSet")):
         variables = env(container(workload))
-        assert variables["STOKER_S3_ENDPOINT_URL"]["value"] == "http://minio.storage:9000"
+        assert variables["AWS_ENDPOINT_URL"]["value"] == "http://minio.storage:9000"
         for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
             assert variables[name]["valueFrom"]["secretKeyRef"] == {"name": "s3-creds", "key": name}
     assert not env(container(one(everything, "Deployment"))).keys() & {
-        "STOKER_S3_ENDPOINT_URL",
+        "AWS_ENDPOINT_URL",
         "AWS_ACCESS_KEY_ID",
     }
+
+
+def test_every_variable_the_chart_sets_is_one_stoker_reads(everything):
+    """A misspelt variable is silently ignored by the process, so each name must occur in the
+    packages' source; the AWS credentials are botocore's own, NODE_NAME goes into the node agent's
+    argv, HOME is the system's."""
+    source = "\n".join(p.read_text() for d in PACKAGES for p in (REPO / d).rglob("*.py"))
+    names = {n for w in workloads(everything) for n in env(container(w))}
+    others = {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "NODE_NAME", "HOME"}
+    assert others <= names
+    for name in names - others:
+        assert re.search(rf"[\"']{name}[\"']", source), name
 
 
 def test_without_object_storage_settings_no_s3_variables_are_set():

@@ -54,7 +54,7 @@ http://{{ include "stoker.fullname" . }}-controller:8081
 {{/* Object storage settings, for the processes that move snapshots (controller, node agent). */}}
 {{- define "stoker.s3Env" -}}
 {{- with .Values.s3.endpointUrl }}
-- name: STOKER_S3_ENDPOINT_URL
+- name: AWS_ENDPOINT_URL
   value: {{ . | quote }}
 {{- end }}
 {{- with .Values.s3.existingSecret }}
