@@ -310,6 +310,35 @@ def test_gateways_and_node_agents_reach_the_controller_through_its_service(every
     ]  # fmt: skip
 
 
+@pytest.mark.parametrize(
+    "component",
+    [
+        pytest.param(
+            "controller",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="stoker controller's Kubernetes flags (--data-dir, --backend, --namespace, "
+                "--engine-image, --store-path) are being written (issue 12): remove this mark when they land",
+            ),
+        ),
+        "gateway",
+        "node",
+    ],
+)
+def test_each_command_line_is_one_the_stoker_cli_accepts(everything, component):
+    from stoker.cli import build_parser
+
+    (workload,) = [
+        w
+        for w in workloads(everything)
+        if w["metadata"]["labels"]["app.kubernetes.io/component"] == component
+    ]
+    c = container(workload)
+    parsed = build_parser().parse_args(c["args"])
+    assert parsed.command == component
+    assert parsed.port == c["ports"][0]["containerPort"]
+
+
 def test_the_node_agent_knows_its_node_and_mounts_the_nvme_store(everything):
     node = one(everything, "DaemonSet", "node")
     assert env(container(node))["NODE_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
