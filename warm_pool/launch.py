@@ -24,14 +24,28 @@ ENGINE_KEY_ENV = "STOKER_ENGINE_API_KEY"  # stoker.engine.app.API_KEY_ENV: warm_
 
 @dataclass(frozen=True)
 class LaunchSpec:
+    """What starts an engine. `argv[:program_argc]` names the program as this machine runs it (a
+    venv's script, `python -m stoker.cli`); a backend that runs it elsewhere (a pod's image) puts
+    `program` there instead and keeps the arguments. `secret_env` names the variables of `env`
+    that hold secrets (the engine's key): a pod gets those from a Secret, never in its spec."""
+
     argv: tuple[str, ...]
     env: Mapping[str, str] = field(default_factory=dict)  # additions to the parent's environment
     health_path: str = "/health"
     cwd: Path | None = None  # None: the platform's own
+    program: str = "stoker"  # "stoker" | "vllm": the executable an engine image provides
+    program_argc: int = 1
+    secret_env: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "argv", tuple(self.argv))
         object.__setattr__(self, "env", MappingProxyType(dict(self.env)))
+        object.__setattr__(self, "secret_env", frozenset(self.secret_env))
+
+    @property
+    def args(self) -> tuple[str, ...]:
+        """The program's arguments, without what names the program."""
+        return self.argv[self.program_argc :]
 
 
 def default_stoker_command() -> tuple[str, ...]:
@@ -62,7 +76,10 @@ def cpu_engine_spec(
         argv += ["--threads", str(threads)]
     # The instance's secret goes in the environment, readable by its owner only (argv is public).
     env = {**_UNBUFFERED, **({ENGINE_KEY_ENV: api_key} if api_key else {})}
-    return LaunchSpec(tuple([*argv, *extra_args]), env=env)
+    secret = frozenset({ENGINE_KEY_ENV} if api_key else ())
+    return LaunchSpec(
+        tuple([*argv, *extra_args]), env=env, program="stoker", program_argc=len(cmd), secret_env=secret
+    )
 
 
 def vllm_spec(
@@ -129,7 +146,14 @@ def vllm_spec(
         env["VLLM_CACHE_ROOT"] = str(cache_root)
         # Inductor's own cache too (by default /tmp/torchinductor_<user>, shared and not kept).
         env["TORCHINDUCTOR_CACHE_DIR"] = str(cache_root / "inductor")
-    return LaunchSpec(tuple([*argv, *extra_args]), env=env, cwd=snapshot_dir.parent)
+    return LaunchSpec(
+        tuple([*argv, *extra_args]),
+        env=env,
+        cwd=snapshot_dir.parent,
+        program="vllm",
+        program_argc=len(vllm_command),
+        secret_env=frozenset({"VLLM_API_KEY"} if api_key else ()),
+    )
 
 
 class GpuInventory:

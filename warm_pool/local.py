@@ -5,52 +5,48 @@ time of the process (`/proc/<pid>/stat`, field 22), so a handle read back after 
 mistaken for an unrelated process that got the same PID later. Stopping signals the whole group,
 so whatever the engine spawned goes with it.
 
-Sleep and wake are HTTP calls to the engine itself (`POST /sleep?level=N`, `POST /wake_up`): the CPU
-engine and vLLM in its dev mode answer the same routes. Anything but a 200 in time is a `PoolError`
-naming the instance and what it answered; the pool then treats the instance as failed.
+Every engine it starts is recorded (`warm_pool.records`: id, deployment, snapshot, process, address
+and key, in a file only its owner may read) until it is stopped, and carries its owner (the data
+dir) in its environment. A restarted controller's `running()` reads the records back: a recorded
+process that still runs (same PID, same start time) is handed over for adoption, with the key that
+reaches it; a dead one's record is dropped; an engine that says it is ours but was never recorded
+(the run died between spawning and recording it) cannot be reached and is stopped.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
+import logging
 import os
 import re
 import signal
 import socket
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
 
-from warm_pool.errors import PoolError, StartFailed
+from warm_pool.backend import Placement, Running
+from warm_pool.errors import StartFailed
 from warm_pool.launch import LaunchSpec
-from warm_pool.vllm import startup_phases
+from warm_pool.procs import OWNER_ENV, ProcessHandle, killpg, read_start_ticks
+from warm_pool.records import InstanceRecord, InstanceRecords, marked
+from warm_pool.snapshot import Acquired, SnapshotSource
 
-STARTUP_PHASE_METRIC = "stoker_engine_startup_phase_seconds"
-Headers = Mapping[str, str] | None  # an instance's `auth_headers`: its key
+log = logging.getLogger("warm_pool.local")
 _LOG_TAIL_LINES = 5
 FAILURE_LOG_LINES = 20  # what a failure record keeps of the log: a traceback's last frames and its error
 _LOG_TAIL_BYTES = 64 * 1024  # a crash's traceback plus what follows it
-_LOG_PHASE_BYTES = 1 << 20  # vLLM logs a few hundred lines while it starts; its phases are in them
-_MAX_INFO_BYTES = 1 << 20  # vLLM's /server_info holds its whole config and environment: ~20 KB
-
-
-@dataclass(frozen=True)
-class ProcessHandle:
-    pid: int
-    pgid: int
-    start_ticks: int  # -1 if the process was gone before it could be read
 
 
 @dataclass
 class _Child:
     process: asyncio.subprocess.Process
     log_path: Path
+    url: str
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -62,48 +58,6 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def read_start_ticks(pid: int) -> int | None:
-    """Field 22 of /proc/<pid>/stat; None if there is no such process or it is a zombie."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    # Field 2 is the command name in parentheses and may itself hold spaces and ")": split after the
-    # last ")". What follows starts at field 3 (state), so field 22 is index 19.
-    fields = stat[stat.rindex(")") + 2 :].split()
-    if fields[0] in ("Z", "X"):
-        return None
-    return int(fields[19])
-
-
-@dataclass(frozen=True)
-class EngineCapabilities:
-    """What an engine said it can do. An engine that said nothing can do nothing optional."""
-
-    sleep_levels: tuple[int, ...] = ()
-
-    @property
-    def can_sleep(self) -> bool:
-        return 1 in self.sleep_levels
-
-    @classmethod
-    def parse(cls, body: bytes) -> EngineCapabilities:
-        try:
-            doc = json.loads(body)
-        except (ValueError, UnicodeDecodeError):
-            return cls()
-        if not isinstance(doc, dict):
-            return cls()
-        levels = doc.get("sleep_levels")
-        if isinstance(levels, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in levels):
-            return cls(tuple(sorted(set(levels))))
-        config = doc.get("vllm_config")
-        model = config.get("model_config") if isinstance(config, dict) else None
-        if isinstance(model, dict) and model.get("enable_sleep_mode") is True:
-            return cls((1, 2))  # vLLM's sleep mode: level 1 offloads weights to host, level 2 drops them
-        return cls()
-
-
 def _read_tail(path: Path, nbytes: int) -> str | None:
     """The last `nbytes` of a file as text; None if it cannot be read."""
     try:
@@ -113,12 +67,6 @@ def _read_tail(path: Path, nbytes: int) -> str | None:
             return f.read().decode("utf-8", "replace")
     except OSError:
         return None
-
-
-def _phases_from_log(path: Path) -> dict[str, float]:
-    """vLLM's start phases from the tail of its log (the last start in it, if it was restarted)."""
-    text = _read_tail(path, _LOG_PHASE_BYTES)
-    return startup_phases(text) if text is not None else {}
 
 
 # Lines a dying vLLM prints after its error that say nothing about it: nanobind's leak report at
@@ -152,44 +100,102 @@ def log_tail(path: Path, lines: int = _LOG_TAIL_LINES) -> str:
     return " | ".join(log_tail_lines(path, lines))
 
 
-OWNER_ENV = "STOKER_ENGINE_OF"  # in every engine's environment: whose it is (see `records.marked`)
-
-
 class LocalBackend:
+    kind = "local"
+
     def __init__(
-        self, log_dir: Path, clock: Callable[[], float] = time.monotonic, owner: str | None = None
+        self,
+        log_dir: Path,
+        clock: Callable[[], float] = time.monotonic,
+        owner: str | None = None,
+        records: InstanceRecords | None = None,
     ) -> None:
         """`owner`, when given, goes into every engine's environment as `OWNER_ENV`, so a later run
-        finds the engines of this one even where no record was written (`records.reap_orphans`)."""
+        finds the engines of this one even where no record was written. Without `records` nothing
+        is recorded and `running()` finds nothing (tests, benchmarks)."""
         self.log_dir = log_dir
         self._clock = clock
+        self._owner_name = owner
         self._owner = {OWNER_ENV: owner} if owner else {}
+        self._records = records
         self._children: dict[ProcessHandle, _Child] = {}  # processes this backend started and has not reaped
+        self._urls: dict[ProcessHandle, str] = {}  # where each engine it started or adopted answers
 
     def log_path(self, instance_id: str) -> Path:
         return self.log_dir / f"{instance_id}.log"
 
-    async def start(self, instance_id: str, spec: LaunchSpec) -> ProcessHandle:
-        """Spawn `spec` in a new session (its own process group), output appended to its log."""
+    def engine_port(self, host: str) -> int:
+        return free_port(host)
+
+    async def acquire(self, snapshot: SnapshotSource, holder: str) -> Acquired:
+        return await snapshot.acquire(holder=holder)
+
+    async def start(self, placement: Placement, spec: LaunchSpec) -> ProcessHandle:
+        """Spawn `spec` in a new session (its own process group), output appended to its log, and
+        record it."""
+        instance_id = placement.instance_id
         if not instance_id or "/" in instance_id or instance_id.startswith("."):
             raise ValueError(f"instance id must be a plain file name, got {instance_id!r}")
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_path(instance_id)
-        with log_path.open("ab") as log:
+        with log_path.open("ab") as out:
             process = await asyncio.create_subprocess_exec(
                 *spec.argv,
                 env=os.environ | dict(spec.env) | self._owner,
                 stdin=asyncio.subprocess.DEVNULL,
-                stdout=log,
+                stdout=out,
                 stderr=asyncio.subprocess.STDOUT,
                 start_new_session=True,
                 cwd=spec.cwd,
             )
         ticks = read_start_ticks(process.pid)
         # start_new_session makes the child a session and group leader: its pgid is its pid.
-        handle = ProcessHandle(process.pid, process.pid, -1 if ticks is None else ticks)
-        self._children[handle] = _Child(process, log_path)
+        handle = ProcessHandle(process.pid, process.pid, -1 if ticks is None else ticks, instance_id)
+        host = f"[{placement.host}]" if ":" in placement.host else placement.host
+        url = f"http://{host}:{placement.port}"
+        self._children[handle] = _Child(process, log_path, url)
+        self._urls[handle] = url
+        if self._records is not None:
+            self._records.put(InstanceRecord.of(placement, handle, url, time.time()))
         return handle
+
+    async def running(self) -> list[Running]:
+        """The recorded engines of a previous run that still run, for adoption; dead ones' records
+        are dropped, and engines marked as ours that no record names are stopped."""
+        if self._records is None:
+            return []
+        found, recorded = [], set()
+        for record in self._records.all():
+            handle = record.handle
+            if not self.is_alive(handle) or not record.secret:
+                if self.is_alive(handle):  # a record from before keys were recorded: unreachable
+                    await self.stop(handle, 10.0)
+                self._records.remove(record.id)
+                continue
+            recorded.add(handle.pgid)
+            self._urls[handle] = record.url
+            found.append(
+                Running(
+                    record.id,
+                    record.deployment,
+                    record.snapshot_id,
+                    handle,
+                    record.url,
+                    record.secret,
+                    record.started_at,
+                )
+            )
+        if self._owner_name is not None:
+            for handle in marked(self._owner_name):
+                if handle.pgid not in recorded and self.is_alive(handle):
+                    log.warning(
+                        "stopping process %d left by a previous run, which never recorded it", handle.pid
+                    )
+                    await self.stop(handle, 10.0)
+        return found
+
+    async def read_log(self, instance_id: str, max_bytes: int) -> str | None:
+        return await asyncio.to_thread(_read_tail, self.log_path(instance_id), max_bytes)
 
     def is_alive(self, handle: ProcessHandle) -> bool:
         """The same process (PID and start time) still runs; a recycled PID does not count."""
@@ -201,20 +207,20 @@ class LocalBackend:
     async def wait_ready(
         self,
         handle: ProcessHandle,
-        url: str,
         timeout_s: float,
-        interval_s: float = 0.1,
         *,
         health_path: str = "/health",
-    ) -> None:
-        """Poll `url + health_path` until 200. `StartFailed` if the process exits first or time runs
-        out; the process is left as it is (the caller stops it).
+        interval_s: float = 0.1,
+    ) -> str:
+        """Poll the engine's `health_path` until 200; its base URL. `StartFailed` if the process
+        exits first or time runs out; the process is left as it is (the caller stops it).
 
         The failure's phase is what the polls saw: an engine that exits before its server ever
         answered failed to start (`process_start`: imports, checks, or all of vLLM's start, whose
         server answers only once loaded); one that answered "not ready" first failed loading
         (`model_load`: the CPU engine serves at once and loads in the background); one that runs on
         unready past `timeout_s` is a `wait_ready` failure."""
+        url = self._urls[handle]
         deadline = self._clock() + timeout_s
         last = "no answer yet"
         answered = False
@@ -233,7 +239,7 @@ class LocalBackend:
                     timeout = aiohttp.ClientTimeout(total=min(1.0, remaining))
                     async with session.get(url + health_path, timeout=timeout) as r:
                         if r.status == 200:
-                            return
+                            return url
                         answered, last = True, f"HTTP {r.status}"
                 except (aiohttp.ClientError, TimeoutError) as exc:
                     last = type(exc).__name__
@@ -241,37 +247,46 @@ class LocalBackend:
 
     async def stop(self, handle: ProcessHandle, term_timeout_s: float) -> int | None:
         """SIGTERM the group, SIGKILL it after `term_timeout_s`; the exit code if this backend started
-        the process and it has not been stopped before, else None. Safe to repeat, and on the dead."""
+        the process and it has not been stopped before, else None. Safe to repeat, and on the dead.
+        Its record goes once it is gone."""
         child = self._children.get(handle)
         if child is None:
-            return await self._stop_foreign(handle, term_timeout_s)
+            await self._stop_foreign(handle, term_timeout_s)
+            self._forget(handle)
+            return None
         process = child.process
         try:
             if process.returncode is None:
-                _killpg(handle.pgid, signal.SIGTERM)
+                killpg(handle.pgid, signal.SIGTERM)
                 try:
                     await asyncio.wait_for(process.wait(), term_timeout_s)
                 except TimeoutError:
-                    _killpg(handle.pgid, signal.SIGKILL)
+                    killpg(handle.pgid, signal.SIGKILL)
                     await process.wait()
         except asyncio.CancelledError:
-            _killpg(handle.pgid, signal.SIGKILL)  # a cancelled stop still leaves nothing running
+            killpg(handle.pgid, signal.SIGKILL)  # a cancelled stop still leaves nothing running
             raise
         # The leader is gone; anything it left in its group goes now. (A group with members left
         # keeps its id reserved, so this cannot reach a stranger; an empty one answers ESRCH.)
-        _killpg(handle.pgid, signal.SIGKILL)
+        killpg(handle.pgid, signal.SIGKILL)
         self._children.pop(handle, None)
+        self._forget(handle)
         return process.returncode
+
+    def _forget(self, handle: ProcessHandle) -> None:
+        self._urls.pop(handle, None)
+        if self._records is not None and handle.instance_id:
+            self._records.remove(handle.instance_id)
 
     async def _stop_foreign(self, handle: ProcessHandle, term_timeout_s: float) -> None:
         """A process another run started (from the records): not ours to reap, so poll until gone."""
         if not self.is_alive(handle):
             return None  # already gone, or its PID now names another process: leave that one alone
-        _killpg(handle.pgid, signal.SIGTERM)
+        killpg(handle.pgid, signal.SIGTERM)
         if not await self._gone_within(handle, term_timeout_s):
-            _killpg(handle.pgid, signal.SIGKILL)
+            killpg(handle.pgid, signal.SIGKILL)
             await self._gone_within(handle, 5.0)
-        _killpg(handle.pgid, signal.SIGKILL)
+        killpg(handle.pgid, signal.SIGKILL)
         return None
 
     async def _gone_within(self, handle: ProcessHandle, seconds: float) -> bool:
@@ -281,70 +296,6 @@ class LocalBackend:
                 return False
             await asyncio.sleep(0.05)
         return True
-
-    async def sleep(self, url: str, level: int, timeout_s: float, headers: Headers = None) -> None:
-        """Put the engine at `url` to sleep (level 1: weights to host RAM, accelerator freed)."""
-        await _post(url, f"/sleep?level={level}", timeout_s, headers)
-
-    async def wake_up(self, url: str, timeout_s: float, headers: Headers = None) -> None:
-        """Wake the engine at `url`: weights back, ready for requests when this returns."""
-        await _post(url, "/wake_up", timeout_s, headers)
-
-    async def read_startup_phases(
-        self, url: str, instance_id: str | None = None, headers: Headers = None
-    ) -> dict[str, float]:
-        """`{phase: seconds}` from the engine's `stoker_engine_startup_phase_seconds`, else (vLLM)
-        from the phases vLLM logged (`warm_pool.vllm.startup_phases`); `{}` if neither can be read:
-        these numbers are informative only."""
-        phases = await self._phases_from_metrics(url, headers)
-        if not phases and instance_id is not None:
-            phases = await asyncio.to_thread(_phases_from_log, self.log_path(instance_id))
-        return phases
-
-    async def read_capabilities(self, url: str, headers: Headers = None) -> EngineCapabilities:
-        """What the engine at `url` says it can do (`GET /server_info?config_format=json`): the CPU
-        engine lists its sleep levels; vLLM reports its config, whose `enable_sleep_mode` means levels
-        1 and 2. An engine without that route (vLLM outside dev mode, where /sleep is not served
-        either) cannot be put to sleep."""
-        try:
-            async with (
-                aiohttp.ClientSession() as session,
-                session.get(
-                    url + "/server_info",
-                    params={"config_format": "json"},
-                    headers=headers,
-                    timeout=aiohttp.ClientTimeout(total=10),
-                ) as r,
-            ):
-                if r.status != 200:
-                    return EngineCapabilities()
-                body = await r.content.read(_MAX_INFO_BYTES + 1)
-        except (aiohttp.ClientError, TimeoutError):
-            return EngineCapabilities()
-        return EngineCapabilities.parse(body[:_MAX_INFO_BYTES] if len(body) <= _MAX_INFO_BYTES else b"")
-
-    async def _phases_from_metrics(self, url: str, headers: Headers = None) -> dict[str, float]:
-        try:
-            async with (
-                aiohttp.ClientSession() as session,
-                session.get(url + "/metrics", headers=headers, timeout=aiohttp.ClientTimeout(total=5)) as r,
-            ):
-                if r.status != 200:
-                    return {}
-                text = await r.text()
-        except (aiohttp.ClientError, TimeoutError):
-            return {}
-        phases: dict[str, float] = {}
-        try:
-            for family in text_string_to_metric_families(text):
-                if family.name != STARTUP_PHASE_METRIC:
-                    continue
-                for sample in family.samples:
-                    if "phase" in sample.labels:
-                        phases[sample.labels["phase"]] = sample.value
-        except ValueError:
-            return {}
-        return phases
 
     async def _exit_code(self, handle: ProcessHandle) -> int | None:
         """The status of a child seen dead; the reaping may trail the death by a moment."""
@@ -362,23 +313,3 @@ class LocalBackend:
         where = f" ({child.log_path})" if child else ""
         message = f"engine pid {handle.pid} {what}{where}" + (f"; log: {tail}" if tail else "")
         return StartFailed(message, exit_code=code, log_tail=tail, phase=phase, log_lines=tuple(lines))
-
-
-async def _post(url: str, path: str, timeout_s: float, headers: Headers = None) -> None:
-    try:
-        async with (
-            aiohttp.ClientSession() as session,
-            session.post(url + path, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)) as r,
-        ):
-            if r.status != 200:
-                body = (await r.text())[:200].replace("\n", " ")
-                raise PoolError(f"POST {url}{path} answered {r.status}: {body}")
-    except (aiohttp.ClientError, OSError) as exc:
-        raise PoolError(f"POST {url}{path} failed: {type(exc).__name__}: {exc}") from None
-    except TimeoutError:
-        raise PoolError(f"POST {url}{path}: no answer within {timeout_s:g}s") from None
-
-
-def _killpg(pgid: int, sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pgid, sig)

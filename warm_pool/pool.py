@@ -44,37 +44,34 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
-from pathlib import Path
 from typing import NamedTuple, Protocol
 
 from cachetools import LRUCache
 
 from snapshots import SnapshotError, WarmReport, pagecache
-from snapshots.pins import Pin
 from warm_pool import plan
+from warm_pool.backend import Backend, Running
 from warm_pool.backoff import restart_delay
+from warm_pool.engine_calls import HttpEngines
 from warm_pool.engine_signals import EngineScraper, EngineTotals, engine_totals
 from warm_pool.errors import PoolError, SnapshotCorrupt, StartFailed
 from warm_pool.failures import FailureRecord, StartFailures, record_of
-from warm_pool.launch import GpuInventory, LaunchSpec, cpu_engine_spec
-from warm_pool.local import EngineCapabilities, Headers, ProcessHandle, free_port
+from warm_pool.instances import InstanceOps, InstanceSettings, Launch, unreachable
+from warm_pool.launch import GpuInventory
 from warm_pool.metrics import PoolMetrics, split_cold_start
 from warm_pool.policies import DEFAULT_POLICY
 from warm_pool.policies.base import Decision, ScalingConfig, Tier
 from warm_pool.policies.settings import bind_policy, startup_priors
 from warm_pool.reconcile import Correction, Observed, SleepStates, correction
-from warm_pool.records import InstanceRecord, InstanceRecords
 from warm_pool.snapshot import SnapshotSource
 from warm_pool.states import Instance, InstanceState, new_instance_id
 from warm_pool.tracker import ObservationTracker
 from warm_pool.vllm import VllmLaunch
-from warm_pool.vllm_starts import VllmStarts
 
 log = logging.getLogger("stoker.pool")
 
 S = InstanceState
 COMING_UP = (S.PENDING, S.STARTING)
-SLEEP_LEVEL = 1  # weights kept in host RAM: a wake is a copy back, not a reload from disk
 TIER_TTL_S = 5.0  # how long a measured snapshot tier (mincore over its files) is trusted
 WARM_EVERY_S = 60.0  # at most one page-cache warm a minute, if the cache cannot keep the snapshot
 
@@ -96,30 +93,6 @@ class Demand(Protocol):
     def set_unavailable(self, reason: str | None) -> None: ...  # no start can succeed (why), or None
 
 
-class Backend(Protocol):
-    """Where instances run: local processes now, Kubernetes pods later."""
-
-    async def start(self, instance_id: str, spec: LaunchSpec) -> ProcessHandle: ...
-
-    def is_alive(self, handle: ProcessHandle) -> bool: ...
-
-    async def wait_ready(
-        self, handle: ProcessHandle, url: str, timeout_s: float, interval_s: float = 0.1, *, health_path: str
-    ) -> None: ...
-
-    async def stop(self, handle: ProcessHandle, term_timeout_s: float) -> int | None: ...
-
-    async def read_startup_phases(
-        self, url: str, instance_id: str | None = None, headers: Headers = None
-    ) -> dict[str, float]: ...
-
-    async def read_capabilities(self, url: str, headers: Headers = None) -> EngineCapabilities: ...
-
-    async def sleep(self, url: str, level: int, timeout_s: float, headers: Headers = None) -> None: ...
-
-    async def wake_up(self, url: str, timeout_s: float, headers: Headers = None) -> None: ...
-
-
 @dataclass(frozen=True)
 class PoolSpec:
     deployment: str
@@ -136,6 +109,20 @@ class PoolSpec:
     host: str = "127.0.0.1"
     threads: int | None = None
     vllm: VllmLaunch | None = None  # how this machine runs vLLM (engine "vllm" only)
+
+    def instance_settings(self) -> InstanceSettings:
+        return InstanceSettings(
+            self.deployment,
+            self.snapshot,
+            self.engine,
+            self.grace_period_s,
+            self.instance_concurrency,
+            self.start_timeout_s,
+            self.kill_timeout_s,
+            self.host,
+            self.threads,
+            self.vllm,
+        )
 
 
 class Phase(StrEnum):
@@ -167,18 +154,16 @@ class Pool:
         self,
         spec: PoolSpec,
         backend: Backend,
-        records: InstanceRecords,
         metrics: PoolMetrics,
         *,
         gpus: GpuInventory | None = None,
+        engines: HttpEngines | None = None,  # tests give engines that need no HTTP
         clock: Callable[[], float] = time.monotonic,
         tick_s: float = 1.0,
     ) -> None:
+        self._ops = InstanceOps(spec.instance_settings(), backend, engines=engines, gpus=gpus, clock=clock)
         self.spec = spec
-        self._backend = backend
-        self._records = records
         self._metrics = metrics
-        self._gpus = gpus or GpuInventory([])
         self._clock = clock
         self._tick_s = tick_s
         self._bound = bind_policy(spec.policy, spec.scaling)
@@ -187,15 +172,12 @@ class Pool:
         self._tracker = ObservationTracker(startup_priors("vllm-cpu" if cpu_vllm else spec.engine))
         self._demand: Demand | None = None
         self._instances: dict[str, Instance] = {}
-        self._handles: dict[str, ProcessHandle] = {}
-        self._pins: dict[str, Pin] = {}  # each instance's hold on its snapshot files
-        self._vllm = VllmStarts(spec.deployment, spec.snapshot, spec.vllm)  # vLLM's specs and compile caches
         self._phases: dict[str, Phase] = {}  # instances in the middle of a sleep or a wake
         # Where each instance's latest READY came from, for counting cold starts by tier. Bounded:
         # a request can only outlive its instance by the grace period, so 256 is plenty.
         self._tiers: LRUCache[str, Tier] = LRUCache(maxsize=256)
         self._launches: dict[str, asyncio.Task] = {}  # starts in progress, cancellable
-        self._ops: dict[str, asyncio.Task] = {}  # sleeps and wakes in progress, cancellable
+        self._turns: dict[str, asyncio.Task] = {}  # sleeps and wakes in progress, cancellable
         self._stops: dict[str, asyncio.Task] = {}  # drains and stops in progress, never cancelled
         self._background: set[asyncio.Task] = set()  # page-cache warms the policy asked for
         self._wake = asyncio.Event()
@@ -217,6 +199,15 @@ class Pool:
         self._scrape: asyncio.Task | None = None
         # What the settled engines say of their sleep, asked in the background (`_reconcile`).
         self._sleep_states = SleepStates(clock, interval_s=spec.reconcile_interval_s, name=spec.deployment)
+
+    @property
+    def spec(self) -> PoolSpec:
+        return self._spec
+
+    @spec.setter
+    def spec(self, spec: PoolSpec) -> None:
+        self._spec = spec
+        self._ops.settings = spec.instance_settings()
 
     # ---- the activator's InstanceSource -------------------------------------------------------------
 
@@ -241,7 +232,7 @@ class Pool:
         inst = self._instances.get(endpoint_id)
         if inst is None or inst.state != S.READY or inst.id in self._phases:
             return
-        if (task := self._ops.pop(inst.id, None)) is not None:
+        if (task := self._turns.pop(inst.id, None)) is not None:
             task.cancel()
         self._failed(inst, reason, "health")
         self._wake.set()
@@ -305,8 +296,8 @@ class Pool:
                 "id": i.id,
                 "state": i.state.value,
                 "phase": self._phases.get(i.id),
-                "url": i.url if i.port is not None else None,
-                "pid": i.pid,
+                "url": i.url if i.port is not None or i.address is not None else None,
+                "runs_as": self._ops.handle_name(i),  # "pid 4242", "pod ns/name": where to look
                 "since": wall - (now - i.state_since),
             }
             for i in sorted(self._instances.values(), key=lambda i: i.created_at)
@@ -353,16 +344,18 @@ class Pool:
                     await self._wake.wait()
             self._wake.clear()
 
-    async def close(self, drain: bool = True) -> None:
-        """Stop the loop and every instance, sleeping ones too: draining (grace period) or at once."""
+    async def close(self, drain: bool = True, *, stop_instances: bool = True) -> None:
+        """Stop the loop and every instance, sleeping ones too: draining (grace period) or at once.
+        Without `stop_instances`, the READY and SLEEPING ones run on, for the next controller to
+        adopt (starts in progress are still stopped: nothing records them as whole)."""
         self._closing = True
         self._wake.set()
         scrape = [self._scrape] if self._scrape is not None else []
-        for task in [*self._launches.values(), *self._ops.values(), *self._background, *scrape]:
+        for task in [*self._launches.values(), *self._turns.values(), *self._background, *scrape]:
             task.cancel()
         await asyncio.gather(
             *self._launches.values(),
-            *self._ops.values(),
+            *self._turns.values(),
             *self._background,
             *self._stops.values(),
             *scrape,
@@ -371,8 +364,11 @@ class Pool:
         self._scrape = None
         await self._engines.aclose()
         await self._sleep_states.aclose()
-        await self._vllm.close()
+        await self._ops.close()
         self._phases.clear()
+        if not stop_instances:
+            self._account(self._clock())
+            return
         grace = self.spec.grace_period_s if drain else 0.0
         await asyncio.gather(
             *(self._drain(i, grace) for i in list(self._instances.values()) if i.state != S.STOPPED),
@@ -501,19 +497,14 @@ class Pool:
     def _reap_dead(self, now: float) -> None:
         """READY and SLEEPING instances whose process is gone become FAILED and are replaced."""
         for inst in list(self._instances.values()):
-            handle = self._handles.get(inst.id)
-            if (
-                inst.state in (S.READY, S.SLEEPING)
-                and handle is not None
-                and not self._backend.is_alive(handle)
-            ):
-                if (task := self._ops.pop(inst.id, None)) is not None:
+            if inst.state in (S.READY, S.SLEEPING) and self._ops.is_alive(inst) is False:
+                if (task := self._turns.pop(inst.id, None)) is not None:
                     task.cancel()
-                self._failed(inst, f"process {handle.pid} died", "serving")
+                self._failed(inst, f"its engine ({self._ops.handle_name(inst)}) died", "serving")
 
     def _settled(self, inst: Instance) -> bool:
         """READY or SLEEPING with nothing of the pool's own in flight for it (start, sleep, wake, drain)."""
-        busy = (self._phases, self._ops, self._stops, self._launches)
+        busy = (self._phases, self._turns, self._stops, self._launches)
         return inst.state in (S.READY, S.SLEEPING) and not any(inst.id in tasks for tasks in busy)
 
     def _reconcile(self) -> None:
@@ -589,53 +580,16 @@ class Pool:
 
     async def _launch(self, inst: Instance) -> None:
         spec, clock = self.spec, self._clock
-        t0 = clock()
-        stage = "snapshot"  # how far it got, for the failure record (`warm_pool.failures`)
+        launch = Launch()
         try:
-            acquired = await spec.snapshot.acquire(holder=inst.id)
-            stage = "process_start"
-            self._pins[inst.id] = acquired.pin
-            snapshot_dir, snapshot_s = acquired.path, clock() - t0
-            if acquired.pulled is not None:
-                log.info(
-                    "instance %s: pulled %s (%d bytes) in %.2fs",
-                    inst.id,
-                    acquired.pulled.uri,
-                    acquired.pulled.bytes_downloaded,
-                    snapshot_s,
-                )
-            inst.port = free_port(spec.host)
-            launch = await self._launch_spec(inst, snapshot_dir)
-            self._move(inst, S.STARTING, clock())
-            handle = await self._backend.start(inst.id, launch)
-            self._handles[inst.id], inst.pid = handle, handle.pid
-            self._records.put(
-                InstanceRecord(
-                    inst.id,
-                    spec.deployment,
-                    handle.pid,
-                    handle.pgid,
-                    handle.start_ticks,
-                    inst.port,
-                    inst.url,
-                    time.time(),
-                )
-            )
-            t1, stage = clock(), "wait_ready"
-            await self._backend.wait_ready(
-                handle, inst.url, spec.start_timeout_s, health_path=launch.health_path
-            )
-            t2 = clock()
-            phases = await self._backend.read_startup_phases(inst.url, inst.id, inst.auth_headers)
-            await self._learn_capabilities(inst)
-            await self._vllm.keep(inst)
+            await self._ops.launch(inst, launch, lambda: self._move(inst, S.STARTING, clock()))
         except (StartFailed, PoolError, OSError, SnapshotError) as exc:
             log.error("instance %s failed to start: %s", inst.id, exc)
             self._metrics.start_finished(spec.deployment, "failed")
             self._move(inst, S.FAILED, clock())
             self._failed_start(clock())
             reason = self._start_failures.start_failed(
-                record_of(inst.id, stage, exc, time.time(), inst.secret)
+                record_of(inst.id, launch.stage, exc, time.time(), inst.secret)
             )
             if isinstance(exc, SnapshotCorrupt) and self._corrupt is None:
                 self._corrupt = str(exc)  # retrying cannot help: no more starts until a redeploy
@@ -649,13 +603,60 @@ class Pool:
         except asyncio.CancelledError:
             await self._forget(inst, to=S.STOPPED)
             raise
-        self._metrics.observe_cold_start(spec.deployment, split_cold_start(snapshot_s, t2 - t1, phases))
+        self._learn_capabilities(launch.capabilities)
+        self._metrics.observe_cold_start(
+            spec.deployment, split_cold_start(launch.snapshot_s, launch.process_s, launch.phases or {})
+        )
         self._metrics.start_finished(spec.deployment, "ready")
         self._failures = 0
         if self._start_failures.started() and self._corrupt is None:
             self._demand.set_unavailable(None)
-        self._became_ready(inst, acquired.tier, inst.created_at)
-        log.info("instance %s ready at %s after %.2fs (%s)", inst.id, inst.url, t2 - t0, acquired.tier)
+        self._became_ready(inst, launch.acquired.tier, inst.created_at)
+        log.info(
+            "instance %s ready at %s after %.2fs (%s)",
+            inst.id,
+            inst.url,
+            launch.snapshot_s + launch.process_s,
+            launch.acquired.tier,
+        )
+
+    async def adopt(self, running: list[Running]) -> list[str]:
+        """Take over engines a previous controller started for this deployment: each joins as READY
+        or SLEEPING, as its engine says, with no start counted; one that does not answer as ours is
+        stopped. The ids adopted."""
+        adopted = []
+        for found in running:
+            now = self._clock()
+            inst = Instance(
+                id=found.instance_id,
+                deployment=self.spec.deployment,
+                created_at=now,
+                max_concurrency=self.spec.instance_concurrency,
+                host=self.spec.host,
+                secret=found.secret,
+            )
+            self._instances[inst.id] = inst
+            try:
+                observed, caps = await self._ops.adopt(inst, found)
+            except PoolError as exc:
+                observed, caps = Observed.UNKNOWN, None
+                log.warning("instance %s: %s", inst.id, exc)
+            if (why := unreachable(observed)) is not None:
+                log.warning("instance %s (%s) not adopted: %s; stopping it", inst.id, found.handle.name, why)
+                await self._forget(inst, to=S.STOPPED)
+                continue
+            self._learn_capabilities(caps)
+            self._move(inst, S.STARTING, now)
+            self._move(inst, S.READY, now)
+            self._tiers[inst.id] = Tier.HOT
+            if observed is Observed.ASLEEP:
+                self._move(inst, S.SLEEPING, now)
+            log.info("instance %s adopted (%s, %s) at %s", inst.id, found.handle.name, inst.state, inst.url)
+            adopted.append(inst.id)
+        if adopted and self._demand is not None:
+            self._demand.capacity_changed()
+        self._wake.set()
+        return adopted
 
     def _became_ready(self, inst: Instance, tier: Tier, asked_at: float) -> None:
         """READY and routable; the seconds since it was asked for feed the tracker and the metrics."""
@@ -666,34 +667,11 @@ class Pool:
         self._metrics.observe_startup(self.spec.deployment, tier.value, now - asked_at)
         self._demand.capacity_changed()
 
-    async def _launch_spec(self, inst: Instance, snapshot_dir: Path) -> LaunchSpec:
-        spec = self.spec
-        if spec.engine == "vllm":
-            return await self._vllm_spec(inst, snapshot_dir)
-        extra = (
-            "--max-num-seqs",
-            str(spec.instance_concurrency),
-            "--grace-period",
-            f"{spec.grace_period_s:g}",
-        )
-        return cpu_engine_spec(
-            snapshot_dir,
-            inst.port,
-            spec.deployment,
-            host=spec.host,
-            threads=spec.threads,
-            extra_args=extra,
-            api_key=inst.secret,
-        )
-
-    async def _vllm_spec(self, inst: Instance, snapshot_dir: Path) -> LaunchSpec:
-        gpus = [] if self._vllm.cpu_build else self._gpus.acquire(1, inst.id)
-        return await self._vllm.spec(inst, snapshot_dir, gpus, self.spec.host)
-
-    async def _learn_capabilities(self, inst: Instance) -> None:
+    def _learn_capabilities(self, caps) -> None:
         """What the engine says it can do decides the tiers the policy gets: an engine without sleep
         (vLLM's CPU build) is never put to sleep; its idle instances stop instead."""
-        caps = await self._backend.read_capabilities(inst.url, inst.auth_headers)
+        if caps is None:
+            return
         if self.can_sleep != caps.can_sleep:
             log.info(
                 "pool %s: engine sleep levels %s: %s",
@@ -706,12 +684,12 @@ class Pool:
     def _begin_sleep(self, inst: Instance) -> None:
         self._phases[inst.id] = Phase.TO_SLEEP
         self._demand.capacity_changed()  # out of routing before anything else
-        self._spawn(self._ops, inst, self._sleep(inst))
+        self._spawn(self._turns, inst, self._sleep(inst))
 
     def _take_back(self, inst: Instance) -> None:
         """An instance waiting for its requests before a sleep: back into routing, the sleep called off."""
         del self._phases[inst.id]
-        if (task := self._ops.pop(inst.id, None)) is not None:
+        if (task := self._turns.pop(inst.id, None)) is not None:
             task.cancel()  # it is in its wait, which has nothing to undo
         self._demand.capacity_changed()
 
@@ -723,7 +701,7 @@ class Pool:
             await asyncio.sleep(0.05)
         self._phases[inst.id] = Phase.FALLING_ASLEEP
         try:
-            await self._backend.sleep(inst.url, SLEEP_LEVEL, self.spec.start_timeout_s, inst.auth_headers)
+            await self._ops.sleep(inst)
         except PoolError as exc:
             self._metrics.sleep_wake_finished(self.spec.deployment, "sleep", ok=False)
             self._failed(inst, f"sleep failed: {exc}", "sleep")
@@ -738,11 +716,11 @@ class Pool:
 
     def _begin_wake(self, inst: Instance) -> None:
         self._phases[inst.id] = Phase.WAKING
-        self._spawn(self._ops, inst, self._wake_up(inst, self._clock()))
+        self._spawn(self._turns, inst, self._wake_up(inst, self._clock()))
 
     async def _wake_up(self, inst: Instance, asked_at: float) -> None:
         try:
-            await self._backend.wake_up(inst.url, self.spec.start_timeout_s, inst.auth_headers)
+            await self._ops.wake(inst)
         except PoolError as exc:
             self._metrics.sleep_wake_finished(self.spec.deployment, "wake", ok=False)
             self._failed(inst, f"wake-up failed: {exc}", "wake")
@@ -769,18 +747,9 @@ class Pool:
         await self._forget(inst, to=S.STOPPED)
 
     async def _forget(self, inst: Instance, to: InstanceState | None = None) -> int | None:
-        """Stop the instance's process (SIGTERM, then SIGKILL) and drop it from the pool; its exit
-        status where the backend knows it."""
-        handle, code = self._handles.pop(inst.id, None), None
-        if handle is not None:
-            # The engine drains on SIGTERM too; give it the grace period before the SIGKILL.
-            term = self.spec.grace_period_s + self.spec.kill_timeout_s
-            code = await asyncio.shield(self._backend.stop(handle, term))
-        self._records.remove(inst.id)
-        self._gpus.release(inst.id)
-        await self._vllm.discard(inst.id)
-        if (pin := self._pins.pop(inst.id, None)) is not None:
-            pin.release()
+        """Stop the instance's engine and drop it from the pool; its exit status where the backend
+        knows it."""
+        code = await self._ops.stop(inst)
         if to is not None and inst.state != to:
             self._move(inst, to, self._clock())
         self._phases.pop(inst.id, None)

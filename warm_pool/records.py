@@ -1,31 +1,24 @@
-"""Crash-safe records of live instances, so the next run can stop what this one leaves behind.
+"""Crash-safe records of live local instances, so that a restarted controller adopts them.
 
-One small JSON file per instance in a directory, written whole or not at all (temp file, fsync,
-rename). On start-up the platform calls `reap_orphans`: every recorded process that still runs
-(same PID and start time) is stopped; every record is removed. A record is written once the engine
-is spawned, so a run killed between the two leaves an engine no record names: every engine also
-carries its owner in its environment (`local.OWNER_ENV`, the data dir), and `reap_orphans` stops
-any process that says it belongs to this data dir, recorded or not (`marked`).
-
-We stop orphans rather than adopt them: an adopted engine runs with whatever flags and snapshot the
-previous run gave it, which need not match the deployment as restored from the registry (a new
-revision, other limits), and telling the two apart means trusting a process we did not start. A
-clean start costs a few seconds of cold start once, after a crash; a wrong adoption costs until
-someone notices.
+One small JSON file per instance in a directory only its owner may enter, written whole or not at
+all (temp file, fsync, rename), readable by its owner only: it holds the instance's key, which the
+next run needs to reach the engine. A record is written once the engine is spawned and removed
+once it is stopped; `LocalBackend.running` reads them back. Every engine also carries its owner
+in its environment (`procs.OWNER_ENV`, the data dir), so an engine spawned by a run that died
+before recording it is found (`marked`) and stopped: without its key it cannot be adopted.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import os
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Protocol
 
-from warm_pool.local import OWNER_ENV, ProcessHandle, read_start_ticks
+from warm_pool.backend import Placement
+from warm_pool.procs import OWNER_ENV, ProcessHandle, read_start_ticks
 
 log = logging.getLogger("warm_pool.records")
 _SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -40,11 +33,28 @@ class InstanceRecord:
     start_ticks: int
     port: int
     url: str
-    started_at: float  # wall-clock seconds (time.time()), for people reading the files
+    started_at: float  # wall-clock seconds (time.time())
+    snapshot_id: str = ""
+    secret: str = field(default="", repr=False)  # the engine's key; "" in records from before keys
 
     @property
     def handle(self) -> ProcessHandle:
-        return ProcessHandle(self.pid, self.pgid, self.start_ticks)
+        return ProcessHandle(self.pid, self.pgid, self.start_ticks, self.id)
+
+    @classmethod
+    def of(cls, placement: Placement, handle: ProcessHandle, url: str, started_at: float) -> InstanceRecord:
+        return cls(
+            placement.instance_id,
+            placement.deployment,
+            handle.pid,
+            handle.pgid,
+            handle.start_ticks,
+            placement.port,
+            url,
+            started_at,
+            placement.snapshot_id,
+            placement.secret,
+        )
 
 
 class InstanceRecords:
@@ -53,10 +63,11 @@ class InstanceRecords:
 
     def put(self, record: InstanceRecord) -> None:
         path = self._path(record.id)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(self.dir, 0o700)  # a directory made by an older version was world-readable
         tmp = path.with_name(f".{path.name}.tmp")
         data = json.dumps(asdict(record), sort_keys=True).encode()
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         try:
             os.write(fd, data)
             os.fsync(fd)
@@ -90,14 +101,6 @@ class InstanceRecords:
         return self.dir / f"{instance_id}.json"
 
 
-class ProcessStopper(Protocol):
-    """What `reap_orphans` needs from a backend (`LocalBackend` is one)."""
-
-    def is_alive(self, handle: ProcessHandle) -> bool: ...
-
-    async def stop(self, handle: ProcessHandle, term_timeout_s: float) -> int | None: ...
-
-
 def marked(owner: str, proc: Path = Path("/proc")) -> list[ProcessHandle]:
     """Every process whose environment says `OWNER_ENV=owner`, but this one: one handle per
     process group (stopping a group stops all of it). Processes of other users cannot be read,
@@ -121,38 +124,3 @@ def marked(owner: str, proc: Path = Path("/proc")) -> list[ProcessHandle]:
                 ProcessHandle(pgid, pgid, leader) if leader is not None else ProcessHandle(pid, pgid, ticks)
             )
     return list(groups.values())
-
-
-async def reap_orphans(
-    records: InstanceRecords,
-    backend: ProcessStopper,
-    *,
-    owner: str | None = None,
-    term_timeout_s: float = 10.0,
-) -> list[str]:
-    """Stop every recorded process still running (SIGTERM, SIGKILL after `term_timeout_s`), drop
-    every record, then stop every process still marked as `owner`'s (an engine spawned but never
-    recorded); the ids of the recorded processes stopped, and `pid:N` for each unrecorded one."""
-    stopped: list[str] = []
-
-    async def reap(record: InstanceRecord) -> None:
-        if backend.is_alive(record.handle):
-            log.info("stopping instance %s (pid %d) left by a previous run", record.id, record.pid)
-            await backend.stop(record.handle, term_timeout_s)
-            stopped.append(record.id)
-        records.remove(record.id)
-
-    async def reap_unrecorded(handle: ProcessHandle) -> None:
-        log.info("stopping process %d left by a previous run, which never recorded it", handle.pid)
-        await backend.stop(handle, term_timeout_s)
-        stopped.append(f"pid:{handle.pid}")
-
-    async with asyncio.TaskGroup() as tg:
-        for record in records.all():
-            tg.create_task(reap(record))
-    if owner is not None:
-        async with asyncio.TaskGroup() as tg:
-            for handle in marked(owner):
-                if backend.is_alive(handle):
-                    tg.create_task(reap_unrecorded(handle))
-    return sorted(stopped)

@@ -76,7 +76,7 @@ class Instance:
     state: InstanceState = InstanceState.PENDING
     host: str = "127.0.0.1"
     port: int | None = None
-    pid: int | None = None
+    address: str | None = None  # the engine's base URL as its backend reported it (a pod's IP)
     restarts: int = 0
     log_path: Path | None = None
     secret: str = field(default="", repr=False)  # the key the engine wants from its callers; "" if none
@@ -94,6 +94,8 @@ class Instance:
 
     @property
     def url(self) -> str:
+        if self.address is not None:
+            return self.address
         if self.port is None:
             raise ValueError(f"instance {self.id} has no port yet (state {self.state.value})")
         host = f"[{self.host}]" if ":" in self.host else self.host

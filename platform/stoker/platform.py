@@ -32,17 +32,19 @@ from snapshots import (
 )
 from snapshots.remote import read_manifest
 from snapshots.s3 import RemoteConfig
+from stoker.cluster import GatewayLoad, RoutingTable
 from stoker.federate import EngineFederation, Target, revision_of
 from stoker.openai_errors import APIError, invalid
 from stoker.paths import snapshot_budget
 from stoker.registry import DeploymentSpec, Registry, not_found, validate
+from warm_pool.backend import Running
 from warm_pool.errors import EngineUnavailable, PoolError
 from warm_pool.launch import GpuInventory
 from warm_pool.local import LocalBackend
 from warm_pool.metrics import PoolMetrics
 from warm_pool.policies.base import ScalingConfig
 from warm_pool.pool import Pool, PoolSpec
-from warm_pool.records import InstanceRecords, reap_orphans
+from warm_pool.records import InstanceRecords
 from warm_pool.snapshot import SnapshotSource
 from warm_pool.vllm import VllmLaunch, check_settings, loadable_reason, probe_vllm, read_config, vllm_command
 
@@ -66,9 +68,10 @@ class VllmOptions:
 class Deployment:
     spec: DeploymentSpec
     pool: Pool
-    activator: Activator
+    activator: Activator | None  # None in a controller: the gateways hold the activators
     loop: asyncio.Task
-    health: asyncio.Task  # the activator's probes of the instances' /health
+    health: asyncio.Task | None  # the activator's probes of the instances' /health
+    demand: GatewayLoad | None = None  # a controller's: what the gateways report
 
 
 class Platform:
@@ -82,13 +85,19 @@ class Platform:
         vllm: VllmOptions | None = None,
         unavailable_after: int = 3,  # failed starts in a row before held requests hear why (0: never)
         clock: Callable[[], float] = time.monotonic,
+        controller: bool = False,  # the control plane only: gateways run the activators (`stoker.cluster`)
+        gateway_stale_after_s: float = 5.0,
     ) -> None:
         self.data_dir = data_dir
+        self.controller = controller
+        # What gateways wait on and report to, in a controller (`stoker.cluster`).
+        self.routes = RoutingTable(clock, stale_after_s=gateway_stale_after_s)
         self.registry = Registry(data_dir / "stoker.db")
         self.store = SnapshotStore(store_dir or data_dir / "snapshots", budget_bytes=snapshot_budget())
         self.records = InstanceRecords(data_dir / "instances")
-        self._owner = str(data_dir.resolve())  # marks its engines, for the next run's reap_orphans
-        self.backend = LocalBackend(data_dir / "logs", clock=clock, owner=self._owner)
+        # Marks its engines, so the next run on this data dir finds even those it never recorded.
+        owner = str(data_dir.resolve())
+        self.backend = LocalBackend(data_dir / "logs", clock=clock, owner=owner, records=self.records)
         self.gpus = GpuInventory.from_env()
         self.metrics_registry = CollectorRegistry()
         self._activator_metrics = ActivatorMetrics(self.metrics_registry)
@@ -107,6 +116,10 @@ class Platform:
         # `stoker logs --follow` streams end then, instead of holding the drain for its grace period.
         self.stopping: Callable[[], bool] = lambda: False
 
+    @property
+    def clock(self) -> Callable[[], float]:
+        return self._clock
+
     # ---- lifecycle ---------------------------------------------------------------------------------
 
     async def start(self) -> None:
@@ -116,11 +129,7 @@ class Platform:
         self._session = aiohttp.ClientSession(
             connector=connector, timeout=aiohttp.ClientTimeout(total=None), auto_decompress=False
         )
-        stopped = await reap_orphans(self.records, self.backend, owner=self._owner)
-        if stopped:
-            log.warning(
-                "stopped %d engine process(es) left by a previous run: %s", len(stopped), ", ".join(stopped)
-            )
+        running = await self.backend.running()
         for spec in self.registry.all():
             source = self._source(spec.snapshot_id, spec.model)
             if source.remote is None and not source.is_local():
@@ -133,16 +142,29 @@ class Platform:
             try:
                 if spec.engine == "vllm":
                     await self._vllm_launch()
-                self._run(spec, source)
+                mine = [r for r in running if (r.deployment, r.snapshot_id) == (spec.name, spec.snapshot_id)]
+                self._run(spec, source, adopt=mine)
+                running = [r for r in running if r not in mine]
             except PoolError as exc:  # e.g. a policy this version no longer has
                 log.error("deployment %s not restored: %s", spec.name, exc)
             except APIError as exc:  # the vLLM it ran on is gone
                 log.error("deployment %s not restored: %s", spec.name, exc.message)
+        await self._stop_unclaimed(running)
 
-    async def shutdown(self) -> None:
-        """Drain every deployment's instances (each within its grace period) and stop them."""
+    async def _stop_unclaimed(self, running: list[Running]) -> None:
+        """Engines a previous run left for deployments that are gone or serve another snapshot now."""
+        for r in running:
+            log.warning(
+                "stopping instance %s (%s) left by a previous run: not adopted", r.instance_id, r.handle.name
+            )
+        await asyncio.gather(*(self.backend.stop(r.handle, 10.0) for r in running), return_exceptions=True)
+
+    async def shutdown(self, *, stop_instances: bool = True) -> None:
+        """Drain every deployment's instances (each within its grace period) and stop them; or, for a
+        controller that hands over to the next one, leave them running to be adopted."""
         await asyncio.gather(
-            *(self._stop(d) for d in list(self._deployments.values())), return_exceptions=True
+            *(self._stop(d, stop_instances=stop_instances) for d in list(self._deployments.values())),
+            return_exceptions=True,
         )
         self._deployments.clear()
         await self._federation.aclose()
@@ -211,10 +233,11 @@ class Platform:
             await self._stop(deployment)
             self.registry.delete(name)
             del self._deployments[name]
+            self.routes.bump()
             self._pool_metrics.forget(name)
             return deployment.spec
 
-    def _run(self, spec: DeploymentSpec, snapshot: SnapshotSource) -> None:
+    def _run(self, spec: DeploymentSpec, snapshot: SnapshotSource, adopt: list[Running] = ()) -> Deployment:
         pool = Pool(
             PoolSpec(
                 deployment=spec.name,
@@ -227,22 +250,36 @@ class Platform:
                 unavailable_after=self._unavailable_after,
             ),
             self.backend,
-            self.records,
             self._pool_metrics,
             gpus=self.gpus,
             clock=self._clock,
         )
-        activator = Activator(
-            spec.name, pool, self._activator_config, self._session, self._activator_metrics, clock=self._clock
-        )
-        pool.attach(activator)
-        loop = asyncio.create_task(pool.run(), name=f"pool-{spec.name}")
-        health = asyncio.create_task(activator.watch_health(), name=f"health-{spec.name}")
-        self._deployments[spec.name] = Deployment(spec, pool, activator, loop, health)
+        loop = asyncio.create_task(_adopt_then_run(pool, adopt), name=f"pool-{spec.name}")
+        if self.controller:
+            demand = GatewayLoad(spec.name, self.routes, self._clock)
+            demand.pool = pool
+            pool.attach(demand)
+            deployment = Deployment(spec, pool, None, loop, None, demand)
+        else:
+            activator = Activator(
+                spec.name,
+                pool,
+                self._activator_config,
+                self._session,
+                self._activator_metrics,
+                clock=self._clock,
+            )
+            pool.attach(activator)
+            health = asyncio.create_task(activator.watch_health(), name=f"health-{spec.name}")
+            deployment = Deployment(spec, pool, activator, loop, health)
+        self._deployments[spec.name] = deployment
+        self.routes.bump()
+        return deployment
 
-    async def _stop(self, deployment: Deployment) -> None:
-        deployment.health.cancel()
-        await deployment.pool.close(drain=True)
+    async def _stop(self, deployment: Deployment, *, stop_instances: bool = True) -> None:
+        if deployment.health is not None:
+            deployment.health.cancel()
+        await deployment.pool.close(drain=True, stop_instances=stop_instances)
         await deployment.loop
 
     def _scaling(self, spec: DeploymentSpec) -> ScalingConfig:
@@ -338,3 +375,11 @@ class Platform:
             config = {"architectures": ["?"]} if "config.json" in files else None
         if (reason := loadable_reason(files, config)) is not None:
             raise invalid(f"vLLM cannot load snapshot {snapshot_id[:12]}: {reason}.", "model")
+
+
+async def _adopt_then_run(pool: Pool, running: list[Running]) -> None:
+    """The pool's loop, once it has taken over what a previous run left it: a first tick before
+    that would start instances the adopted ones make unnecessary."""
+    if running:
+        await pool.adopt(running)
+    await pool.run()

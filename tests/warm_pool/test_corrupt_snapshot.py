@@ -14,12 +14,11 @@ from prometheus_client import CollectorRegistry
 
 from snapshots import SnapshotStore, import_hf_dir
 from tests.activator.conftest import eventually
-from tests.warm_pool.test_pool_sleep import Load, MemoryBackend
+from tests.warm_pool.rig import Load, MemoryBackend
 from warm_pool.errors import SnapshotCorrupt
 from warm_pool.metrics import PoolMetrics
 from warm_pool.policies.base import ScalingConfig
 from warm_pool.pool import Pool, PoolSpec
-from warm_pool.records import InstanceRecords
 from warm_pool.snapshot import SnapshotSource
 
 
@@ -61,8 +60,8 @@ async def test_a_corrupt_snapshot_stops_the_starts_until_a_redeploy(tmp_path: Pa
     pool = Pool(
         PoolSpec("d", corrupt, scaling=scaling, grace_period_s=5),
         backend,
-        InstanceRecords(tmp_path / "instances"),
         PoolMetrics(registry),
+        engines=backend,
         clock=lambda: clock[0],
         tick_s=3600,
     )

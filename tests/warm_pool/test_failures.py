@@ -16,8 +16,8 @@ from prometheus_client import CollectorRegistry
 
 from snapshots import SnapshotStore, import_hf_dir
 from tests.activator.conftest import eventually
+from tests.warm_pool.rig import Load, MemoryBackend, at
 from tests.warm_pool.support import python
-from tests.warm_pool.test_pool_sleep import Load, MemoryBackend
 from warm_pool.errors import StartFailed
 from warm_pool.failures import REDACTED, FailureRecord, StartFailures, record_of, redact
 from warm_pool.launch import LaunchSpec
@@ -25,7 +25,6 @@ from warm_pool.local import LocalBackend, free_port
 from warm_pool.metrics import PoolMetrics
 from warm_pool.policies.base import ScalingConfig
 from warm_pool.pool import Pool, PoolSpec
-from warm_pool.records import InstanceRecords
 from warm_pool.snapshot import SnapshotSource
 
 
@@ -136,7 +135,7 @@ class FailingBackend(MemoryBackend):
 
     failing: int = 0
 
-    async def wait_ready(self, handle, url, timeout_s, interval_s=0.1, *, health_path) -> None:
+    async def wait_ready(self, handle, timeout_s, *, health_path) -> str:
         if self.failing > 0:
             self.failing -= 1
             self.alive.discard(handle)
@@ -147,6 +146,7 @@ class FailingBackend(MemoryBackend):
                 phase="model_load",
                 log_lines=lines,
             )
+        return await super().wait_ready(handle, timeout_s, health_path=health_path)
 
 
 @dataclass
@@ -178,8 +178,8 @@ async def failing_pool(tmp_path: Path, tiny_model_dir: Path):
             unavailable_after=2,
         ),
         backend,
-        InstanceRecords(tmp_path / "instances"),
         PoolMetrics(registry),
+        engines=backend,
         clock=lambda: clock[0],
         tick_s=3600,
     )
@@ -275,10 +275,10 @@ sys.exit(4)
 async def test_the_local_backend_says_how_far_a_failed_start_got(tmp_path):
     backend = LocalBackend(tmp_path)
     handle = await backend.start(
-        "early-1", LaunchSpec(python("import sys; print('ImportError: no torch'); sys.exit(3)"))
+        at("early-1"), LaunchSpec(python("import sys; print('ImportError: no torch'); sys.exit(3)"))
     )
     with pytest.raises(StartFailed) as err:
-        await backend.wait_ready(handle, f"http://127.0.0.1:{free_port()}", timeout_s=30, interval_s=0.05)
+        await backend.wait_ready(handle, timeout_s=30, interval_s=0.05)
     assert (err.value.phase, err.value.exit_code, err.value.log_lines) == (
         "process_start",
         3,
@@ -286,9 +286,9 @@ async def test_the_local_backend_says_how_far_a_failed_start_got(tmp_path):
     )
 
     port = free_port()
-    handle = await backend.start("late-1", LaunchSpec((*python(ANSWERS_THEN_DIES), str(port))))
+    handle = await backend.start(at("late-1", port), LaunchSpec((*python(ANSWERS_THEN_DIES), str(port))))
     with pytest.raises(StartFailed) as err:
-        await backend.wait_ready(handle, f"http://127.0.0.1:{port}", timeout_s=30, interval_s=0.05)
+        await backend.wait_ready(handle, timeout_s=30, interval_s=0.05)
     assert (err.value.phase, err.value.exit_code) == ("model_load", 4)
     assert err.value.log_lines[-1] == "RuntimeError: the weights do not fit"
     await backend.stop(handle, 1)

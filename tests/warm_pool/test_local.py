@@ -13,9 +13,12 @@ from dataclasses import replace
 import pytest
 from aiohttp import web
 
+from tests.warm_pool.rig import at
+from warm_pool.engine_calls import EngineCapabilities, HttpEngines
 from warm_pool.errors import StartFailed
 from warm_pool.launch import LaunchSpec, cpu_engine_spec
-from warm_pool.local import EngineCapabilities, LocalBackend, free_port, log_tail, read_start_ticks
+from warm_pool.local import LocalBackend, free_port, log_tail
+from warm_pool.procs import read_start_ticks
 
 from .support import SLEEPER, STUBBORN_WITH_CHILD, pid_gone, python, read_pid_line, wait_gone
 
@@ -31,16 +34,16 @@ async def test_a_real_engine_starts_reports_its_phases_and_drains_to_exit_0(
     spec = cpu_engine_spec(tiny_model_dir, port, "tiny", threads=1)
     offline = {k: stoker_env[k] for k in ("STOKER_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
     spec = replace(spec, env={**spec.env, **offline})
-    handle = await backend.start("tiny-0a1b2c3d", spec)
+    handle = await backend.start(at("tiny-0a1b2c3d", port), spec)
     try:
         assert handle.pgid == handle.pid == os.getpgid(handle.pid) != os.getpgid(0)
         assert handle.start_ticks == read_start_ticks(handle.pid)
-        await backend.wait_ready(handle, f"http://127.0.0.1:{port}", timeout_s=120)
+        await backend.wait_ready(handle, timeout_s=120)
         assert backend.is_alive(handle)
-        phases = await backend.read_startup_phases(f"http://127.0.0.1:{port}")
+        phases = await HttpEngines(LocalBackend(tmp_path)).read_startup_phases(f"http://127.0.0.1:{port}")
         assert {"imports", "weight_load", "warm_up"} <= phases.keys()
         assert all(v > 0 for v in phases.values())
-        caps = await backend.read_capabilities(f"http://127.0.0.1:{port}")
+        caps = await HttpEngines(LocalBackend(tmp_path)).read_capabilities(f"http://127.0.0.1:{port}")
         assert caps == EngineCapabilities((1, 2)) and caps.can_sleep
     finally:
         code = await backend.stop(handle, term_timeout_s=30)
@@ -57,7 +60,7 @@ async def test_a_real_engine_starts_reports_its_phases_and_drains_to_exit_0(
 
 async def test_a_process_ignoring_sigterm_is_killed_with_its_whole_group(tmp_path):
     backend = LocalBackend(tmp_path)
-    handle = await backend.start("stubborn-1", LaunchSpec(python(STUBBORN_WITH_CHILD)))
+    handle = await backend.start(at("stubborn-1"), LaunchSpec(python(STUBBORN_WITH_CHILD)))
     child = await read_pid_line(tmp_path / "stubborn-1.log")
     assert os.getpgid(child) == handle.pgid
     loop = asyncio.get_running_loop()
@@ -74,9 +77,9 @@ async def test_a_process_that_exits_while_starting_fails_with_its_log_tail(tmp_p
     code = "import sys; print('loading weights'); print('boom: no config.json', file=sys.stderr); sys.exit(3)"
     spec = LaunchSpec(python(code))
     for _ in range(2):  # the log is appended to, not replaced
-        handle = await backend.start("dies-1", spec)
+        handle = await backend.start(at("dies-1"), spec)
         with pytest.raises(StartFailed) as err:
-            await backend.wait_ready(handle, f"http://127.0.0.1:{free_port()}", timeout_s=30)
+            await backend.wait_ready(handle, timeout_s=30)
         assert await backend.stop(handle, term_timeout_s=1) == 3
     message = str(err.value)
     assert "exited with status 3 before it was ready" in message
@@ -89,16 +92,16 @@ async def test_a_process_that_exits_while_starting_fails_with_its_log_tail(tmp_p
 
 async def test_a_process_that_never_answers_times_out(tmp_path):
     backend = LocalBackend(tmp_path)
-    handle = await backend.start("mute-1", LaunchSpec(python(SLEEPER)))
+    handle = await backend.start(at("mute-1"), LaunchSpec(python(SLEEPER)))
     with pytest.raises(StartFailed, match=r"not ready after 0.3s \(last: ClientConnectorError\)"):
-        await backend.wait_ready(handle, f"http://127.0.0.1:{free_port()}", timeout_s=0.3, interval_s=0.05)
+        await backend.wait_ready(handle, timeout_s=0.3, interval_s=0.05)
     assert backend.is_alive(handle)  # the caller decides what to do with it
     assert await backend.stop(handle, term_timeout_s=5) == -signal.SIGTERM
 
 
 async def test_is_alive_wants_the_same_pid_and_start_time(tmp_path):
     backend = LocalBackend(tmp_path)
-    handle = await backend.start("s-1", LaunchSpec(python(SLEEPER)))
+    handle = await backend.start(at("s-1"), LaunchSpec(python(SLEEPER)))
     try:
         assert backend.is_alive(handle)
         assert not backend.is_alive(replace(handle, start_ticks=handle.start_ticks + 1))  # a recycled PID
@@ -111,7 +114,7 @@ async def test_is_alive_wants_the_same_pid_and_start_time(tmp_path):
 
 async def test_stop_of_a_process_that_already_exited_returns_its_status(tmp_path):
     backend = LocalBackend(tmp_path)
-    handle = await backend.start("quick-1", LaunchSpec(python("raise SystemExit(7)")))
+    handle = await backend.start(at("quick-1"), LaunchSpec(python("raise SystemExit(7)")))
     assert await wait_gone(handle.pid)
     assert await backend.stop(handle, term_timeout_s=1) == 7
 
@@ -128,10 +131,12 @@ async def test_startup_phases_are_empty_when_the_engine_has_none(tmp_path):
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     try:
-        assert await LocalBackend(tmp_path).read_startup_phases(f"http://127.0.0.1:{port}") == {}
+        assert await HttpEngines(LocalBackend(tmp_path)).read_startup_phases(f"http://127.0.0.1:{port}") == {}
     finally:
         await runner.cleanup()
-    assert await LocalBackend(tmp_path).read_startup_phases(f"http://127.0.0.1:{port}") == {}  # nobody there
+    assert (
+        await HttpEngines(LocalBackend(tmp_path)).read_startup_phases(f"http://127.0.0.1:{port}") == {}
+    )  # nobody there
 
 
 async def test_vllms_phases_come_from_its_log_when_its_metrics_have_none(tmp_path):
@@ -141,7 +146,9 @@ async def test_vllms_phases_come_from_its_log_when_its_metrics_have_none(tmp_pat
         "(EngineCore pid=2) INFO 11-30 19:57:01 [core.py:402] init engine (profile, create kv cache, "
         "warmup model) took 60.83 s\n"
     )
-    phases = await backend.read_startup_phases("http://127.0.0.1:9", "v-1")  # nobody there
+    phases = await HttpEngines(LocalBackend(tmp_path)).read_startup_phases(
+        "http://127.0.0.1:9", "v-1"
+    )  # nobody there
     assert phases == {"weights": 1.65, "engine_init": 60.83}
 
 
@@ -170,7 +177,7 @@ async def test_an_engine_says_which_sleep_levels_it_has(tmp_path, status, body, 
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     try:
-        caps = await LocalBackend(tmp_path).read_capabilities(f"http://127.0.0.1:{port}")
+        caps = await HttpEngines(LocalBackend(tmp_path)).read_capabilities(f"http://127.0.0.1:{port}")
     finally:
         await runner.cleanup()
     assert caps.sleep_levels == levels and caps.can_sleep is bool(levels)

@@ -16,13 +16,14 @@ from prometheus_client import CollectorRegistry
 
 from snapshots import SnapshotStore, import_hf_dir
 from tests.activator.conftest import eventually
-from tests.warm_pool.test_pool_sleep import MemoryBackend, MemoryDemand, Rig
+from tests.warm_pool.rig import MemoryBackend, MemoryDemand, Rig
+from warm_pool.backend import Placement
+from warm_pool.engine_calls import EngineCapabilities
 from warm_pool.launch import LaunchSpec
-from warm_pool.local import EngineCapabilities, ProcessHandle
 from warm_pool.metrics import PoolMetrics
 from warm_pool.policies.base import Decision, ScalingConfig
 from warm_pool.pool import Pool, PoolSpec
-from warm_pool.records import InstanceRecords
+from warm_pool.procs import ProcessHandle
 from warm_pool.snapshot import SnapshotSource
 
 IDLE = "vllm:num_requests_waiting 0\nvllm:num_requests_running 1\nvllm:kv_cache_usage_perc 0.1\n"
@@ -45,9 +46,9 @@ class MetricsBackend(MemoryBackend):
     hits: dict[int, int] = field(default_factory=dict)  # port → scrapes
     servers: dict[ProcessHandle, web.AppRunner] = field(default_factory=dict)
 
-    async def start(self, instance_id: str, spec: LaunchSpec) -> ProcessHandle:
-        handle = await super().start(instance_id, spec)
-        port = int(spec.argv[spec.argv.index("--port") + 1])
+    async def start(self, placement: Placement, spec: LaunchSpec) -> ProcessHandle:
+        handle = await super().start(placement, spec)
+        port = placement.port
 
         async def metrics(_: web.Request) -> web.Response:
             self.hits[port] = self.hits.get(port, 0) + 1
@@ -77,8 +78,8 @@ async def running_pool(
     pool = Pool(
         PoolSpec("d", SnapshotSource(store, record.id), scaling=scaling, grace_period_s=5),
         backend,
-        InstanceRecords(tmp_path / "instances"),
         PoolMetrics(registry),
+        engines=backend,
         clock=lambda: clock[0],
         tick_s=3600,  # ticks only when poked
     )

@@ -1,163 +1,22 @@
-"""The pool's sleeping tier, step by step on a fake clock: the real `Pool` and policy, with small
-in-memory stand-ins for its two narrow seams (the `Backend` that runs engines, the `Demand` that is
-the activator), so that a sleep or a wake can be made to fail, and a process to die, on cue.
-
-The loop ticks only when poked (tick_s is an hour), and time moves only when the test moves it.
-"""
+"""The pool's sleeping tier, step by step on a fake clock (`tests.warm_pool.rig`): a sleep or a
+wake made to fail, and an engine made to die, on cue."""
 
 from __future__ import annotations
 
-import asyncio
-import itertools
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from prometheus_client import CollectorRegistry
 
-from snapshots import SnapshotStore, import_hf_dir
 from tests.activator.conftest import eventually
-from warm_pool.errors import PoolError
-from warm_pool.launch import LaunchSpec
-from warm_pool.local import EngineCapabilities, ProcessHandle
-from warm_pool.metrics import PoolMetrics
+from tests.warm_pool.rig import Rig, asleep, pool_rig
 from warm_pool.policies.base import ScalingConfig
-from warm_pool.pool import Pool, PoolSpec
-from warm_pool.records import InstanceRecords
-from warm_pool.snapshot import SnapshotSource
-
-
-@dataclass
-class MemoryBackend:
-    """Engines that start at once and live until stopped or killed; sleep and wake succeed unless
-    told to fail."""
-
-    alive: set[ProcessHandle] = field(default_factory=set)
-    calls: list[tuple[str, str]] = field(default_factory=list)  # (action, url)
-    fail: set[str] = field(default_factory=set)  # "sleep", "wake"
-    sleep_levels: tuple[int, ...] = (1, 2)  # what its engines say they can do
-    keys: set[str] = field(default_factory=set)  # the Authorization each engine call carried
-    specs: list[LaunchSpec] = field(default_factory=list)
-    pids: itertools.count = field(default_factory=lambda: itertools.count(1000))
-
-    async def start(self, instance_id: str, spec: LaunchSpec) -> ProcessHandle:
-        self.specs.append(spec)
-        pid = next(self.pids)
-        handle = ProcessHandle(pid, pid, 1)
-        self.alive.add(handle)
-        return handle
-
-    def is_alive(self, handle: ProcessHandle) -> bool:
-        return handle in self.alive
-
-    async def wait_ready(self, handle, url, timeout_s, interval_s=0.1, *, health_path) -> None:
-        return None
-
-    async def stop(self, handle: ProcessHandle, term_timeout_s: float) -> int | None:
-        self.alive.discard(handle)
-        return 0
-
-    async def read_startup_phases(
-        self, url: str, instance_id: str | None = None, headers=None
-    ) -> dict[str, float]:
-        return {}
-
-    async def read_capabilities(self, url: str, headers=None) -> EngineCapabilities:
-        self.keys.add((headers or {}).get("authorization", ""))
-        return EngineCapabilities(self.sleep_levels)
-
-    async def sleep(self, url: str, level: int, timeout_s: float, headers=None) -> None:
-        self.keys.add((headers or {}).get("authorization", ""))
-        await self._call("sleep", url)
-
-    async def wake_up(self, url: str, timeout_s: float, headers=None) -> None:
-        self.keys.add((headers or {}).get("authorization", ""))
-        await self._call("wake", url)
-
-    async def _call(self, action: str, url: str) -> None:
-        self.calls.append((action, url))
-        await asyncio.sleep(0)
-        if action in self.fail:
-            raise PoolError(f"POST {url}: answered 500")
-
-
-@dataclass
-class Load:
-    in_flight: int = 0
-    queued: int = 0
-    last_arrival: float | None = None
-    outstanding: dict[str, int] = field(default_factory=dict)
-
-
-@dataclass
-class MemoryDemand:
-    now: Load = field(default_factory=Load)
-    changes: int = 0
-
-    def load(self) -> Load:
-        return self.now
-
-    def capacity_changed(self) -> None:
-        self.changes += 1
-
-
-@dataclass
-class Rig:
-    pool: Pool
-    backend: MemoryBackend
-    demand: MemoryDemand
-    clock: list[float]
-    registry: CollectorRegistry
-
-    def sample(self, name: str, **labels: str) -> float:
-        return self.registry.get_sample_value(name, {"deployment": "d", **labels}) or 0.0
-
-    async def tick(self, at: float) -> None:
-        """Move the clock to `at` and wait for the loop to decide (each decision is a new object)."""
-        self.clock[0] = at
-        before = self.pool.last_decision
-        self.pool.poke()
-        await eventually(lambda: self.pool.last_decision is not before)
-
-    async def serve_one(self, at: float, seconds: float = 0.5) -> str:
-        """A request arrives at `at` with nothing READY, is served by whatever comes up, and leaves."""
-        self.clock[0] = at
-        self.pool.request_arrived()
-        self.demand.now.queued = 1
-        await self.tick(at)
-        await eventually(lambda: bool(self.pool.endpoints()))
-        [instance] = self.pool.endpoints()
-        self.demand.now.queued = 0
-        self.clock[0] = at + seconds
-        self.pool.request_finished(seconds, instance.id)
-        return instance.id
 
 
 @pytest.fixture
 async def rig(tmp_path: Path, tiny_model_dir: Path):
-    store = SnapshotStore(tmp_path / "store")
-    record = import_hf_dir(tiny_model_dir, store)
-    registry, clock = CollectorRegistry(), [0.0]
-    backend, demand = MemoryBackend(), MemoryDemand()
     scaling = ScalingConfig(max=1, idle_timeout_s=600, stable_window_s=1)
-    pool = Pool(
-        PoolSpec("d", SnapshotSource(store, record.id), scaling=scaling, grace_period_s=5),
-        backend,
-        InstanceRecords(tmp_path / "instances"),
-        PoolMetrics(registry),
-        clock=lambda: clock[0],
-        tick_s=3600,
-    )
-    pool.attach(demand)
-    loop = asyncio.create_task(pool.run())
-    yield Rig(pool, backend, demand, clock, registry)
-    await pool.close(drain=False)
-    await loop
-
-
-async def asleep(rig: Rig, at: float) -> None:
-    await rig.tick(at)
-    await eventually(lambda: rig.pool.counts()["SLEEPING"] == 1)
+    async with pool_rig(tmp_path, tiny_model_dir, scaling=scaling) as r:
+        yield r
 
 
 async def test_an_idle_instance_sleeps_and_wakes_on_demand(rig: Rig) -> None:

@@ -14,7 +14,6 @@ from warm_pool.errors import PoolError
 from warm_pool.local import LocalBackend
 from warm_pool.metrics import PoolMetrics
 from warm_pool.pool import Pool, PoolSpec
-from warm_pool.records import InstanceRecords
 from warm_pool.snapshot import SnapshotSource
 
 SNAPSHOT_ID = "5" * 64
@@ -27,7 +26,6 @@ def make_pool(tmp_path: Path, snapshot_dir: Path) -> Pool:
             snapshot=SnapshotSource(SnapshotStore(snapshot_dir.parent), snapshot_dir.name),
         ),
         LocalBackend(tmp_path / "logs"),
-        InstanceRecords(tmp_path / "instances"),
         PoolMetrics(CollectorRegistry()),
     )
 

@@ -102,7 +102,7 @@ async def stack(tmp_path: Path, tiny_model_dir: Path) -> AsyncIterator[Stack]:
         reconcile_interval_s=0.5,
         threads=1,
     )
-    pool = Pool(spec, LocalBackend(tmp_path / "logs"), records, PoolMetrics(registry), tick_s=0.25)
+    pool = Pool(spec, LocalBackend(tmp_path / "logs", records=records), PoolMetrics(registry), tick_s=0.25)
     front = Front()
     session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None), auto_decompress=False)
     loop: asyncio.Task | None = None

@@ -19,13 +19,13 @@ from prometheus_client import CollectorRegistry
 
 from snapshots import SnapshotStore, import_hf_dir
 from tests.activator.conftest import eventually
-from tests.warm_pool.test_pool_sleep import MemoryBackend, MemoryDemand, Rig, asleep
+from tests.warm_pool.rig import MemoryBackend, MemoryDemand, Rig, asleep
+from warm_pool.backend import Placement
 from warm_pool.launch import ENGINE_KEY_ENV, LaunchSpec
-from warm_pool.local import ProcessHandle
 from warm_pool.metrics import PoolMetrics
 from warm_pool.policies.base import ScalingConfig
 from warm_pool.pool import Pool, PoolSpec
-from warm_pool.records import InstanceRecords
+from warm_pool.procs import ProcessHandle
 from warm_pool.snapshot import SnapshotSource
 
 INTERVAL = 5.0
@@ -47,9 +47,9 @@ class SleepyBackend(MemoryBackend):
     asked: int = 0
     servers: dict[ProcessHandle, web.AppRunner] = field(default_factory=dict)
 
-    async def start(self, instance_id: str, spec: LaunchSpec) -> ProcessHandle:
-        handle = await super().start(instance_id, spec)
-        port = int(spec.argv[spec.argv.index("--port") + 1])
+    async def start(self, placement: Placement, spec: LaunchSpec) -> ProcessHandle:
+        handle = await super().start(placement, spec)
+        port = placement.port
         self.asleep[port], self.key[port] = False, spec.env[ENGINE_KEY_ENV]
 
         async def is_sleeping(request: web.Request) -> web.Response:
@@ -101,8 +101,8 @@ async def running(tmp_path: Path, model_dir: Path) -> AsyncIterator[Rig]:
     pool = Pool(
         spec,
         backend,
-        InstanceRecords(tmp_path / "instances"),
         PoolMetrics(registry),
+        engines=backend,
         clock=lambda: clock[0],
         tick_s=3600,
     )

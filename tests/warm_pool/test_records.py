@@ -1,4 +1,5 @@
-"""Records of live instances on disk, and the clean-up a restarted platform does with them."""
+"""Records of live instances on disk, and what a restarted platform does with them: a recorded
+engine that still runs is handed over for adoption, the rest is cleaned up."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.warm_pool.rig import at
 from warm_pool.launch import LaunchSpec
-from warm_pool.local import LocalBackend, read_start_ticks
-from warm_pool.records import InstanceRecord, InstanceRecords, marked, reap_orphans
+from warm_pool.local import LocalBackend
+from warm_pool.procs import read_start_ticks
+from warm_pool.records import InstanceRecord, InstanceRecords, marked
 
 from .support import SLEEPER, pid_gone, python, wait_gone
 
@@ -35,9 +38,10 @@ ORPHAN_MAKER = (
 )
 
 
-def record(id: str, pid: int, start_ticks: int, port: int = 40000) -> InstanceRecord:
+def record(id: str, pid: int, start_ticks: int, port: int = 40000, secret: str = "k") -> InstanceRecord:
+    deployment = id.rsplit("-", 1)[0]
     return InstanceRecord(
-        id, id.rsplit("-", 1)[0], pid, pid, start_ticks, port, f"http://127.0.0.1:{port}", 1.7e9
+        id, deployment, pid, pid, start_ticks, port, f"http://127.0.0.1:{port}", 1.7e9, "snap", secret
     )
 
 
@@ -87,20 +91,40 @@ def test_unreadable_records_are_skipped_and_bad_ids_refused(tmp_path):
             records.put(record(bad, 1, 1))
 
 
-@pytest.mark.parametrize("ignore_term", [False, True], ids=["stops-on-sigterm", "needs-sigkill"])
-async def test_a_live_orphan_is_stopped_and_its_record_removed(tmp_path, ignore_term):
-    pid = await make_orphan(tmp_path / "orphan.pid", ignore_term)
-    loop = asyncio.get_running_loop()
+def test_records_hold_the_key_for_their_owner_only(tmp_path):
+    records = InstanceRecords(tmp_path / "instances")
+    records.put(record("m-1", 1, 1, secret="s3cret"))
+    assert (tmp_path / "instances").stat().st_mode & 0o777 == 0o700
+    assert (tmp_path / "instances" / "m-1.json").stat().st_mode & 0o777 == 0o600
+    assert "s3cret" not in repr(records.all()[0])
+
+
+async def test_a_recorded_engine_that_runs_is_handed_over_with_its_address_and_key(tmp_path):
+    pid = await make_orphan(tmp_path / "orphan.pid", ignore_term=False)
     try:
-        ticks = read_start_ticks(pid)
-        assert ticks is not None
         records = InstanceRecords(tmp_path / "instances")
-        records.put(record("m-0a0a0a0a", pid, ticks))
+        records.put(record("m-0a0a0a0a", pid, read_start_ticks(pid), port=41234, secret="key-a"))
         records.put(record("m-gone", 2**22 + 17, 1))  # a process that no longer exists
-        t0 = loop.time()
-        stopped = await reap_orphans(records, LocalBackend(tmp_path), term_timeout_s=0.5)
-        assert stopped == ["m-0a0a0a0a"]
-        assert (loop.time() - t0 >= 0.5) == ignore_term  # SIGKILL only after SIGTERM's time ran out
+        [found] = await LocalBackend(tmp_path, records=records).running()
+        assert (found.instance_id, found.deployment, found.snapshot_id) == ("m-0a0a0a0a", "m", "snap")
+        assert (found.url, found.secret, found.handle.pid) == ("http://127.0.0.1:41234", "key-a", pid)
+        assert [r.id for r in records.all()] == ["m-0a0a0a0a"]  # the dead one's record is gone
+        backend = LocalBackend(tmp_path, records=records)
+        await backend.running()
+        await backend.stop(found.handle, 5)  # the adopter stops it as its own: record and process go
+        assert await wait_gone(pid) and records.all() == []
+    finally:
+        if not pid_gone(pid):
+            os.kill(pid, 9)
+
+
+@pytest.mark.parametrize("ignore_term", [False, True], ids=["stops-on-sigterm", "needs-sigkill"])
+async def test_a_recorded_engine_without_a_key_cannot_be_reached_and_is_stopped(tmp_path, ignore_term):
+    pid = await make_orphan(tmp_path / "orphan.pid", ignore_term)
+    try:
+        records = InstanceRecords(tmp_path / "instances")
+        records.put(record("m-0a0a0a0a", pid, read_start_ticks(pid), secret=""))  # from before keys
+        assert await LocalBackend(tmp_path, records=records).running() == []
         assert await wait_gone(pid), f"orphan {pid} still runs"
         assert records.all() == []
     finally:
@@ -112,11 +136,11 @@ async def test_a_recycled_pid_is_left_alone_and_its_record_removed(tmp_path):
     # A record whose PID now names another process: a live one of ours, with other start ticks. (Not
     # this test's own PID: were the check broken, the stop would signal pytest's own process group.)
     backend = LocalBackend(tmp_path)
-    bystander = await backend.start("bystander", LaunchSpec(python(SLEEPER)))
+    bystander = await backend.start(at("bystander"), LaunchSpec(python(SLEEPER)))
     try:
         records = InstanceRecords(tmp_path / "instances")
         records.put(record("m-old", bystander.pid, bystander.start_ticks - 1))
-        assert await reap_orphans(records, LocalBackend(tmp_path), term_timeout_s=0.5) == []
+        assert await LocalBackend(tmp_path, records=records).running() == []
         await asyncio.sleep(0.2)  # were a signal sent, it would have landed by now
         assert backend.is_alive(bystander)
         assert records.all() == []
@@ -127,17 +151,16 @@ async def test_a_recycled_pid_is_left_alone_and_its_record_removed(tmp_path):
 async def test_an_engine_never_recorded_is_found_by_its_owner_mark_and_stopped(tmp_path):
     # A run killed between spawning an engine and writing its record: the engine carries its owner.
     first = LocalBackend(tmp_path / "logs", owner=str(tmp_path))
-    unrecorded = await first.start("m-0b0b0b0b", LaunchSpec(python(SLEEPER)))
+    unrecorded = await first.start(at("m-0b0b0b0b"), LaunchSpec(python(SLEEPER)))
     other = LocalBackend(tmp_path / "logs", owner=str(tmp_path / "another-data-dir"))
-    bystander = await other.start("m-other", LaunchSpec(python(SLEEPER)))
+    bystander = await other.start(at("m-other"), LaunchSpec(python(SLEEPER)))
     try:
         assert [h.pid for h in marked(str(tmp_path))] == [unrecorded.pid]
         records = InstanceRecords(tmp_path / "instances")
-        stopped = await reap_orphans(records, LocalBackend(tmp_path), owner=str(tmp_path), term_timeout_s=5)
-        assert stopped == [f"pid:{unrecorded.pid}"]
+        again = LocalBackend(tmp_path / "logs", owner=str(tmp_path), records=records)
+        assert await again.running() == []
         assert await wait_gone(unrecorded.pid)
         assert other.is_alive(bystander)  # another data dir's engine is none of ours
-        assert await reap_orphans(records, LocalBackend(tmp_path), owner=str(tmp_path)) == []
     finally:
         await first.stop(unrecorded, term_timeout_s=5)
         await other.stop(bystander, term_timeout_s=5)
