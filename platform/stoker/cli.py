@@ -79,7 +79,7 @@ def version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from stoker import engine_cli, platform_cli, simulate_cli, snapshot_cli
+    from stoker import engine_cli, node_cli, planes_cli, platform_cli, simulate_cli, snapshot_cli
 
     parser = StokerParser(prog="stoker", description="Serverless inference for LLMs.")
     parser.add_argument("--version", action="version", version=f"stoker {version()}")
@@ -87,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     snapshot_cli.add_parser(sub)
     engine_cli.add_parser(sub)
     platform_cli.add_parsers(sub)
+    planes_cli.add_parsers(sub)
+    node_cli.add_parser(sub)
     simulate_cli.add_parser(sub)
     return parser
 

@@ -17,8 +17,9 @@ import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Protocol
 
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
@@ -76,7 +77,7 @@ class InferenceEndpoint:
     the caller's limits (`limits.Limiter`): a limited key's answer goes out through a `UsageTap`,
     which adds its x-ratelimit-* headers and settles its token charge."""
 
-    def __init__(self, platform: Platform, limiter: Limiter) -> None:
+    def __init__(self, platform: Router, limiter: Limiter) -> None:
         self.platform = platform
         self.limiter = limiter
 
@@ -135,12 +136,18 @@ class Access:
     default_limits: Limits = NO_LIMITS
 
 
-def build_gateway(
-    platform: Platform,
-    *,
-    access: Access | None = None,  # None: no keys at all, everyone is the admin (benchmarks)
-    on_shutdown: Callable[[], object] | None = None,
-) -> Starlette:
+class Router(Protocol):
+    """What the data routes need: each deployment's `spec` (name, snapshot id) and activator. The
+    `Platform` in one process; `stoker.gateway_plane.GatewayPlane` in a gateway of its own."""
+
+    def get(self, name: str) -> Any: ...
+
+    def list(self) -> list[Any]: ...
+
+
+def data_routes(platform: Router, limiter: Limiter) -> list[Route]:
+    """OpenAI's routes."""
+
     async def models(request: Request) -> Response:
         principal = principal_of(request.scope)
         cards = [
@@ -168,6 +175,18 @@ def build_gateway(
         card = {"id": d.spec.name, "object": "model", "created": 0, "owned_by": "stoker"}
         return JSONResponse({**card, "root": d.spec.snapshot_id})
 
+    inference = InferenceEndpoint(platform, limiter)
+    return [
+        Route("/v1/chat/completions", inference, methods=["POST"]),
+        Route("/v1/completions", inference, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model:path}", model, methods=["GET"]),
+    ]
+
+
+def common_routes(platform: Router, registry: CollectorRegistry) -> list[Route]:
+    """Health, the process's own metrics, the API's schema."""
+
     async def healthz(request: Request) -> Response:
         return JSONResponse({"status": "ok", "deployments": len(platform.list())})
 
@@ -177,7 +196,17 @@ def build_gateway(
         return JSONResponse(schema)
 
     async def metrics(request: Request) -> Response:
-        return Response(generate_latest(platform.metrics_registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    return [
+        Route("/healthz", healthz, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/openapi.json", openapi, methods=["GET"]),
+    ]
+
+
+def admin_routes(platform: Platform, access: Access | None, limiter: Limiter) -> list[Route]:
+    """The admin API: deployments, keys, instance logs, the engines' metrics."""
 
     async def engine_metrics(request: Request) -> Response:
         """Every serving instance's own metrics (READY, SLEEPING, DRAINING), labelled by deployment, revision and instance,
@@ -250,19 +279,8 @@ def build_gateway(
         limiter.forget(record.id)
         return JSONResponse({"id": record.id, "deleted": True})
 
-    limiter = Limiter(
-        access.default_limits if access is not None else NO_LIMITS, registry=platform.metrics_registry
-    )
-    inference = InferenceEndpoint(platform, limiter)
-    routes = [
-        Route("/v1/chat/completions", inference, methods=["POST"]),
-        Route("/v1/completions", inference, methods=["POST"]),
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/v1/models/{model:path}", model, methods=["GET"]),
-        Route("/healthz", healthz, methods=["GET"]),
-        Route("/metrics", metrics, methods=["GET"]),
+    return [
         Route("/metrics/engines", engine_metrics, methods=["GET"]),
-        Route("/openapi.json", openapi, methods=["GET"]),
         Route("/admin/v1/deployments", list_deployments, methods=["GET"]),
         Route("/admin/v1/deployments", create_deployment, methods=["POST"]),
         Route("/admin/v1/deployments/{name}", get_deployment, methods=["GET"]),
@@ -273,14 +291,41 @@ def build_gateway(
         Route("/admin/v1/keys/{id}", revoke_key, methods=["DELETE"]),
     ]
 
-    # Outermost first: errors become 500s; then auth (no body read before it); then the admin API's
-    # browser guard. A gateway built without `access` runs open, as the benchmarks want.
-    middleware = [Middleware(InternalErrors, component="gateway")]
+
+def middleware_for(access: Access | None, component: str, keys: Any = None) -> list[Middleware]:
+    """Outermost first: errors become 500s; then auth (no body read before it); then the admin API's
+    browser guard. Without `access` everything runs open, as the benchmarks want. `keys` stands in
+    for `access.keys` (a gateway's table of key hashes)."""
+    middleware = [Middleware(InternalErrors, component=component)]
     if access is not None:
         middleware += [
-            Middleware(KeyAuth, admin_key=access.admin_key, store=access.keys),
+            Middleware(
+                KeyAuth,
+                admin_key=access.admin_key,
+                store=keys if keys is not None else access.keys,
+                admin_prefixes=("/admin/", "/metrics", "/cluster/"),
+            ),
             Middleware(AdminGuard, origins=access.origins),
         ]
+    return middleware
+
+
+def build_gateway(
+    platform: Platform,
+    *,
+    access: Access | None = None,  # None: no keys at all, everyone is the admin (benchmarks)
+    on_shutdown: Callable[[], object] | None = None,
+) -> Starlette:
+    """Both planes in one process (`stoker up`): OpenAI's routes, the admin API, the pools."""
+    limiter = Limiter(
+        access.default_limits if access is not None else NO_LIMITS, registry=platform.metrics_registry
+    )
+    routes = [
+        *data_routes(platform, limiter),
+        *common_routes(platform, platform.metrics_registry),
+        *admin_routes(platform, access, limiter),
+    ]
+    middleware = middleware_for(access, "gateway")
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

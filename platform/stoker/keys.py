@@ -180,6 +180,10 @@ class KeyStore:
     def lookup(self, key: str) -> KeyRecord | None:
         return self._by_hash.get(hash_key(key))
 
+    def hashed(self) -> list[dict[str, Any]]:
+        """Every key as a gateway needs it: its record and the SHA-256 of the key, never the key."""
+        return [{**r.to_dict(), "hash": h} for h, r in self._by_hash.items()]
+
     def close(self) -> None:
         self._db.close()
 

@@ -27,68 +27,76 @@ from stoker.paths import add_store_option
 from warm_pool.policies import DEFAULT_POLICY, POLICIES
 
 
-def add_parsers(sub: argparse._SubParsersAction) -> None:
-    up = sub.add_parser("up", help="run the platform (gateway, activators, warm pools) in the foreground")
-    up.add_argument("--host", default="127.0.0.1", help="address to serve on")
-    up.add_argument("--port", type=int, default=8080, help="port to serve on")
-    up.add_argument(
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    """Where a process serves, and its log."""
+    p.add_argument("--host", default="127.0.0.1", help="address to serve on")
+    p.add_argument("--port", type=int, default=8080, help="port to serve on")
+    p.add_argument(
         "--allow-open",
         action="store_true",
         help="serve a non-loopback address without STOKER_ADMIN_KEY (anyone who reaches it is admin)",
     )
-    up.add_argument(
+    p.add_argument(
         "--log-level",
         default="info",
         choices=["debug", "info", "warning", "error"],
         help="what the log shows",
     )
-    up.add_argument("--stable-window", type=duration, default="60s", help="how long a scale-down waits")
-    up.add_argument(
+
+
+def add_activator_args(p: argparse.ArgumentParser) -> None:
+    """The activator's: how requests are held, proxied, and sick instances ejected."""
+    p.add_argument(
         "--hold-deadline", type=duration, default="120s", help="how long a request may wait for capacity"
     )
-    up.add_argument("--max-queued", type=int, default=100, help="requests held per deployment at once")
-    up.add_argument(
+    p.add_argument("--max-queued", type=int, default=100, help="requests held per deployment at once")
+    p.add_argument(
         "--keepalive-interval",
         type=_duration_or_off,
         default="5s",
         help="time between the keep-alives (blank lines) a held stream gets; 0 or off: none, and a held "
         "stream's headers wait for its answer",
     )
-    up.add_argument(
+    p.add_argument(
         "--first-byte-timeout",
         type=duration,
         default="300s",
         help="how long a plain request waits for its whole answer's headers",
     )
-    up.add_argument(
+    p.add_argument(
         "--stream-headers-timeout",
         type=duration,
         default="10s",
         help="how long a stream waits for an instance's headers before it is retried elsewhere",
     )
-    up.add_argument(
+    p.add_argument(
         "--eject-after", type=int, default=3, help="failures in a row that take an instance out of routing"
     )
-    up.add_argument(
+    p.add_argument(
         "--eject-time",
         type=duration,
         default="10s",
         help="how long the first ejection lasts; doubled on each one in a row, up to 300 s",
     )
-    up.add_argument(
+    p.add_argument(
         "--replace-after-ejections",
         type=int,
         default=3,
         help="ejections in a row after which an instance is replaced as stopped or wedged",
     )
-    up.add_argument(
+    p.add_argument(
         "--health-interval",
         type=duration,
         default="5s",
         help="time between probes of each instance's /health",
     )
-    up.add_argument("--health-timeout", type=duration, default="2s", help="how long a /health probe may take")
-    up.add_argument(
+    p.add_argument("--health-timeout", type=duration, default="2s", help="how long a /health probe may take")
+
+
+def add_pool_args(p: argparse.ArgumentParser) -> None:
+    """The pools': scale-down window, failed starts, vLLM."""
+    p.add_argument("--stable-window", type=duration, default="60s", help="how long a scale-down waits")
+    p.add_argument(
         "--unavailable-after",
         type=int,
         default=3,
@@ -96,25 +104,29 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         help="failed starts in a row after which held and new requests are refused at once with the reason, "
         "while starts go on being retried (0: never)",
     )
-    up.add_argument(
+    p.add_argument(
         "--vllm",
         metavar="CMD",
         help="the command that runs vLLM's CLI (default: $STOKER_VLLM, else `vllm` on PATH)",
     )
-    up.add_argument(
+    p.add_argument(
         "--vllm-args",
         metavar="ARGS",
         default="",
         help="extra arguments for every vLLM instance, e.g. '--enforce-eager' (one quoted string; default none)",
     )
-    up.add_argument(
+    p.add_argument(
         "--vllm-cpu-kv-cache",
         metavar="GIB",
         type=float,
         default=1.0,
         help="GiB of host memory for each vLLM CPU instance's KV cache",
     )
-    limits = up.add_argument_group("limits of tenant keys that set none of their own (default: none)")
+
+
+def add_limit_args(p: argparse.ArgumentParser) -> None:
+    """Default limits of tenant keys."""
+    limits = p.add_argument_group("limits of tenant keys that set none of their own (default: none)")
     limits.add_argument("--key-rps", type=float, metavar="R", help="requests per second per key")
     limits.add_argument(
         "--key-tpm", type=int, metavar="T", help="tokens (prompt + completion) per minute per key"
@@ -122,6 +134,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     limits.add_argument(
         "--key-max-concurrent", type=int, metavar="N", help="requests held + in flight at once per key"
     )
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    up = sub.add_parser("up", help="run the platform (gateway, activators, warm pools) in the foreground")
+    for add in (add_serve_args, add_activator_args, add_pool_args, add_limit_args):
+        add(up)
     add_store_option(up)
     up.set_defaults(func=cmd_up)
 
@@ -220,17 +238,8 @@ def _lines(value: str) -> int:
     return int(value)
 
 
-def cmd_up(args: argparse.Namespace) -> int:
-    import logging
-
-    from activator import ActivatorConfig
-    from stoker.gateway import Access, build_gateway
-    from stoker.http import is_loopback, make_server, own_origins, run_server
-    from stoker.keys import KeyStore
-    from stoker.limits import Limits
-    from stoker.openai_errors import APIError
-    from stoker.paths import data_dir, snapshot_store_dir
-    from stoker.platform import Platform, VllmOptions
+def _admin_key(args: argparse.Namespace) -> str | None:
+    from stoker.http import is_loopback
 
     admin_key = os.environ.get("STOKER_ADMIN_KEY") or None
     if admin_key is None and not is_loopback(args.host) and not args.allow_open:
@@ -238,11 +247,22 @@ def cmd_up(args: argparse.Namespace) -> int:
             f"refusing to serve {args.host} without STOKER_ADMIN_KEY (anyone reaching it could deploy "
             "and call models): set STOKER_ADMIN_KEY, or pass --allow-open"
         )
+    return admin_key
+
+
+def _log_setup(args: argparse.Namespace) -> None:
+    import logging
+
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+
+
+def _activator_config(args: argparse.Namespace):
+    from activator import ActivatorConfig
+
     try:
-        activator_config = ActivatorConfig(
+        return ActivatorConfig(
             max_queued=args.max_queued,
             hold_deadline_s=args.hold_deadline,
             keepalive_interval_s=args.keepalive_interval,
@@ -255,24 +275,50 @@ def cmd_up(args: argparse.Namespace) -> int:
             health_interval_s=args.health_interval,
             health_timeout_s=args.health_timeout,
         )
-        vllm = VllmOptions(args.vllm, tuple(shlex.split(args.vllm_args)), args.vllm_cpu_kv_cache)
-        default_limits = Limits.parse(
-            {"rps": args.key_rps, "tpm": args.key_tpm, "max_concurrent": args.key_max_concurrent}, "key_"
-        )
     except ValueError as exc:
         raise CLIError(str(exc)) from None
+
+
+def _default_limits(args: argparse.Namespace):
+    from stoker.limits import Limits
+    from stoker.openai_errors import APIError
+
+    try:
+        return Limits.parse(
+            {"rps": args.key_rps, "tpm": args.key_tpm, "max_concurrent": args.key_max_concurrent}, "key_"
+        )
     except APIError as exc:
         raise CLIError(exc.message.replace("'key_", "'--key-").replace("_", "-")) from None
+
+
+def _platform(args: argparse.Namespace, **extra):
+    from stoker.paths import data_dir, snapshot_store_dir
+    from stoker.platform import Platform, VllmOptions
+
+    try:
+        vllm = VllmOptions(args.vllm, tuple(shlex.split(args.vllm_args)), args.vllm_cpu_kv_cache)
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
     if args.unavailable_after < 0:
         raise CLIError(f"--unavailable-after must be 0 (never) or more, got {args.unavailable_after}")
-    platform = Platform(
+    return Platform(
         data_dir(),
         store_dir=snapshot_store_dir(),
-        activator_config=activator_config,
         stable_window_s=args.stable_window,
         vllm=vllm,
         unavailable_after=args.unavailable_after,
+        **extra,
     )
+
+
+def _access(args: argparse.Namespace, admin_key: str | None, default_limits):
+    import logging
+
+    from stoker.gateway import Access
+    from stoker.http import own_origins
+    from stoker.keys import KeyStore
+    from stoker.paths import data_dir
+
     keys = KeyStore(data_dir() / "stoker.db")
     if admin_key is None:
         log = logging.getLogger("stoker.up")
@@ -291,11 +337,27 @@ def cmd_up(args: argparse.Namespace) -> int:
                 args.host,
                 args.port,
             )
-    access = Access(admin_key, keys, own_origins(args.host, args.port), default_limits)
-    app = build_gateway(platform, access=access)
+    return Access(admin_key, keys, own_origins(args.host, args.port), default_limits)
+
+
+def _serve(app, args: argparse.Namespace, platform=None) -> int:
+    from stoker.http import make_server, run_server
+
     server = make_server(app, host=args.host, port=args.port, log_level=args.log_level, grace_period_s=60)
-    platform.stopping = lambda: server.should_exit
+    if platform is not None:
+        platform.stopping = lambda: server.should_exit
     return 0 if run_server(server) else 1
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from stoker.gateway import build_gateway
+
+    admin_key = _admin_key(args)
+    _log_setup(args)
+    activator_config, limits = _activator_config(args), _default_limits(args)
+    platform = _platform(args, activator_config=activator_config)
+    app = build_gateway(platform, access=_access(args, admin_key, limits))
+    return _serve(app, args, platform)
 
 
 def cmd_deploy(args: argparse.Namespace) -> int:

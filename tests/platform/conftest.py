@@ -26,6 +26,7 @@ class PlatformProcess:
     log: Path | None = None
     env: dict = field(default_factory=dict)
     extra_env: dict = field(default_factory=dict)  # e.g. STOKER_ADMIN_KEY, for `up` and the CLI
+    command: str = "up"  # or "controller", "gateway" (`stoker.planes`)
 
     @property
     def url(self) -> str:
@@ -42,13 +43,13 @@ class PlatformProcess:
         self.log = self.home / f"up-{time.monotonic_ns()}.log"
         self.home.mkdir(parents=True, exist_ok=True)
         with self.log.open("wb") as out:
-            cmd = [STOKER, "up", "--port", str(self.port), *self.args]
+            cmd = [STOKER, self.command, "--port", str(self.port), *self.args]
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=self.env)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(
-                    f"stoker up exited {self.proc.returncode}:\n{self.log.read_text()[-3000:]}"
+                    f"stoker {self.command} exited {self.proc.returncode}:\n{self.log.read_text()[-3000:]}"
                 )
             try:
                 if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:

@@ -1,0 +1,227 @@
+"""The two planes as processes of their own: `stoker controller` (registry, pools, policies, the
+backend; the admin API; what gateways learn and report, `stoker.cluster`) and `stoker gateway`
+(OpenAI's routes through each deployment's activator, `stoker.gateway_plane`). `stoker up` runs
+both in one process (`stoker.gateway.build_gateway`) and neither of these.
+
+A gateway passes the admin API (`/admin/…`, `/metrics/engines`) through to its controller with the
+caller's own `Authorization`, so `STOKER_URL` may name either for the CLI; the controller decides.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from stoker.cluster import parse_gateway_id, parse_report, share
+from stoker.federate import revision_of
+from stoker.gateway import Access, admin_routes, common_routes, data_routes, middleware_for
+from stoker.gateway_plane import GatewayPlane
+from stoker.http import openai_exception_handlers, parse_json_object, read_body
+from stoker.limits import NO_LIMITS, Limiter
+from stoker.openai_errors import APIError, invalid
+from stoker.platform import Platform
+
+log = logging.getLogger("stoker.planes")
+MAX_REPORT_BYTES = 8 << 20
+# The request headers a gateway passes through to the controller's admin API, and back.
+_PASS_REQUEST = ("authorization", "content-type", "origin", "accept")
+_PASS_RESPONSE = ("content-type", "retry-after", "cache-control")
+
+
+def routing_table(platform: Platform, access: Access | None, gateway: str) -> dict[str, Any]:
+    """What one gateway routes by: every deployment's READY endpoints with their keys and this
+    gateway's share of each one's concurrency, why a deployment cannot start (if so), and the
+    tenant keys' hashes."""
+    gateways = platform.routes.live()
+    if gateway not in gateways:
+        gateways = sorted([*gateways, gateway])
+    deployments = {}
+    for d in platform.list():
+        endpoints = [
+            {
+                "id": inst.id,
+                "url": inst.url,
+                "key": inst.secret,
+                "max_concurrency": share(inst.max_concurrency, gateways, gateway),
+            }
+            for inst in d.pool.endpoints()
+        ]
+        deployments[d.spec.name] = {
+            "snapshot_id": d.spec.snapshot_id,
+            "revision": revision_of(d.spec.snapshot_id),
+            "unavailable": d.demand.unavailable if d.demand is not None else None,
+            "endpoints": endpoints,
+        }
+    keys = access.keys.hashed() if access is not None else []
+    return {
+        "epoch": platform.routes.epoch,
+        "version": platform.routes.version,
+        "gateways": len(gateways),
+        "deployments": deployments,
+        "keys": keys,
+    }
+
+
+def build_controller(
+    platform: Platform,
+    *,
+    access: Access | None = None,
+    poll_timeout_s: float = 20.0,
+    leave_instances: bool = True,
+    on_shutdown: Callable[[], object] | None = None,
+) -> Starlette:
+    """The control plane's app: the admin API, and the cluster API gateways and node agents use."""
+    limiter = Limiter(NO_LIMITS, registry=platform.metrics_registry)  # keys are revoked here too
+
+    async def routes(request: Request) -> Response:
+        gateway = parse_gateway_id(request.query_params.get("gateway"))
+        try:
+            after = int(request.query_params.get("after", "-1"))
+        except ValueError:
+            raise invalid("'after' must be an integer.", "after") from None
+        platform.routes.seen(gateway)
+        await platform.routes.wait(request.query_params.get("epoch"), after, poll_timeout_s)
+        return JSONResponse(routing_table(platform, access, gateway))
+
+    async def load(request: Request) -> Response:
+        body = parse_json_object(await read_body(request.receive, request.scope, MAX_REPORT_BYTES))
+        gateway, reports = parse_report(body)
+        platform.routes.seen(gateway)
+        now = platform.clock()
+        for name, report in reports.items():
+            d = platform.get(name)
+            if d is not None and d.demand is not None:  # one removed meanwhile: its news is moot
+                d.demand.report(gateway, report, now)
+        return JSONResponse({"version": platform.routes.version})
+
+    async def snapshots(request: Request) -> Response:
+        """Which snapshots the deployments use, for the node agents (`stoker node`)."""
+        by_id: dict[str, dict[str, Any]] = {}
+        for d in platform.list():
+            uri = d.spec.model if d.spec.model.startswith("s3://") else None
+            entry = by_id.setdefault(
+                d.spec.snapshot_id, {"id": d.spec.snapshot_id, "uri": uri, "deployments": []}
+            )
+            entry["deployments"].append(d.spec.name)
+        return JSONResponse({"snapshots": list(by_id.values())})
+
+    async def healthz(request: Request) -> Response:
+        return JSONResponse({"status": "ok", "role": "controller", "deployments": len(platform.list())})
+
+    cluster = [
+        Route("/cluster/v1/routes", routes, methods=["GET"]),
+        Route("/cluster/v1/load", load, methods=["POST"]),
+        Route("/cluster/v1/snapshots", snapshots, methods=["GET"]),
+    ]
+    own = [r for r in common_routes(platform, platform.metrics_registry) if r.path != "/healthz"]
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        await platform.start()
+        try:
+            yield
+        finally:
+            await platform.shutdown(stop_instances=not leave_instances)
+            if access is not None:
+                access.keys.close()
+            if on_shutdown is not None:
+                on_shutdown()
+
+    return Starlette(
+        routes=[
+            Route("/healthz", healthz, methods=["GET"]),
+            *own,
+            *cluster,
+            *admin_routes(platform, access, limiter),
+        ],
+        exception_handlers=openai_exception_handlers(),
+        middleware=middleware_for(access, "controller"),
+        lifespan=lifespan,
+    )
+
+
+def build_data_gateway(plane: GatewayPlane, *, access: Access | None = None) -> Starlette:
+    """The data plane's app: OpenAI's routes through the plane's activators; the admin API passed
+    through to the controller."""
+    limiter = Limiter(
+        access.default_limits if access is not None else NO_LIMITS, registry=plane.metrics_registry
+    )
+
+    async def admin(request: Request) -> Response:
+        return await _pass_through(plane, request)
+
+    async def healthz(request: Request) -> Response:
+        return JSONResponse(
+            {
+                "status": "ok",
+                "role": "gateway",
+                "deployments": len(plane.list()),
+                "controller": "reachable" if plane.controller_reachable else "unreachable",
+            }
+        )
+
+    own = [r for r in common_routes(plane, plane.metrics_registry) if r.path != "/healthz"]
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        await plane.start()
+        try:
+            yield
+        finally:
+            await plane.shutdown()
+
+    return Starlette(
+        routes=[
+            Route("/healthz", healthz, methods=["GET"]),
+            *own,
+            *data_routes(plane, limiter),
+            Route("/metrics/engines", admin, methods=["GET"]),
+            Route("/admin/{rest:path}", admin, methods=["GET", "POST", "DELETE"]),
+        ],
+        exception_handlers=openai_exception_handlers(),
+        middleware=middleware_for(access, "gateway", keys=plane.keys),
+        lifespan=lifespan,
+    )
+
+
+async def _pass_through(plane: GatewayPlane, request: Request) -> Response:
+    """The caller's admin request, as it came, to the controller; its answer streamed back (logs
+    may follow)."""
+    body = await read_body(request.receive, request.scope, 4 << 20)
+    headers = {k: v for k, v in request.headers.items() if k in _PASS_REQUEST}
+    url = plane.controller + request.url.path
+    session = plane.passthrough_session()
+    try:
+        upstream = await session.request(
+            request.method,
+            url,
+            params=request.query_params,
+            data=body,
+            headers=headers,
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=None),
+        )
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        raise APIError(
+            503,
+            f"The controller ({plane.controller}) is unreachable: {type(exc).__name__}.",
+            type="service_unavailable",
+            code="controller_unreachable",
+        ) from None
+
+    async def chunks():
+        try:
+            async for chunk in upstream.content.iter_any():
+                yield chunk
+        finally:
+            upstream.release()
+
+    passed = {k: v for k, v in upstream.headers.items() if k.lower() in _PASS_RESPONSE}
+    return StreamingResponse(chunks(), status_code=upstream.status, headers=passed)

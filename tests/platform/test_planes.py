@@ -1,0 +1,144 @@
+"""The two planes as separate processes: `stoker controller` and two `stoker gateway`s on loopback,
+the real CPU engine behind them. Requests held at zero through either gateway bring one instance
+up; each gateway routes at most its share of it; the admin API goes through a gateway; a gateway
+killed loses only its own requests; the controller killed loses none, and the one restarted on
+the same data dir adopts the running engine (same process, no start)."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.engine.conftest import free_port
+from tests.platform.conftest import PlatformProcess, pid_alive
+
+ADMIN = "admin-key-for-planes"
+ENV = {"STOKER_ADMIN_KEY": ADMIN}
+H = {"authorization": f"Bearer {ADMIN}"}
+
+
+def chat(url: str, content: str = "hi", *, max_tokens: int = 4, stream: bool = False, timeout: float = 120):
+    body = {"model": "m", "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens}
+    return httpx.post(
+        f"{url}/v1/chat/completions", json={**body, "stream": stream}, headers=H, timeout=timeout
+    )
+
+
+def routes(controller: PlatformProcess, gateway: str) -> dict:
+    r = httpx.get(f"{controller.url}/cluster/v1/routes", params={"gateway": gateway}, headers=H, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def starts(controller: PlatformProcess) -> float:
+    return controller.metric("stoker_instance_starts_total", deployment="m", outcome="ready")
+
+
+@pytest.fixture
+def planes(tmp_path: Path):
+    home = tmp_path / "home"
+    controller = PlatformProcess(
+        home,
+        free_port(),
+        ("--stable-window", "1", "--gateway-stale-after", "3"),
+        extra_env=ENV,
+        command="controller",
+    ).start()
+    gw_args = ("--controller", controller.url, "--report-interval", "0.2s", "--hold-deadline", "120s")
+    gateways = [
+        PlatformProcess(
+            tmp_path / f"gw{i}",
+            free_port(),
+            (*gw_args, "--gateway-id", f"gw-{i}"),
+            extra_env=ENV,
+            command="gateway",
+        ).start()
+        for i in range(2)
+    ]
+    started = [controller, *gateways]
+    yield controller, gateways, started
+    for p in started:
+        p.stop()
+
+
+def test_two_gateways_share_one_instance_and_survive_the_controller(planes, tiny_model_dir: Path) -> None:
+    controller, (a, b), started = planes
+    # The admin API through a gateway: the CLI may name either plane.
+    deployed = a.deploy("m", tiny_model_dir, "--min-warm", "0", "--max", "1", "--idle-timeout", "600")
+    assert deployed["name"] == "m"
+    assert httpx.get(f"{b.url}/admin/v1/deployments/m", timeout=10).status_code == 401  # the caller's key
+    a.wait_for(lambda: any(c["id"] == "m" for c in httpx.get(f"{a.url}/v1/models", headers=H).json()["data"]))
+
+    # Held at zero on both gateways at once: one instance comes up and serves both.
+    answers: list[httpx.Response] = []
+    threads = [threading.Thread(target=lambda g=g: answers.append(chat(g.url))) for g in (a, b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [r.status_code for r in answers] == [200, 200], [r.text for r in answers]
+    assert len({r.headers["x-stoker-instance"] for r in answers}) == 1
+    assert starts(controller) == 1
+
+    # Each live gateway routes at most its share of the instance (8 slots, two gateways).
+    [endpoint] = routes(controller, "gw-0")["deployments"]["m"]["endpoints"]
+    assert endpoint["max_concurrency"] == 4
+    assert routes(controller, "gw-1")["gateways"] == 2
+
+    # The controller dies: the gateways route on to the READY instance.
+    engine = next(iter(controller.engine_pids().values()))
+    controller.stop(signal.SIGKILL)
+    for g in (a, b):
+        r = chat(g.url)
+        assert r.status_code == 200, r.text
+    assert httpx.get(f"{a.url}/healthz").json()["controller"] == "unreachable"
+    assert chat(a.url).headers["x-stoker-instance"] == answers[0].headers["x-stoker-instance"]
+    assert pid_alive(engine)
+
+    # Restarted on the same data dir and port: the running engine is adopted, not restarted.
+    again = PlatformProcess(
+        controller.home, controller.port, controller.args, extra_env=ENV, command="controller"
+    )
+    again.start()
+    started.append(again)
+    again.wait_for(lambda: again.deployments()["m"]["instances"]["READY"] == 1, what="adoption")
+    [instance] = again.deployments()["m"]["instance_list"]
+    assert instance["id"] == answers[0].headers["x-stoker-instance"]
+    assert instance["runs_as"] == f"pid {engine}"
+    assert starts(again) == 0  # no cold start
+    a.wait_for(lambda: httpx.get(f"{a.url}/healthz").json()["controller"] == "reachable", what="reconnect")
+    assert chat(b.url).status_code == 200
+    assert again.engine_pids() == {instance["id"]: engine}
+
+
+def test_a_gateway_killed_loses_only_its_own_requests(planes, tiny_model_dir: Path) -> None:
+    controller, (a, b), _ = planes
+    a.deploy("m", tiny_model_dir, "--min-warm", "1", "--max", "1", "--idle-timeout", "600")
+    a.wait_for(lambda: chat(a.url).status_code == 200, timeout=120, what="a first answer")
+    b.wait_for(lambda: chat(b.url).status_code == 200, timeout=60, what="an answer on b")
+
+    outcome: dict[str, object] = {}
+
+    def long_on(gateway: PlatformProcess, name: str) -> None:
+        try:
+            outcome[name] = chat(gateway.url, "tell me a long story", max_tokens=64, stream=True).status_code
+        except httpx.TransportError as exc:
+            outcome[name] = type(exc).__name__
+
+    threads = [threading.Thread(target=long_on, args=(g, n)) for g, n in ((a, "a"), (b, "b"))]
+    for t in threads:
+        t.start()
+    a.stop(signal.SIGKILL)
+    for t in threads:
+        t.join()
+    assert outcome["b"] == 200  # the other gateway's request is untouched
+    # The controller forgets the dead gateway: b gets the whole instance.
+    controller.wait_for(
+        lambda: routes(controller, "gw-1")["deployments"]["m"]["endpoints"][0]["max_concurrency"] == 8,
+        what="b's share growing to the whole instance",
+    )
+    assert chat(b.url).status_code == 200
