@@ -1,0 +1,562 @@
+"""The Kubernetes backend: each engine instance is a pod (`warm_pool.kube_pod` builds it).
+
+Pods are seen through one list-and-watch of this controller's own pods (labels
+`app.kubernetes.io/managed-by=stoker, stoker.dev/owner=<owner>`), kept in memory: `is_alive` is a
+dict lookup, `wait_ready` and `stop` wait on changes to it. The watch resumes from the last
+resourceVersion it saw; a 410 Gone (the version was compacted away) or a broken connection
+starts over with a fresh list, so no change is missed for long.
+
+A pod's lifecycle as the pool sees it:
+
+    start      create the Secret, then the Pod, then make the Pod the Secret's owner (GC)
+    wait_ready the pod's Ready condition (the kubelet's readiness probe on the health path)
+               → http://<podIP>:<port>; StartFailed if it fails, is deleted, or time runs out,
+               with the reason from its status (Unschedulable, ErrImagePull, an exit code)
+    stop       delete with the grace period; wait until it is gone; the engine's exit code
+    running    this owner's Running pods and their Secrets: a restarted controller adopts them
+
+Handles carry the pod's uid, so a later pod that got the same name is never mistaken for it.
+Secrets are read only to adopt (the key) and never logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import logging
+import math
+import re
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx2
+from lightkube import ApiError, AsyncClient, KubeConfig
+from lightkube.models.meta_v1 import OwnerReference
+from lightkube.resources.core_v1 import Node, Pod, Secret
+from lightkube.types import PatchType
+
+from warm_pool.backend import Placement, Running
+from warm_pool.errors import InvalidConfig, PoolError, StartFailed
+from warm_pool.kube_pod import (
+    DEPLOYMENT_LABEL,
+    ENGINE_CONTAINER,
+    KEY_ITEM,
+    OWNER_LABEL,
+    PULL_CONTAINER,
+    SNAPSHOT_ANNOTATION,
+    STARTED_ANNOTATION,
+    PodSettings,
+    owner_labels,
+    owner_reference,
+    pod_manifest,
+    secret_manifest,
+    secret_name,
+    snapshot_label,
+)
+from warm_pool.launch import LaunchSpec
+from warm_pool.policies.base import Tier
+from warm_pool.snapshot import Acquired, SnapshotSource
+
+__all__ = ["KubeBackend", "NodePin", "PodHandle", "snapshot_label"]
+
+log = logging.getLogger(__name__)
+
+FAILURE_LOG_LINES = 20
+_GONE_KEPT = 1024  # last states of deleted pods kept for `stop`'s exit code
+_LABEL_VALUE = re.compile(r"^(?:[A-Za-z0-9](?:[A-Za-z0-9._-]{0,61}[A-Za-z0-9])?)$")
+# Waiting reasons that no amount of waiting fixes: the start fails at once with the reason.
+_FATAL_WAITING = {
+    "ErrImagePull",
+    "ImagePullBackOff",
+    "InvalidImageName",
+    "ErrImageNeverPull",
+    "CreateContainerConfigError",
+    "CreateContainerError",
+}
+_CONTROL = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|[\x00-\x08\x0b-\x1f\x7f]")
+
+
+@dataclass(frozen=True)
+class PodHandle:
+    namespace: str
+    pod: str
+    uid: str
+
+    @property
+    def name(self) -> str:
+        return f"pod {self.namespace}/{self.pod}"
+
+
+class NodePin:
+    """The pin of a snapshot that lives on the nodes: the node agent keeps a node's store, and a pod
+    holds its own pin there (the engine pins what it loads), so there is nothing to hold here."""
+
+    def __init__(self, snapshot_id: str, holder: str) -> None:
+        self.snapshot_id, self.holder = snapshot_id, holder
+        self.held = True
+
+    def release(self) -> None:
+        self.held = False
+
+
+def _alive(pod: Pod) -> bool:
+    return (
+        pod.metadata.deletionTimestamp is None
+        and pod.status is not None
+        and pod.status.phase
+        not in (
+            "Failed",
+            "Succeeded",
+        )
+    )
+
+
+def _condition(pod: Pod, kind: str):
+    return next((c for c in (pod.status and pod.status.conditions) or [] if c.type == kind), None)
+
+
+def _is_ready(pod: Pod) -> bool:
+    ready = _condition(pod, "Ready")
+    return ready is not None and ready.status == "True" and bool(pod.status.podIP)
+
+
+def _terminated(pod: Pod):
+    """(container name, its terminated state) of the first container that ended, init ones first."""
+    status = pod.status
+    for statuses in (status and status.initContainerStatuses, status and status.containerStatuses):
+        for cs in statuses or []:
+            if cs.state is not None and cs.state.terminated is not None:
+                return cs.name, cs.state.terminated
+    return None
+
+
+def _waiting(pod: Pod) -> tuple[str, str] | None:
+    """(reason, message) of a container stuck waiting, init ones first."""
+    status = pod.status
+    for statuses in (status and status.initContainerStatuses, status and status.containerStatuses):
+        for cs in statuses or []:
+            if cs.state is not None and cs.state.waiting is not None and cs.state.waiting.reason:
+                return cs.state.waiting.reason, cs.state.waiting.message or ""
+    return None
+
+
+def _pending_reason(pod: Pod) -> str:
+    """Why a pod is not ready yet, from its status: unschedulable, a waiting container, its phase."""
+    scheduled = _condition(pod, "PodScheduled")
+    if scheduled is not None and scheduled.status == "False":
+        return f"{scheduled.reason}: {scheduled.message or ''}".rstrip(": ")
+    if (waiting := _waiting(pod)) is not None:
+        return f"{waiting[0]}: {waiting[1]}".rstrip(": ")
+    return f"phase {pod.status.phase if pod.status else 'unknown'}"
+
+
+def clean_lines(text: str, lines: int) -> list[str]:
+    """The last `lines` non-empty lines of a log, control characters out, each at most 300 chars."""
+    kept = [s for s in (_CONTROL.sub("", line).strip() for line in text.splitlines()) if s]
+    return [line[:300] for line in kept[-lines:]]
+
+
+class KubeBackend:
+    """Engines as pods in `namespace`. `client_or_config`: a lightkube AsyncClient (shared, not
+    closed here) or a KubeConfig (a client of its own, closed by `aclose`). `owner` names this
+    controller (a label value: letters, digits, `-_.`, at most 63): its pods carry it, and only its
+    pods are watched, adopted and stopped. Call `aclose()` when done."""
+
+    kind = "kubernetes"
+
+    def __init__(
+        self,
+        client_or_config: AsyncClient | KubeConfig,
+        namespace: str,
+        *,
+        image: str,
+        store_path: str | Path,
+        owner: str,
+        engine_port: int = 8000,
+        gpu_resource: str = "nvidia.com/gpu",
+        grace_s: int = 30,
+        probe_period_s: int = 1,
+        pull_env: Mapping[str, str] | None = None,
+        pull_secret: str | None = None,
+        watch_retry_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        if not _LABEL_VALUE.match(owner):
+            raise InvalidConfig(
+                "owner", f"owner must be a Kubernetes label value (63 chars of [A-Za-z0-9._-]), got {owner!r}"
+            )
+        if not 1 <= engine_port <= 65535:
+            raise InvalidConfig("engine_port", f"engine_port must be within 1-65535, got {engine_port}")
+        self._own_client = isinstance(client_or_config, KubeConfig)
+        self._client = (
+            AsyncClient(config=client_or_config, namespace=namespace)
+            if self._own_client
+            else client_or_config
+        )
+        self.namespace = namespace
+        self.settings = PodSettings(
+            image=image,
+            store_path=str(store_path),
+            owner=owner,
+            engine_port=engine_port,
+            gpu_resource=gpu_resource,
+            grace_s=grace_s,
+            probe_period_s=probe_period_s,
+            pull_env=dict(pull_env or {}),
+            pull_secret=pull_secret,
+        )
+        self._labels = owner_labels(owner)
+        self._retry_s = watch_retry_s
+        self._clock = clock
+        self._wall_clock = wall_clock
+        self._pods: dict[str, Pod] = {}  # by name: this owner's pods as last seen
+        self._gone: OrderedDict[str, Pod] = OrderedDict()  # by uid: last state of deleted pods
+        self._changed = asyncio.Condition()
+        self._synced = asyncio.Event()
+        self._watch_task: asyncio.Task | None = None
+        self._logs: dict[str, list[str]] = {}  # by instance id: the last log tail read
+        self._log_reads: dict[str, asyncio.Task] = {}
+
+    # -- the protocol -------------------------------------------------------------------------------
+
+    def engine_port(self, host: str) -> int:
+        """Every pod has its own address, so every engine listens on the same port."""
+        return self.settings.engine_port
+
+    async def acquire(self, snapshot: SnapshotSource, holder: str) -> Acquired:
+        """No local pull: the pod's node has the snapshot or its init container pulls it. The tier is
+        local disk if some node's store holds it (its label says so), else object storage."""
+        path = Path(self.settings.store_path) / snapshot.snapshot_id
+        tier = Tier.DISK if await self._some_node_holds(snapshot.snapshot_id) else Tier.OBJECT_STORAGE
+        return Acquired(path=path, pin=NodePin(snapshot.snapshot_id, holder), tier=tier, pulled=None)  # type: ignore[arg-type]
+
+    async def start(self, placement: Placement, spec: LaunchSpec) -> PodHandle:
+        """Create the Secret, then the Pod; then hand the Secret to the Pod for garbage collection.
+        A Secret left from an earlier failed attempt with this name is replaced."""
+        await self._ensure_watch()
+        secret = Secret.from_dict(secret_manifest(self.settings, placement, spec))
+        try:
+            await self._client.create(secret, namespace=self.namespace)
+        except ApiError as exc:
+            if exc.status.code != 409:
+                raise PoolError(
+                    f"cannot create secret {secret_name(placement.instance_id)}: {exc.status.message}"
+                ) from None
+            await self._client.replace(secret, namespace=self.namespace)
+        manifest = pod_manifest(self.settings, placement, spec, self._wall_clock())
+        try:
+            pod = await self._client.create(Pod.from_dict(manifest), namespace=self.namespace)
+        except ApiError as exc:
+            await self._delete_secret(placement.instance_id)
+            raise StartFailed(
+                f"pod {self.namespace}/{placement.instance_id} was refused: {exc.status.message}",
+                phase="process_start",
+            ) from None
+        current = self._pods.get(pod.metadata.name)
+        if current is None or current.metadata.uid != pod.metadata.uid:
+            self._remember(pod)  # unless the watch was quicker, and has a newer state already
+        await self._own_secret(pod)
+        return PodHandle(self.namespace, pod.metadata.name, pod.metadata.uid)
+
+    def is_alive(self, handle: PodHandle) -> bool:
+        pod = self._pods.get(handle.pod)
+        return pod is not None and pod.metadata.uid == handle.uid and _alive(pod)
+
+    async def wait_ready(self, handle: PodHandle, timeout_s: float, *, health_path: str = "/health") -> str:
+        """The pod's URL once Ready: its readiness probe is an httpGet on the spec's `health_path`
+        (the one given here is the same, from the same spec). StartFailed, with the reason and the
+        log's tail, if it fails, is deleted, or is not Ready within `timeout_s`."""
+        await self._ensure_watch()
+        outcome: list[str | StartFailed] = []
+
+        def decided() -> bool:
+            result = self._ready_or_failed(handle)
+            if result is not None:
+                outcome.append(result)
+            return result is not None
+
+        if not await self._wait_for(decided, timeout_s):
+            pod = self._pods.get(handle.pod)
+            why = _pending_reason(pod) if pod is not None else "no such pod"
+            raise await self._failed(handle, f"not ready after {timeout_s:g}s ({why})", None, "wait_ready")
+        result = outcome[0]
+        if isinstance(result, StartFailed):
+            raise await self._with_log(handle, result)
+        return result
+
+    async def stop(self, handle: PodHandle, term_timeout_s: float) -> int | None:
+        """Delete the pod with `term_timeout_s` of grace and wait until it is gone (the kubelet stops
+        it: SIGTERM, SIGKILL at the end of the grace); then its Secret. The engine's exit code where
+        the pod reported it. A pod still there well after its grace (its node is lost) is deleted by
+        force, as `kubectl delete --force` does. Safe to repeat, and on the already gone."""
+        await self._ensure_watch()
+        grace = max(0, math.ceil(term_timeout_s))
+        current = self._pods.get(handle.pod)
+        if current is not None and current.metadata.uid != handle.uid:
+            return None  # a later pod with the same name: not ours to stop, nor its Secret
+        if current is not None:
+            await self._delete_pod(handle.pod, grace)
+            gone = await self._wait_for(lambda: self._gone_now(handle), grace + 30.0)
+            if not gone:
+                log.warning("%s still there %ds after its grace period: deleting by force", handle.name, 30)
+                await self._delete_pod(handle.pod, 0)
+                await self._wait_for(lambda: self._gone_now(handle), 10.0)
+        await self._delete_secret(handle.pod)
+        last = self._gone.pop(handle.uid, None) or current
+        self._logs.pop(handle.pod, None)
+        return self._exit_code(last) if last is not None else None
+
+    async def running(self) -> list[Running]:
+        """This owner's Running pods (not being deleted), each with its Secret's key: what a previous
+        controller left. Pods without a whole record (labels, annotations, Secret) are skipped."""
+        await self._ensure_watch()
+        found: list[Running] = []
+        for pod in list(self._pods.values()):
+            if not _alive(pod) or pod.status.phase != "Running" or not pod.status.podIP:
+                continue
+            adopted = await self._adoptable(pod)
+            if adopted is not None:
+                found.append(adopted)
+        return found
+
+    def log_tail(self, instance_id: str, lines: int) -> list[str]:
+        """The last lines read of the pod's log; each call also starts a fresh read in the
+        background (the protocol's call is synchronous), so the next call sees newer lines."""
+        if instance_id in self._pods and instance_id not in self._log_reads:
+            with contextlib.suppress(RuntimeError):  # no running loop: the cached lines only
+                task = asyncio.get_running_loop().create_task(self._read_log(instance_id, ENGINE_CONTAINER))
+                self._log_reads[instance_id] = task
+                task.add_done_callback(lambda _: self._log_reads.pop(instance_id, None))
+        return self._logs.get(instance_id, [])[-lines:] if lines > 0 else []
+
+    async def aclose(self) -> None:
+        """Stop watching; close the client if this backend made it. Pods are left running."""
+        if self._watch_task is not None:
+            self._watch_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch_task
+            self._watch_task = None
+        for task in list(self._log_reads.values()):
+            task.cancel()
+        if self._own_client:
+            await self._client.close()
+
+    # -- the watch ----------------------------------------------------------------------------------
+
+    async def _ensure_watch(self) -> None:
+        if self._watch_task is None:
+            self._watch_task = asyncio.create_task(self._watch(), name=f"kube-watch-{self.namespace}")
+        await self._synced.wait()
+
+    async def _watch(self) -> None:
+        """List, then watch from the list's version; on 410 Gone or a broken stream, list again."""
+        while True:
+            try:
+                version = await self._relist()
+                watch = self._client.watch(
+                    Pod, namespace=self.namespace, labels=self._labels, resource_version=version
+                )
+                async for event, pod in watch:
+                    await self._apply(event, pod)
+            except ApiError as exc:
+                if exc.status.code != 410:
+                    log.warning("watching pods in %s: %s; listing again", self.namespace, exc.status.message)
+                    await asyncio.sleep(self._retry_s)
+            except (httpx2.HTTPError, OSError) as exc:
+                log.warning(
+                    "watching pods in %s: %s: %s; listing again", self.namespace, type(exc).__name__, exc
+                )
+                await asyncio.sleep(self._retry_s)
+
+    async def _relist(self) -> str:
+        listing = self._client.list(Pod, namespace=self.namespace, labels=self._labels)
+        pods = {pod.metadata.name: pod async for pod in listing}
+        version = listing.resourceVersion
+        # A pod `start` created after the list was taken is newer than it: kept, its events follow.
+        # (Versions are compared only here, between a list and an object from the same server.)
+        newer = {
+            n: p
+            for n, p in self._pods.items()
+            if n not in pods and int(p.metadata.resourceVersion) > int(version)
+        }
+        for name, pod in self._pods.items():
+            if name not in pods and name not in newer:
+                self._forget(pod)
+        self._pods = {**pods, **newer}
+        self._synced.set()
+        async with self._changed:
+            self._changed.notify_all()
+        return version
+
+    async def _apply(self, event: str, pod: Pod) -> None:
+        if event == "DELETED":
+            current = self._pods.get(pod.metadata.name)
+            if current is not None and current.metadata.uid == pod.metadata.uid:
+                del self._pods[pod.metadata.name]
+            self._forget(pod)
+        else:
+            self._remember(pod)
+            if pod.status is not None and pod.status.phase in ("Failed", "Succeeded"):
+                self.log_tail(pod.metadata.name, 0)  # read it while the pod is still there
+        async with self._changed:
+            self._changed.notify_all()
+
+    def _remember(self, pod: Pod) -> None:
+        self._pods[pod.metadata.name] = pod
+
+    def _forget(self, pod: Pod) -> None:
+        self._gone[pod.metadata.uid] = pod
+        while len(self._gone) > _GONE_KEPT:
+            self._gone.popitem(last=False)
+
+    async def _wait_for(self, predicate: Callable[[], bool], timeout_s: float) -> bool:
+        async with self._changed:
+            try:
+                await asyncio.wait_for(self._changed.wait_for(predicate), max(0.0, timeout_s))
+            except TimeoutError:
+                return False
+        return True
+
+    def _gone_now(self, handle: PodHandle) -> bool:
+        pod = self._pods.get(handle.pod)
+        return pod is None or pod.metadata.uid != handle.uid
+
+    # -- readiness and failure ----------------------------------------------------------------------
+
+    def _ready_or_failed(self, handle: PodHandle) -> str | StartFailed | None:
+        """The URL if Ready, a StartFailed if it cannot become so, None while it may yet."""
+        pod = self._pods.get(handle.pod)
+        if pod is None or pod.metadata.uid != handle.uid:
+            return StartFailed(f"{handle.name} was deleted before it was ready", phase="process_start")
+        if pod.metadata.deletionTimestamp is not None:
+            return StartFailed(f"{handle.name} is being deleted", phase="process_start")
+        if _is_ready(pod) and _alive(pod):
+            return f"http://{pod.status.podIP}:{self.settings.engine_port}"
+        if (ended := _terminated(pod)) is not None and not _alive(pod):
+            container, state = ended
+            what = f"container {container} exited with status {state.exitCode}"
+            detail = "; ".join(filter(None, (state.reason, state.message)))
+            phase = "snapshot" if container == PULL_CONTAINER else "process_start"
+            return StartFailed(
+                f"{handle.name}: {what} ({detail}) before it was ready", exit_code=state.exitCode, phase=phase
+            )
+        if not _alive(pod):
+            return StartFailed(
+                f"{handle.name} ended ({_pending_reason(pod)}) before it was ready", phase="process_start"
+            )
+        if (waiting := _waiting(pod)) is not None and waiting[0] in _FATAL_WAITING:
+            return StartFailed(f"{handle.name}: {': '.join(filter(None, waiting))}", phase="process_start")
+        return None
+
+    async def _failed(self, handle: PodHandle, what: str, code: int | None, phase: str) -> StartFailed:
+        return await self._with_log(handle, StartFailed(f"{handle.name} {what}", exit_code=code, phase=phase))
+
+    async def _with_log(self, handle: PodHandle, failure: StartFailed) -> StartFailed:
+        """`failure` with the tail of the log of the container that failed."""
+        pod = self._pods.get(handle.pod) or self._gone.get(handle.uid)
+        ended = _terminated(pod) if pod is not None else None
+        container = ended[0] if ended is not None else ENGINE_CONTAINER
+        lines = await self._read_log(handle.pod, container)
+        if not lines:
+            return failure
+        tail = " | ".join(lines[-5:])
+        return StartFailed(
+            f"{failure}; log: {tail}",
+            exit_code=failure.exit_code,
+            log_tail=tail,
+            phase=failure.phase,
+            log_lines=tuple(lines),
+        )
+
+    async def _read_log(self, pod: str, container: str) -> list[str]:
+        """The last lines of a container's log; [] if it cannot be read (no pod, no log yet)."""
+        try:
+            chunks = [
+                c
+                async for c in self._client.log(
+                    pod, namespace=self.namespace, container=container, tail_lines=200
+                )
+            ]
+        except (ApiError, httpx2.HTTPError) as exc:
+            log.debug("log of pod %s: %s", pod, exc)
+            return self._logs.get(pod, [])
+        lines = clean_lines("".join(chunks), FAILURE_LOG_LINES)
+        if container == ENGINE_CONTAINER:
+            self._logs[pod] = lines
+        return lines
+
+    @staticmethod
+    def _exit_code(pod: Pod) -> int | None:
+        for cs in (pod.status and pod.status.containerStatuses) or []:
+            if cs.name == ENGINE_CONTAINER and cs.state is not None and cs.state.terminated is not None:
+                return cs.state.terminated.exitCode
+        return None
+
+    # -- API calls ----------------------------------------------------------------------------------
+
+    async def _own_secret(self, pod: Pod) -> None:
+        """Make the pod the Secret's owner. Should this fail, the Secret is still removed by `stop`."""
+        ref = owner_reference(pod.to_dict())
+        patch = {"metadata": {"ownerReferences": [OwnerReference(**ref).to_dict()]}}
+        try:
+            await self._client.patch(
+                Secret,
+                secret_name(pod.metadata.name),
+                patch,
+                namespace=self.namespace,
+                patch_type=PatchType.MERGE,
+            )
+        except ApiError as exc:
+            log.warning("cannot make pod %s own its secret: %s", pod.metadata.name, exc.status.message)
+
+    async def _delete_pod(self, name: str, grace: int) -> None:
+        try:
+            await self._client.delete(Pod, name, namespace=self.namespace, grace_period=grace)
+        except ApiError as exc:
+            if exc.status.code != 404:
+                raise PoolError(f"cannot delete pod {self.namespace}/{name}: {exc.status.message}") from None
+
+    async def _delete_secret(self, instance_id: str) -> None:
+        try:
+            await self._client.delete(Secret, secret_name(instance_id), namespace=self.namespace)
+        except ApiError as exc:
+            if exc.status.code != 404:
+                log.warning("cannot delete secret %s: %s", secret_name(instance_id), exc.status.message)
+
+    async def _adoptable(self, pod: Pod) -> Running | None:
+        meta = pod.metadata
+        labels, notes = meta.labels or {}, meta.annotations or {}
+        if labels.get(OWNER_LABEL) != self.settings.owner or SNAPSHOT_ANNOTATION not in notes:
+            return None
+        try:
+            secret = await self._client.get(Secret, secret_name(meta.name), namespace=self.namespace)
+            key = base64.b64decode((secret.data or {})[KEY_ITEM]).decode()
+            started_at = float(notes[STARTED_ANNOTATION])
+        except (ApiError, KeyError, ValueError) as exc:
+            log.warning("pod %s has no whole record (%s); not adopted", meta.name, type(exc).__name__)
+            return None
+        return Running(
+            instance_id=meta.name,
+            deployment=labels.get(DEPLOYMENT_LABEL, ""),
+            snapshot_id=notes[SNAPSHOT_ANNOTATION],
+            handle=PodHandle(self.namespace, meta.name, meta.uid),
+            url=f"http://{pod.status.podIP}:{self.settings.engine_port}",
+            secret=key,
+            started_at=started_at,
+        )
+
+    async def _some_node_holds(self, snapshot_id: str) -> bool:
+        """Whether any node is labelled as holding the snapshot; False where nodes cannot be listed."""
+        try:
+            async for _ in self._client.list(
+                Node, labels={snapshot_label(snapshot_id): "true"}, chunk_size=1
+            ):
+                return True
+        except (ApiError, httpx2.HTTPError) as exc:
+            log.debug("listing nodes: %s", exc)
+        return False
