@@ -192,6 +192,7 @@ class FakeApiServer:
         self.log_dir = log_dir
         self.store = Store()
         self.requests: list[tuple[str, str, str]] = []  # (method, path, query): what the clients did
+        self.responses: list[int] = []  # and the status of each answer
         self.app = Starlette(routes=self._routes())
         self.url = ""
 
@@ -284,11 +285,14 @@ class FakeApiServer:
     async def _guard(self, request: Request, handler: Callable) -> Response:
         self.requests.append((request.method, request.url.path, request.url.query))
         if request.headers.get("authorization") != f"Bearer {self.token}":
-            return JSONResponse(ApiStatus(401, "Unauthorized", "Unauthorized").body(), 401)
-        try:
-            return await handler(request)
-        except ApiStatus as exc:
-            return JSONResponse(exc.body(), exc.code)
+            response: Response = JSONResponse(ApiStatus(401, "Unauthorized", "Unauthorized").body(), 401)
+        else:
+            try:
+                response = await handler(request)
+            except ApiStatus as exc:
+                response = JSONResponse(exc.body(), exc.code)
+        self.responses.append(response.status_code)
+        return response
 
     def _kind(self, request: Request) -> tuple[str, str, Kind]:
         params = request.path_params

@@ -1,0 +1,67 @@
+"""The pod and Secret manifests: valid against the API's schemas, secrets only by reference."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+
+from warm_pool.backend import Placement
+from warm_pool.kube_pod import PodSettings, bind_anywhere, pod_manifest, secret_manifest, snapshot_label
+from warm_pool.launch import cpu_engine_spec, vllm_spec
+
+SNAPSHOT = "ab" * 32
+KEY = "sk-instance-key-0123456789"
+SETTINGS = PodSettings(image="stoker-engine:1", store_path="/var/lib/stoker/snapshots", owner="ctl-1")
+
+
+def placement(gpus: int, uri: str | None) -> Placement:
+    return Placement(
+        "chat-1a2b3c4d", "chat", SNAPSHOT, uri, "vllm" if gpus else "cpu", gpus, "0.0.0.0", 8000, KEY
+    )
+
+
+SPECS = {
+    "cpu": cpu_engine_spec(Path(SETTINGS.store_path) / SNAPSHOT, 8000, "chat", api_key=KEY),
+    "vllm": vllm_spec(Path(SETTINGS.store_path) / SNAPSHOT, 8000, "chat", [0, 1], api_key=KEY),
+}
+
+
+@pytest.mark.parametrize(("engine", "gpus", "uri"), [("cpu", 0, None), ("vllm", 2, "s3://models/chat")])
+def test_the_manifests_are_valid_and_carry_the_key_only_by_reference(
+    engine: str, gpus: int, uri: str | None
+) -> None:
+    spec = SPECS[engine]
+    pod = pod_manifest(SETTINGS, placement(gpus, uri), spec, started_at=1.5)
+    secret = secret_manifest(SETTINGS, placement(gpus, uri), spec)
+    for manifest in (pod, secret):
+        kubernetes_validate.validate(manifest, "1.33.0", strict=True)
+    assert KEY not in json.dumps(pod)
+    [container] = pod["spec"]["containers"]
+    assert container["command"] == [spec.program] and container["args"] == bind_anywhere(spec.args)
+    assert "0.0.0.0" in container["args"]
+    keyed = [e for e in container["env"] if "valueFrom" in e]
+    assert {e["name"] for e in keyed} == set(spec.secret_env)
+    assert container.get("resources", {}).get("limits") == ({"nvidia.com/gpu": "2"} if gpus else None)
+    assert ("initContainers" in pod["spec"]) == (uri is not None)
+    [preferred] = pod["spec"]["affinity"]["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert preferred["weight"] == 100
+    assert preferred["preference"]["matchExpressions"][0]["key"] == snapshot_label(SNAPSHOT)
+
+
+def test_the_snapshot_label_is_a_valid_label_key_of_40_hex() -> None:
+    assert snapshot_label(SNAPSHOT) == "snapshots.stoker.dev/" + SNAPSHOT[:40]
+
+
+@pytest.mark.parametrize(
+    ("args", "bound"),
+    [
+        (("--host", "127.0.0.1", "--port", "8000"), ["--host", "0.0.0.0", "--port", "8000"]),
+        (("--host=::1",), ["--host=0.0.0.0"]),
+        (("serve", "x"), ["serve", "x"]),
+    ],
+)
+def test_the_engine_binds_every_address_of_its_pod(args: tuple[str, ...], bound: list[str]) -> None:
+    assert bind_anywhere(args) == bound
