@@ -214,20 +214,24 @@ class FakeKubelet:
             )
 
     async def _env(self, container: dict) -> dict[str, str]:
+        """`envFrom` secrets first, then `env` (which wins), secret values read from the API."""
         env: dict[str, str] = {}
+        for source in container.get("envFrom") or []:
+            env.update(await self._secret((source.get("secretRef") or {}).get("name", "")))
         for var in container.get("env") or []:
             ref = (var.get("valueFrom") or {}).get("secretKeyRef")
             if ref is None:
                 env[var["name"]] = var.get("value", "")
-                continue
-            try:
-                secret = await self.client.get(Secret, ref["name"], namespace=self.namespace)
-            except ApiError as exc:
-                raise ContainerFailed(
-                    "CreateContainerConfigError", f'secret "{ref["name"]}" not found'
-                ) from exc
-            env[var["name"]] = base64.b64decode((secret.data or {})[ref["key"]]).decode()
+            else:
+                env[var["name"]] = (await self._secret(ref["name"]))[ref["key"]]
         return env
+
+    async def _secret(self, name: str) -> dict[str, str]:
+        try:
+            secret = await self.client.get(Secret, name, namespace=self.namespace)
+        except ApiError as exc:
+            raise ContainerFailed("CreateContainerConfigError", f'secret "{name}" not found') from exc
+        return {k: base64.b64decode(v).decode() for k, v in (secret.data or {}).items()}
 
     async def _probe(self, run: _Run, container: dict) -> None:
         """The readiness probe: httpGet every periodSeconds; Ready follows its last answer."""

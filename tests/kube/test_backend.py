@@ -176,14 +176,14 @@ async def test_the_scheduler_prefers_the_node_that_holds_the_snapshot(
     node["metadata"]["labels"][snapshot_label(tiny_store.snapshot_id)] = "true"
     backend = cluster.backend(tiny_store.root)
     try:
-        acquired = await backend.acquire(_Source(tiny_store.snapshot_id), "tiny-66666666")
+        acquired = await backend.acquire(Source(tiny_store.snapshot_id), "tiny-66666666")
         assert acquired.path == tiny_store.snapshot_dir and acquired.tier == "disk"
         held = await backend.start(placement(tiny_store, "tiny-66666666"), web_spec())
         other = tiny_store.snapshot_id[::-1]
         elsewhere = await backend.start(placement_for(tiny_store, "tiny-77777777", other), web_spec())
         assert cluster.api.get("pods", NAMESPACE, "tiny-66666666")["spec"]["nodeName"] == "node-b"
         assert cluster.api.get("pods", NAMESPACE, "tiny-77777777")["spec"]["nodeName"] == "node-a"
-        assert (await backend.acquire(_Source(other), "x")).tier == "object_storage"
+        assert (await backend.acquire(Source(other), "x")).tier == "object_storage"
         for handle in (held, elsewhere):
             await backend.stop(handle, term_timeout_s=5)
     finally:
@@ -194,7 +194,7 @@ def placement_for(store: TinyStore, instance_id: str, snapshot_id: str) -> Place
     return dataclasses.replace(placement(store, instance_id), snapshot_id=snapshot_id)
 
 
-class _Source:
+class Source:
     """What `acquire` reads of a SnapshotSource: its id (the store is the node's, not ours)."""
 
     def __init__(self, snapshot_id: str) -> None:
