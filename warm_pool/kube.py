@@ -66,6 +66,9 @@ __all__ = ["KubeBackend", "NodePin", "PodHandle", "snapshot_label"]
 log = logging.getLogger(__name__)
 
 FAILURE_LOG_LINES = 20
+# How long past its grace a deleted pod may take to go: the kubelet's next sync (up to ~10 s on a
+# busy node) plus its status update. Longer, and the node is taken as lost.
+_KUBELET_SLACK_S = 30.0
 _GONE_KEPT = 1024  # last states of deleted pods kept for `stop`'s exit code
 _LABEL_VALUE = re.compile(r"^(?:[A-Za-z0-9](?:[A-Za-z0-9._-]{0,61}[A-Za-z0-9])?)$")
 # Waiting reasons that no amount of waiting fixes: the start fails at once with the reason.
@@ -183,7 +186,7 @@ class KubeBackend:
         pull_env: Mapping[str, str] | None = None,
         pull_secret: str | None = None,
         watch_retry_s: float = 1.0,
-        clock: Callable[[], float] = time.monotonic,
+        sync_timeout_s: float = 30.0,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
         if not _LABEL_VALUE.match(owner):
@@ -212,13 +215,14 @@ class KubeBackend:
         )
         self._labels = owner_labels(owner)
         self._retry_s = watch_retry_s
-        self._clock = clock
+        self._sync_timeout_s = sync_timeout_s
         self._wall_clock = wall_clock
         self._pods: dict[str, Pod] = {}  # by name: this owner's pods as last seen
         self._gone: OrderedDict[str, Pod] = OrderedDict()  # by uid: last state of deleted pods
         self._changed = asyncio.Condition()
         self._synced = asyncio.Event()
         self._watch_task: asyncio.Task | None = None
+        self._watch_error = "not listed yet"  # what the last failed list or watch said
         self._logs: dict[str, list[str]] = {}  # by instance id: the last log tail read
         self._log_reads: dict[str, asyncio.Task] = {}
 
@@ -239,23 +243,15 @@ class KubeBackend:
         """Create the Secret, then the Pod; then hand the Secret to the Pod for garbage collection.
         A Secret left from an earlier failed attempt with this name is replaced."""
         await self._ensure_watch()
-        secret = Secret.from_dict(secret_manifest(self.settings, placement, spec))
-        try:
-            await self._client.create(secret, namespace=self.namespace)
-        except ApiError as exc:
-            if exc.status.code != 409:
-                raise PoolError(
-                    f"cannot create secret {secret_name(placement.instance_id)}: {exc.status.message}"
-                ) from None
-            await self._client.replace(secret, namespace=self.namespace)
+        await self._create_secret(Secret.from_dict(secret_manifest(self.settings, placement, spec)))
         manifest = pod_manifest(self.settings, placement, spec, self._wall_clock())
         try:
             pod = await self._client.create(Pod.from_dict(manifest), namespace=self.namespace)
-        except ApiError as exc:
+        except (ApiError, httpx2.HTTPError) as exc:
             await self._delete_secret(placement.instance_id)
+            why = exc.status.message if isinstance(exc, ApiError) else f"{type(exc).__name__}: {exc}"
             raise StartFailed(
-                f"pod {self.namespace}/{placement.instance_id} was refused: {exc.status.message}",
-                phase="process_start",
+                f"pod {self.namespace}/{placement.instance_id} was not created: {why}", phase="process_start"
             ) from None
         current = self._pods.get(pod.metadata.name)
         if current is None or current.metadata.uid != pod.metadata.uid:
@@ -301,9 +297,11 @@ class KubeBackend:
             return None  # a later pod with the same name: not ours to stop, nor its Secret
         if current is not None:
             await self._delete_pod(handle.pod, grace)
-            gone = await self._wait_for(lambda: self._gone_now(handle), grace + 30.0)
+            gone = await self._wait_for(lambda: self._gone_now(handle), grace + _KUBELET_SLACK_S)
             if not gone:
-                log.warning("%s still there %ds after its grace period: deleting by force", handle.name, 30)
+                log.warning(
+                    "%s still there %gs after its grace: deleting by force", handle.name, _KUBELET_SLACK_S
+                )
                 await self._delete_pod(handle.pod, 0)
                 await self._wait_for(lambda: self._gone_now(handle), 10.0)
         await self._delete_secret(handle.pod)
@@ -327,12 +325,16 @@ class KubeBackend:
     def log_tail(self, instance_id: str, lines: int) -> list[str]:
         """The last lines read of the pod's log; each call also starts a fresh read in the
         background (the protocol's call is synchronous), so the next call sees newer lines."""
+        self._refresh_log(instance_id)
+        return self._logs.get(instance_id, [])[-lines:] if lines > 0 else []
+
+    def _refresh_log(self, instance_id: str) -> None:
+        """Read the pod's log in the background, unless a read is under way or there is no pod."""
         if instance_id in self._pods and instance_id not in self._log_reads:
             with contextlib.suppress(RuntimeError):  # no running loop: the cached lines only
                 task = asyncio.get_running_loop().create_task(self._read_log(instance_id, ENGINE_CONTAINER))
                 self._log_reads[instance_id] = task
                 task.add_done_callback(lambda _: self._log_reads.pop(instance_id, None))
-        return self._logs.get(instance_id, [])[-lines:] if lines > 0 else []
 
     async def aclose(self) -> None:
         """Stop watching; close the client if this backend made it. Pods are left running."""
@@ -349,9 +351,14 @@ class KubeBackend:
     # -- the watch ----------------------------------------------------------------------------------
 
     async def _ensure_watch(self) -> None:
+        """Start the watch if need be and wait for its first list; PoolError if the API does not
+        answer in `sync_timeout_s` (the watch keeps trying)."""
         if self._watch_task is None:
             self._watch_task = asyncio.create_task(self._watch(), name=f"kube-watch-{self.namespace}")
-        await self._synced.wait()
+        try:
+            await asyncio.wait_for(self._synced.wait(), self._sync_timeout_s)
+        except TimeoutError:
+            raise PoolError(f"cannot list pods in namespace {self.namespace} ({self._watch_error})") from None
 
     async def _watch(self) -> None:
         """List, then watch from the list's version; on 410 Gone or a broken stream, list again."""
@@ -365,12 +372,12 @@ class KubeBackend:
                     await self._apply(event, pod)
             except ApiError as exc:
                 if exc.status.code != 410:
-                    log.warning("watching pods in %s: %s; listing again", self.namespace, exc.status.message)
+                    self._watch_error = f"{exc.status.code} {exc.status.reason}: {exc.status.message}"
+                    log.warning("watching pods in %s: %s; listing again", self.namespace, self._watch_error)
                     await asyncio.sleep(self._retry_s)
             except (httpx2.HTTPError, OSError) as exc:
-                log.warning(
-                    "watching pods in %s: %s: %s; listing again", self.namespace, type(exc).__name__, exc
-                )
+                self._watch_error = f"{type(exc).__name__}: {exc}"
+                log.warning("watching pods in %s: %s; listing again", self.namespace, self._watch_error)
                 await asyncio.sleep(self._retry_s)
 
     async def _relist(self) -> str:
@@ -402,7 +409,7 @@ class KubeBackend:
         else:
             self._remember(pod)
             if pod.status is not None and pod.status.phase in ("Failed", "Succeeded"):
-                self.log_tail(pod.metadata.name, 0)  # read it while the pod is still there
+                self._refresh_log(pod.metadata.name)  # read it while the pod is still there
         async with self._changed:
             self._changed.notify_all()
 
@@ -499,6 +506,21 @@ class KubeBackend:
 
     # -- API calls ----------------------------------------------------------------------------------
 
+    async def _create_secret(self, secret: Secret) -> None:
+        """Create it; one left by an earlier attempt under this name is replaced."""
+        name = secret.metadata.name
+        try:
+            try:
+                await self._client.create(secret, namespace=self.namespace)
+            except ApiError as exc:
+                if exc.status.code != 409:
+                    raise
+                await self._client.replace(secret, namespace=self.namespace)
+        except ApiError as exc:
+            raise PoolError(f"cannot create secret {name}: {exc.status.message}") from None
+        except httpx2.HTTPError as exc:
+            raise PoolError(f"cannot create secret {name}: {type(exc).__name__}: {exc}") from None
+
     async def _own_secret(self, pod: Pod) -> None:
         """Make the pod the Secret's owner. Should this fail, the Secret is still removed by `stop`."""
         ref = owner_reference(pod.to_dict())
@@ -511,8 +533,8 @@ class KubeBackend:
                 namespace=self.namespace,
                 patch_type=PatchType.MERGE,
             )
-        except ApiError as exc:
-            log.warning("cannot make pod %s own its secret: %s", pod.metadata.name, exc.status.message)
+        except (ApiError, httpx2.HTTPError) as exc:
+            log.warning("cannot make pod %s own its secret (stop removes it): %s", pod.metadata.name, exc)
 
     async def _delete_pod(self, name: str, grace: int) -> None:
         try:
@@ -520,6 +542,10 @@ class KubeBackend:
         except ApiError as exc:
             if exc.status.code != 404:
                 raise PoolError(f"cannot delete pod {self.namespace}/{name}: {exc.status.message}") from None
+        except httpx2.HTTPError as exc:
+            raise PoolError(
+                f"cannot delete pod {self.namespace}/{name}: {type(exc).__name__}: {exc}"
+            ) from None
 
     async def _delete_secret(self, instance_id: str) -> None:
         try:
@@ -527,6 +553,8 @@ class KubeBackend:
         except ApiError as exc:
             if exc.status.code != 404:
                 log.warning("cannot delete secret %s: %s", secret_name(instance_id), exc.status.message)
+        except httpx2.HTTPError as exc:  # owned by its pod: the garbage collector removes it anyway
+            log.warning("cannot delete secret %s: %s", secret_name(instance_id), type(exc).__name__)
 
     async def _adoptable(self, pod: Pod) -> Running | None:
         meta = pod.metadata
@@ -537,7 +565,7 @@ class KubeBackend:
             secret = await self._client.get(Secret, secret_name(meta.name), namespace=self.namespace)
             key = base64.b64decode((secret.data or {})[KEY_ITEM]).decode()
             started_at = float(notes[STARTED_ANNOTATION])
-        except (ApiError, KeyError, ValueError) as exc:
+        except (ApiError, httpx2.HTTPError, KeyError, ValueError) as exc:
             log.warning("pod %s has no whole record (%s); not adopted", meta.name, type(exc).__name__)
             return None
         return Running(

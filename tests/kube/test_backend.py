@@ -11,10 +11,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.kube.conftest import NAMESPACE, Cluster_, TinyStore
+from tests.kube.conftest import NAMESPACE, Cluster_, TinyStore, kube_config
+from tests.snapshots.s3_support import free_port
 from warm_pool.backend import Placement
-from warm_pool.errors import StartFailed
-from warm_pool.kube import PodHandle, snapshot_label
+from warm_pool.errors import PoolError, StartFailed
+from warm_pool.kube import KubeBackend, PodHandle, snapshot_label
 from warm_pool.launch import LaunchSpec, cpu_engine_spec
 
 READY_S = 120.0  # generous: a loaded 2-core machine imports torch slowly
@@ -238,5 +239,23 @@ async def test_a_handle_names_one_pod_not_a_later_one_with_its_name(
         assert await backend.stop(stale, term_timeout_s=5) is None
         assert cluster.api.get("pods", NAMESPACE, "tiny-aaaaaaaa") is not None
         await backend.stop(handle, term_timeout_s=5)
+    finally:
+        await backend.aclose()
+
+
+async def test_an_api_that_does_not_answer_is_a_pool_error_in_time(tiny_store: TinyStore) -> None:
+    closed = kube_config(f"http://127.0.0.1:{free_port()}")
+    backend = KubeBackend(
+        closed,
+        NAMESPACE,
+        image="i",
+        store_path=tiny_store.root,
+        owner="ctl-1",
+        sync_timeout_s=0.5,
+        watch_retry_s=0.1,
+    )
+    try:
+        with pytest.raises(PoolError, match=r"cannot list pods in namespace stoker .*Connect"):
+            await backend.start(placement(tiny_store, "tiny-bbbbbbbb"), web_spec())
     finally:
         await backend.aclose()
