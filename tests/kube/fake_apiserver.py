@@ -335,9 +335,9 @@ class FakeApiServer:
         return await self._guard(request, self._item)
 
     async def _item(self, request: Request) -> Response:
-        plural, ns, kind = self._kind(request)
+        plural, ns, _ = self._kind(request)
         name = request.path_params["name"]
-        current = self._existing(plural, ns, name, kind)
+        current = self._existing(plural, ns, name)
         if request.method == "GET":
             return JSONResponse(current)
         if request.method == "DELETE":
@@ -361,7 +361,7 @@ class FakeApiServer:
         self._validate(updated)
         return JSONResponse(self.put(plural, updated, "MODIFIED"))
 
-    def _existing(self, plural: str, ns: str, name: str, kind: Kind) -> dict:
+    def _existing(self, plural: str, ns: str, name: str) -> dict:
         obj = self.store.objects.get((plural, ns, name))
         if obj is None:
             raise ApiStatus(404, "NotFound", f'{plural} "{name}" not found')
@@ -390,7 +390,7 @@ class FakeApiServer:
     async def pod_status(self, request: Request) -> Response:
         async def handler(request: Request) -> Response:
             ns, name = request.path_params["ns"], request.path_params["name"]
-            current = self._existing("pods", ns, name, KINDS["pods"])
+            current = self._existing("pods", ns, name)
             patch = await self._body(request)
             updated = merge_patch(current, {"status": patch.get("status", {})})
             self._validate(updated)  # type: ignore[arg-type]
@@ -401,7 +401,7 @@ class FakeApiServer:
     async def pod_log(self, request: Request) -> Response:
         async def handler(request: Request) -> Response:
             ns, name = request.path_params["ns"], request.path_params["name"]
-            pod = self._existing("pods", ns, name, KINDS["pods"])
+            pod = self._existing("pods", ns, name)
             container = request.query_params.get("container") or pod["spec"]["containers"][0]["name"]
             path = self.log_dir / f"{ns}_{name}_{container}.log"
             text = path.read_text(errors="replace") if path.exists() else ""
