@@ -370,6 +370,9 @@ class Pool:
             self._account(self._clock())
             return
         grace = self.spec.grace_period_s if drain else 0.0
+        live = [i for i in self._instances.values() if i.state != S.STOPPED]
+        if live:
+            log.info("pool %s: stopping %d instance(s), %gs of grace", self.spec.deployment, len(live), grace)
         await asyncio.gather(
             *(self._drain(i, grace) for i in list(self._instances.values()) if i.state != S.STOPPED),
             return_exceptions=True,
@@ -648,7 +651,6 @@ class Pool:
             self._learn_capabilities(caps)
             self._move(inst, S.STARTING, now)
             self._move(inst, S.READY, now)
-            self._tiers[inst.id] = Tier.HOT
             if observed is Observed.ASLEEP:
                 self._move(inst, S.SLEEPING, now)
             log.info("instance %s adopted (%s, %s) at %s", inst.id, found.handle.name, inst.state, inst.url)

@@ -157,16 +157,18 @@ class RoutingTable:
             self.bump()  # its share goes to the others
         return sorted(self._seen)
 
-    async def wait(self, epoch: str | None, after: int, timeout_s: float) -> None:
-        """Until the table is newer than `after` of `epoch` (at once if another epoch), or timeout."""
+    async def wait(self, epoch: str | None, after: int, timeout_s: float) -> bool:
+        """Until the table is newer than `after` of `epoch` (at once if another epoch): True; or
+        False after `timeout_s`."""
         if epoch != self.epoch or self.version > after:
-            return
+            return True
         changed = self._changed
         try:
             async with asyncio.timeout(timeout_s):
                 await changed.wait()
         except TimeoutError:
-            pass
+            return False
+        return True
 
 
 def share(concurrency: int, gateways: list[str], gateway: str) -> int:

@@ -88,7 +88,13 @@ def build_controller(
         except ValueError:
             raise invalid("'after' must be an integer.", "after") from None
         platform.routes.seen(gateway)
-        await platform.routes.wait(request.query_params.get("epoch"), after, poll_timeout_s)
+        epoch, waited = request.query_params.get("epoch"), 0.0
+        # In slices: a controller shutting down answers at once, rather than holding its drain
+        # until every gateway's poll times out.
+        while waited < poll_timeout_s and not platform.stopping():
+            if await platform.routes.wait(epoch, after, min(1.0, poll_timeout_s - waited)):
+                break
+            waited += 1.0
         return JSONResponse(routing_table(platform, access, gateway))
 
     async def load(request: Request) -> Response:

@@ -162,10 +162,13 @@ class Platform:
     async def shutdown(self, *, stop_instances: bool = True) -> None:
         """Drain every deployment's instances (each within its grace period) and stop them; or, for a
         controller that hands over to the next one, leave them running to be adopted."""
-        await asyncio.gather(
-            *(self._stop(d, stop_instances=stop_instances) for d in list(self._deployments.values())),
-            return_exceptions=True,
+        deployments = list(self._deployments.values())
+        outcomes = await asyncio.gather(
+            *(self._stop(d, stop_instances=stop_instances) for d in deployments), return_exceptions=True
         )
+        for d, outcome in zip(deployments, outcomes, strict=True):
+            if isinstance(outcome, BaseException):
+                log.error("deployment %s did not stop cleanly: %r", d.spec.name, outcome)
         self._deployments.clear()
         await self._federation.aclose()
         if self._session is not None:
@@ -381,5 +384,8 @@ async def _adopt_then_run(pool: Pool, running: list[Running]) -> None:
     """The pool's loop, once it has taken over what a previous run left it: a first tick before
     that would start instances the adopted ones make unnecessary."""
     if running:
-        await pool.adopt(running)
+        try:
+            await pool.adopt(running)
+        except Exception:  # the loop runs regardless: it replaces what could not be adopted
+            log.exception("pool %s: adoption failed", pool.spec.deployment)
     await pool.run()

@@ -44,7 +44,8 @@ def planes(tmp_path: Path):
     controller = PlatformProcess(
         home,
         free_port(),
-        ("--stable-window", "1", "--gateway-stale-after", "3"),
+        # Its engines outlive a SIGKILL (adopted by the next one), not the test's final SIGTERM.
+        ("--stable-window", "1", "--gateway-stale-after", "3", "--stop-instances-on-exit"),
         extra_env=ENV,
         command="controller",
     ).start()
@@ -89,6 +90,8 @@ def test_two_gateways_share_one_instance_and_survive_the_controller(planes, tiny
     assert endpoint["max_concurrency"] == 4
     assert routes(controller, "gw-1")["gateways"] == 2
 
+    # Kept warm from here, so that what follows sees one READY instance throughout.
+    a.deploy("m", tiny_model_dir, "--min-warm", "1", "--max", "1", "--idle-timeout", "600")
     # The controller dies: the gateways route on to the READY instance.
     engine = next(iter(controller.engine_pids().values()))
     controller.stop(signal.SIGKILL)
@@ -110,6 +113,9 @@ def test_two_gateways_share_one_instance_and_survive_the_controller(planes, tiny
     assert instance["id"] == answers[0].headers["x-stoker-instance"]
     assert instance["runs_as"] == f"pid {engine}"
     assert starts(again) == 0  # no cold start
+    again.wait_for(
+        lambda: again.deployments()["m"]["decision"] is not None, what="the adopting pool deciding"
+    )
     a.wait_for(lambda: httpx.get(f"{a.url}/healthz").json()["controller"] == "reachable", what="reconnect")
     assert chat(b.url).status_code == 200
     assert again.engine_pids() == {instance["id"]: engine}

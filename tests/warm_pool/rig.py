@@ -44,6 +44,7 @@ class MemoryBackend:
     urls: dict[ProcessHandle, str] = field(default_factory=dict)
     pids: itertools.count = field(default_factory=lambda: itertools.count(1000))
     ports: itertools.count = field(default_factory=lambda: itertools.count(20000))
+    observed: dict[str, Observed] = field(default_factory=dict)  # url → what its engine says of its sleep
 
     def engine_port(self, host: str) -> int:
         return next(self.ports)
@@ -86,7 +87,7 @@ class MemoryBackend:
         return EngineCapabilities(self.sleep_levels)
 
     async def observe_sleep(self, url: str, headers=None) -> Observed:
-        return Observed.AWAKE
+        return self.observed.get(url, Observed.AWAKE)
 
     async def sleep(self, url: str, level: int, timeout_s: float, headers=None) -> None:
         self.keys.add((headers or {}).get("authorization", ""))
