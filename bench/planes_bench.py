@@ -36,8 +36,8 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import common
@@ -171,16 +171,11 @@ def scale_out(tmp: Path, rounds: int, duration_s: int) -> dict:
             for name in order:
                 targets = configs[name]
                 conc = 32 // len(targets)
-                results: list[dict] = []
                 sc = direct_script if name == "direct" else script
-                threads = [
-                    threading.Thread(target=lambda t=t: results.append(wrk(t, sc, conc, duration_s)))
-                    for t in targets
-                ]
-                for t in threads:
-                    t.start()
-                for t in threads:
-                    t.join()
+                with ThreadPoolExecutor(len(targets)) as pool:  # one wrk per gateway, at once
+                    results = list(
+                        pool.map(lambda t, sc=sc, conc=conc: wrk(t, sc, conc, duration_s), targets)
+                    )
                 samples[name].append(sum(x["rps"] for x in results))
                 errors[name] += sum(x["non_2xx"] + x["socket_errors"] for x in results)
                 say(f"round {r + 1}: {name}: {samples[name][-1]:.0f} req/s")
