@@ -322,11 +322,10 @@ class KubeBackend:
                 found.append(adopted)
         return found
 
-    def log_tail(self, instance_id: str, lines: int) -> list[str]:
-        """The last lines read of the pod's log; each call also starts a fresh read in the
-        background (the protocol's call is synchronous), so the next call sees newer lines."""
-        self._refresh_log(instance_id)
-        return self._logs.get(instance_id, [])[-lines:] if lines > 0 else []
+    async def read_log(self, instance_id: str, max_bytes: int) -> str | None:
+        """The end of the engine container's log (vLLM's start phases are read from it)."""
+        text = await self._log_text(instance_id, ENGINE_CONTAINER, tail_lines=5000)
+        return None if text is None else text[-max_bytes:]
 
     def _refresh_log(self, instance_id: str) -> None:
         """Read the pod's log in the background, unless a read is under way or there is no pod."""
@@ -480,19 +479,25 @@ class KubeBackend:
             log_lines=tuple(lines),
         )
 
-    async def _read_log(self, pod: str, container: str) -> list[str]:
-        """The last lines of a container's log; [] if it cannot be read (no pod, no log yet)."""
+    async def _log_text(self, pod: str, container: str, tail_lines: int) -> str | None:
         try:
             chunks = [
                 c
                 async for c in self._client.log(
-                    pod, namespace=self.namespace, container=container, tail_lines=200
+                    pod, namespace=self.namespace, container=container, tail_lines=tail_lines
                 )
             ]
         except (ApiError, httpx2.HTTPError) as exc:
             log.debug("log of pod %s: %s", pod, exc)
+            return None
+        return "".join(chunks)
+
+    async def _read_log(self, pod: str, container: str) -> list[str]:
+        """The last lines of a container's log; [] if it cannot be read (no pod, no log yet)."""
+        text = await self._log_text(pod, container, tail_lines=200)
+        if text is None:
             return self._logs.get(pod, [])
-        lines = clean_lines("".join(chunks), FAILURE_LOG_LINES)
+        lines = clean_lines(text, FAILURE_LOG_LINES)
         if container == ENGINE_CONTAINER:
             self._logs[pod] = lines
         return lines
@@ -588,3 +593,26 @@ class KubeBackend:
         except (ApiError, httpx2.HTTPError) as exc:
             log.debug("listing nodes: %s", exc)
         return False
+
+
+class PodGpus:
+    """The GPU inventory of a controller whose instances are pods: each pod asks Kubernetes for its
+    GPUs (`nvidia.com/gpu`), and the device plugin shows it those as indices 0..n-1. So an instance
+    is handed 0..n-1 here, and the scheduler, not this, decides whether they exist."""
+
+    gpus = (0,)  # "there are GPUs": vLLM's GPU build may be deployed
+
+    def __init__(self) -> None:
+        self._held: dict[str, list[int]] = {}
+
+    def acquire(self, n: int, owner: str) -> list[int]:
+        if n < 1:
+            raise ValueError(f"acquire needs n >= 1, got {n}")
+        self._held[owner] = list(range(n))
+        return self._held[owner]
+
+    def held_by(self, owner: str) -> list[int]:
+        return self._held.get(owner, [])
+
+    def release(self, owner: str) -> list[int]:
+        return self._held.pop(owner, [])

@@ -388,6 +388,8 @@ class Pool:
         self._reap_dead(now)
         self._reconcile()
         load = self._demand.load()
+        if load.last_arrival is not None:  # gateways of their own know arrivals this pool never saw
+            self._tracker.active(load.last_arrival)
         census = self._census()
         engines = self._engine_totals(census.routing)
         observation = self._tracker.observe(
@@ -628,6 +630,9 @@ class Pool:
         or SLEEPING, as its engine says, with no start counted; one that does not answer as ours is
         stopped. The ids adopted."""
         adopted = []
+        # What they served is unknown here: as far as idleness goes, they were in use until now, so
+        # the policy does not scale down before the deployment has been idle for its timeout.
+        self._tracker.active(self._clock())
         for found in running:
             now = self._clock()
             inst = Instance(

@@ -70,6 +70,13 @@ class ObservationTracker:
         self._bucket_arrivals += 1
         self._last_arrival = now
 
+    def active(self, at: float) -> None:
+        """Requests arrived as late as `at`, unseen here: heard from elsewhere (a gateway's own
+        last arrival), or inferred (instances a previous controller left READY were in use). Only
+        idleness learns of it; no arrival is counted."""
+        if self._last_arrival is None or at > self._last_arrival:
+            self._last_arrival = at
+
     def finished(self, now: float, service_s: float | None = None) -> None:
         """A request left: served after holding an instance `service_s` seconds, or rejected (None)."""
         self._advance(now)

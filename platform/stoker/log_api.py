@@ -53,6 +53,13 @@ class InstanceLogs:
             deployment = self.platform.get(name)
             if deployment is None:
                 raise not_found(name)
+            if getattr(self.platform.backend, "log_dir", None) is None:
+                raise APIError(
+                    501,
+                    f"Instance logs are kept by the {self.platform.backend.kind} backend, not here: "
+                    "`kubectl logs <instance id>` reads a pod's.",
+                    code="logs_elsewhere",
+                )
             instance, tail, follow = self._params(name, QueryParams(scope.get("query_string", b"")))
             path = self.platform.backend.log_dir / f"{instance}.log"
             try:

@@ -9,6 +9,7 @@ caller's own `Authorization`, so `STOKER_URL` may name either for the CLI; the c
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
@@ -77,8 +78,14 @@ def build_controller(
     poll_timeout_s: float = 20.0,
     leave_instances: bool = True,
     on_shutdown: Callable[[], object] | None = None,
+    leader: Any = None,  # a `stoker.leader.LeaderElector`: act only while holding its Lease
+    on_lost_lease: Callable[[], object] | None = None,
 ) -> Starlette:
-    """The control plane's app: the admin API, and the cluster API gateways and node agents use."""
+    """The control plane's app: the admin API, and the cluster API gateways and node agents use.
+
+    With a `leader`, the app starts nothing before it holds the Lease (a standby serves nothing,
+    so the Service sends gateways to the leader only), and on losing it calls `on_lost_lease`
+    (the process exits) leaving every instance to the next leader, whatever `leave_instances`."""
     limiter = Limiter(NO_LIMITS, registry=platform.metrics_registry)  # keys are revoked here too
 
     async def routes(request: Request) -> Response:
@@ -129,13 +136,37 @@ def build_controller(
     ]
     own = [r for r in common_routes(platform, platform.metrics_registry) if r.path != "/healthz"]
 
+    lost: list[bool] = []
+
+    async def lead() -> None:
+        await asyncio.Event().wait()  # leads until cancelled by the elector
+
+    async def step_down() -> None:
+        log.error("lost the lease %s: stopping, instances left to the next leader", leader.name)
+        lost.append(True)
+        if on_lost_lease is not None:
+            on_lost_lease()
+
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        election = None
+        if leader is not None:
+            election = asyncio.create_task(leader.run(lead, step_down), name="leader-election")
+            log.info("waiting for the lease %s as %s", leader.name, leader.identity)
+            while not leader.is_leader:
+                if election.done():
+                    election.result()  # raises what ended it
+                    raise RuntimeError(f"the election for {leader.name} ended before this replica led")
+                await asyncio.sleep(0.1)
+            log.info("leading (lease %s)", leader.name)
         await platform.start()
         try:
             yield
         finally:
-            await platform.shutdown(stop_instances=not leave_instances)
+            await platform.shutdown(stop_instances=not leave_instances and not lost)
+            if election is not None:
+                election.cancel()  # releases the lease: the next replica need not wait it out
+                await asyncio.gather(election, return_exceptions=True)
             if access is not None:
                 access.keys.close()
             if on_shutdown is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import socket
 from urllib.parse import urlsplit
 
@@ -44,6 +45,42 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="drain and stop every instance on exit (default: leave them for the next controller to adopt)",
     )
+    controller.add_argument(
+        "--data-dir",
+        metavar="DIR",
+        help="the registry, keys and records (default: $STOKER_HOME, else ~/.stoker)",
+    )
+    controller.add_argument(
+        "--backend", choices=["local", "kubernetes"], default="local", help="where instances run"
+    )
+    kube = controller.add_argument_group("the kubernetes backend")
+    kube.add_argument("--namespace", help="where instance pods go (default: the controller's own namespace)")
+    kube.add_argument(
+        "--kubeconfig", metavar="PATH", help="the API server's config (default: the pod's service account)"
+    )
+    kube.add_argument("--engine-image", metavar="IMAGE", help="the image instance pods run (required)")
+    kube.add_argument(
+        "--store-path",
+        metavar="PATH",
+        default="/mnt/nvme/stoker",
+        help="the snapshot store on every node (a hostPath the node agent fills)",
+    )
+    kube.add_argument(
+        "--owner", default="stoker", help="labels this install's pods: two installs never adopt each other's"
+    )
+    kube.add_argument(
+        "--s3-secret", metavar="NAME", help="a Secret with the S3 credentials snapshot pulls use"
+    )
+    kube.add_argument(
+        "--lease-name", default="stoker-controller", help="the Lease that elects one controller"
+    )
+    kube.add_argument("--identity", help="this replica's name in the Lease (default: <hostname>_<random>)")
+    kube.add_argument(
+        "--lease-duration",
+        type=duration,
+        default="15s",
+        help="how long a Lease not renewed stays held (renewed every third of it): a standby's wait",
+    )
     add_store_option(controller)
     controller.set_defaults(func=cmd_controller)
 
@@ -64,20 +101,67 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_controller(args: argparse.Namespace) -> int:
+    from stoker.limits import NO_LIMITS
     from stoker.planes import build_controller
 
+    if args.data_dir:
+        os.environ["STOKER_HOME"] = args.data_dir
     admin_key = _admin_key(args)
     _log_setup(args)
-    platform = _platform(args, controller=True, gateway_stale_after_s=args.gateway_stale_after)
-    access = _access(args, admin_key, _default_limits_none())
-    app = build_controller(platform, access=access, leave_instances=not args.stop_instances_on_exit)
-    return _serve(app, args, platform)
+    extra, leader = {}, None
+    if args.backend == "kubernetes":
+        extra, leader = _kubernetes(args)
+    platform = _platform(args, controller=True, gateway_stale_after_s=args.gateway_stale_after, **extra)
+    access = _access(args, admin_key, NO_LIMITS)
+    holder: dict = {}
+    app = build_controller(
+        platform,
+        access=access,
+        leave_instances=not args.stop_instances_on_exit,
+        leader=leader,
+        on_lost_lease=lambda: setattr(holder["server"], "should_exit", True),
+    )
+    return _serve(app, args, platform, holder)
 
 
-def _default_limits_none():
-    from stoker.limits import NO_LIMITS
+def _kubernetes(args: argparse.Namespace) -> tuple[dict, object]:
+    """The Kubernetes backend, its pods' GPUs, and the Lease election, from the flags."""
+    from lightkube import AsyncClient, KubeConfig
+    from lightkube.core.exceptions import ConfigError
 
-    return NO_LIMITS
+    from stoker.leader import LeaderElector
+    from warm_pool.kube import KubeBackend, PodGpus
+
+    if not args.engine_image:
+        raise CLIError("--backend kubernetes needs --engine-image (the image instance pods run)")
+    try:
+        config = (
+            KubeConfig.from_file(args.kubeconfig) if args.kubeconfig else KubeConfig.from_service_account()
+        )
+    except (ConfigError, OSError) as exc:
+        raise CLIError(f"cannot read the Kubernetes config: {exc}") from None
+    current = config.get()
+    namespace = args.namespace or (current.namespace if current is not None else None) or "default"
+    client = AsyncClient(config=config, namespace=namespace)
+    pull_env = {k: os.environ[k] for k in ("AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION") if k in os.environ}
+    try:
+        backend = KubeBackend(
+            client,
+            namespace,
+            image=args.engine_image,
+            store_path=args.store_path,
+            owner=args.owner,
+            pull_env=pull_env,
+            pull_secret=args.s3_secret,
+        )
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
+    # Unique per process, as client-go's: a restarted controller does not take its predecessor's
+    # lease as its own while that one may still be acting.
+    identity = args.identity or f"{socket.gethostname()}_{secrets.token_hex(4)}"
+    lease = args.lease_duration
+    leader = LeaderElector(client, namespace, args.lease_name, identity, lease_s=lease, renew_s=lease / 3)
+    return {"backend": backend, "gpus": PodGpus()}, leader
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:

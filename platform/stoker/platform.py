@@ -37,7 +37,7 @@ from stoker.federate import EngineFederation, Target, revision_of
 from stoker.openai_errors import APIError, invalid
 from stoker.paths import snapshot_budget
 from stoker.registry import DeploymentSpec, Registry, not_found, validate
-from warm_pool.backend import Running
+from warm_pool.backend import Backend, Running
 from warm_pool.errors import EngineUnavailable, PoolError
 from warm_pool.launch import GpuInventory
 from warm_pool.local import LocalBackend
@@ -85,6 +85,8 @@ class Platform:
         vllm: VllmOptions | None = None,
         unavailable_after: int = 3,  # failed starts in a row before held requests hear why (0: never)
         clock: Callable[[], float] = time.monotonic,
+        backend: Backend | None = None,
+        gpus: GpuInventory | None = None,  # the devices instances get; default: this machine's
         controller: bool = False,  # the control plane only: gateways run the activators (`stoker.cluster`)
         gateway_stale_after_s: float = 5.0,
     ) -> None:
@@ -97,8 +99,11 @@ class Platform:
         self.records = InstanceRecords(data_dir / "instances")
         # Marks its engines, so the next run on this data dir finds even those it never recorded.
         owner = str(data_dir.resolve())
-        self.backend = LocalBackend(data_dir / "logs", clock=clock, owner=owner, records=self.records)
-        self.gpus = GpuInventory.from_env()
+        # Where instances run: engine processes here unless given another (Kubernetes pods).
+        self.backend: Backend = backend or LocalBackend(
+            data_dir / "logs", clock=clock, owner=owner, records=self.records
+        )
+        self.gpus = gpus or GpuInventory.from_env()
         self.metrics_registry = CollectorRegistry()
         self._activator_metrics = ActivatorMetrics(self.metrics_registry)
         self._pool_metrics = PoolMetrics(self.metrics_registry)
@@ -171,6 +176,8 @@ class Platform:
                 log.error("deployment %s did not stop cleanly: %r", d.spec.name, outcome)
         self._deployments.clear()
         await self._federation.aclose()
+        if (aclose := getattr(self.backend, "aclose", None)) is not None:
+            await aclose()  # a backend with connections of its own (the Kubernetes API's)
         if self._session is not None:
             await self._session.close()
         self.registry.close()

@@ -340,10 +340,13 @@ def _access(args: argparse.Namespace, admin_key: str | None, default_limits):
     return Access(admin_key, keys, own_origins(args.host, args.port), default_limits)
 
 
-def _serve(app, args: argparse.Namespace, platform=None) -> int:
+def _serve(app, args: argparse.Namespace, platform=None, holder: dict | None = None) -> int:
+    """Serve `app` until SIGTERM; `holder["server"]` is the server, for whoever must stop it."""
     from stoker.http import make_server, run_server
 
     server = make_server(app, host=args.host, port=args.port, log_level=args.log_level, grace_period_s=60)
+    if holder is not None:
+        holder["server"] = server
     if platform is not None:
         platform.stopping = lambda: server.should_exit
     return 0 if run_server(server) else 1

@@ -273,6 +273,8 @@ def test_the_controller_runs_alone_on_kubernetes_with_the_engine_image(everythin
         "--namespace", NAMESPACE,
         "--engine-image", "registry.example/stoker-engine:1.2.3",
         "--store-path", "/nvme0/stoker",
+        "--owner", "stoker",
+        "--s3-secret", "s3-creds",
     ]  # fmt: skip
     assert controller["spec"]["serviceName"] == one(everything, "Service", "controller")["metadata"]["name"]
 
@@ -313,14 +315,7 @@ def test_gateways_and_node_agents_reach_the_controller_through_its_service(every
 @pytest.mark.parametrize(
     "component",
     [
-        pytest.param(
-            "controller",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="stoker controller's Kubernetes flags (--data-dir, --backend, --namespace, "
-                "--engine-image, --store-path) are being written (issue 12): remove this mark when they land",
-            ),
-        ),
+        "controller",
         "gateway",
         "node",
     ],
