@@ -196,10 +196,10 @@ def parse_report(body: Mapping[str, Any]) -> tuple[str, dict[str, dict[str, Any]
     return gateway, {name: _parse_one(name, r) for name, r in deployments.items()}
 
 
-def _count(r: Mapping[str, Any], key: str) -> int:
+def _count(r: Mapping[str, Any], key: str, param: str | None = None) -> int:
     v = r.get(key, 0)
     if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= 1_000_000:
-        raise invalid(f"'{key}' must be an integer from 0 to 1000000.", key)
+        raise invalid(f"'{param or key}' must hold integers from 0 to 1000000.", param or key)
     return v
 
 
@@ -249,7 +249,7 @@ def _parse_one(name: object, r: object) -> dict[str, Any]:
         "queued": _count(r, "queued"),
         "arrivals": _count(r, "arrivals"),
         "since_arrival_s": _seconds(r.get("since_arrival_s"), "since_arrival_s"),
-        "outstanding": {_ident(k, "outstanding"): _count(outstanding, k) for k in outstanding},
+        "outstanding": {_ident(k, "outstanding"): _count(outstanding, k, "outstanding") for k in outstanding},
         "routing": [_ident(i, "routing") for i in _list(r, "routing", 10_000)],
         "finished": finished,
         "failures": [_ident(i, "failures") for i in _list(r, "failures", 1000)],

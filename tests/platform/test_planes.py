@@ -21,8 +21,16 @@ ENV = {"STOKER_ADMIN_KEY": ADMIN}
 H = {"authorization": f"Bearer {ADMIN}"}
 
 
-def chat(url: str, content: str = "hi", *, max_tokens: int = 4, stream: bool = False, timeout: float = 120):
-    body = {"model": "m", "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens}
+def chat(
+    url: str,
+    content: str = "hi",
+    *,
+    model: str = "m",
+    max_tokens: int = 4,
+    stream: bool = False,
+    timeout: float = 120,
+):
+    body = {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens}
     return httpx.post(
         f"{url}/v1/chat/completions", json={**body, "stream": stream}, headers=H, timeout=timeout
     )
@@ -92,6 +100,7 @@ def test_two_gateways_share_one_instance_and_survive_the_controller(planes, tiny
 
     # Kept warm from here, so that what follows sees one READY instance throughout.
     a.deploy("m", tiny_model_dir, "--min-warm", "1", "--max", "1", "--idle-timeout", "600")
+    a.deploy("z", tiny_model_dir, "--min-warm", "0", "--max", "1")  # and one at zero
     # The controller dies: the gateways route on to the READY instance.
     engine = next(iter(controller.engine_pids().values()))
     controller.stop(signal.SIGKILL)
@@ -101,6 +110,10 @@ def test_two_gateways_share_one_instance_and_survive_the_controller(planes, tiny
     assert httpx.get(f"{a.url}/healthz").json()["controller"] == "unreachable"
     assert chat(a.url).headers["x-stoker-instance"] == answers[0].headers["x-stoker-instance"]
     assert pid_alive(engine)
+    # A request to the deployment at zero is held while the controller is away...
+    held: list[httpx.Response] = []
+    waiter = threading.Thread(target=lambda: held.append(chat(b.url, model="z")))
+    waiter.start()
 
     # Restarted on the same data dir and port: the running engine is adopted, not restarted.
     again = PlatformProcess(
@@ -118,7 +131,10 @@ def test_two_gateways_share_one_instance_and_survive_the_controller(planes, tiny
     )
     a.wait_for(lambda: httpx.get(f"{a.url}/healthz").json()["controller"] == "reachable", what="reconnect")
     assert chat(b.url).status_code == 200
-    assert again.engine_pids() == {instance["id"]: engine}
+    # ... and served once it is back: the gateway's report of it reaches the new controller.
+    waiter.join()
+    assert held[0].status_code == 200, held[0].text
+    assert instance["id"] in again.engine_pids() and again.engine_pids()[instance["id"]] == engine
 
 
 def test_a_gateway_killed_loses_only_its_own_requests(planes, tiny_model_dir: Path) -> None:

@@ -157,7 +157,9 @@ def test_a_killed_instance_is_routed_around_and_replaced(platform_factory, tiny_
     assert p.metric("stoker_instance_restarts_total", deployment="tiny") >= 1
 
 
-def test_restart_brings_deployments_back_and_leaves_no_engine(platform_factory, tiny_model_dir, tmp_path):
+def test_restart_brings_deployments_back_adopts_what_a_crash_left_and_leaves_no_engine(
+    platform_factory, tiny_model_dir, tmp_path
+):
     home = tmp_path / "home"
     p = platform_factory(home=home)
     p.deploy("tiny", tiny_model_dir, "--min-warm", "1", "--max", "1")
@@ -173,12 +175,16 @@ def test_restart_brings_deployments_back_and_leaves_no_engine(platform_factory, 
     )
     assert r.status_code == 200
 
-    # A platform killed outright leaves its engine behind; the next one stops it.
+    # A platform killed outright leaves its engine behind; the next one adopts it (same process),
+    # and, stopped cleanly, leaves none.
     left = list(again.engine_pids().values())
     again.stop(signal.SIGKILL)
     assert left and all(pid_alive(pid) for pid in left)
     third = platform_factory(home=home)
-    third.wait_for(lambda: not any(pid_alive(pid) for pid in left), what="orphans stopped")
+    third.wait_for(lambda: third.deployments()["tiny"]["instances"]["READY"] == 1, what="adopted")
+    assert list(third.engine_pids().values()) == left
+    assert third.stop() == 0
+    assert not any(pid_alive(pid) for pid in left)
 
 
 def test_unknown_model_is_a_404_in_openai_shape(shared_platform):

@@ -6,25 +6,19 @@ test_pool_sleep, whose engines here also serve /metrics."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry
 
-from snapshots import SnapshotStore, import_hf_dir
 from tests.activator.conftest import eventually
-from tests.warm_pool.rig import MemoryBackend, MemoryDemand, Rig
+from tests.warm_pool.rig import MemoryBackend, Rig, pool_rig
 from warm_pool.backend import Placement
 from warm_pool.engine_calls import EngineCapabilities
 from warm_pool.launch import LaunchSpec
-from warm_pool.metrics import PoolMetrics
 from warm_pool.policies.base import Decision, ScalingConfig
-from warm_pool.pool import Pool, PoolSpec
 from warm_pool.procs import ProcessHandle
-from warm_pool.snapshot import SnapshotSource
 
 IDLE = "vllm:num_requests_waiting 0\nvllm:num_requests_running 1\nvllm:kv_cache_usage_perc 0.1\n"
 FULL = "vllm:num_requests_waiting 3\nvllm:num_requests_running 8\nvllm:kv_cache_usage_perc 0.97\n"
@@ -68,28 +62,8 @@ class MetricsBackend(MemoryBackend):
         return await super().stop(handle, term_timeout_s)
 
 
-@contextlib.asynccontextmanager
-async def running_pool(
-    tmp_path: Path, model_dir: Path, backend: MemoryBackend, scaling: ScalingConfig
-) -> AsyncIterator[Rig]:
-    store = SnapshotStore(tmp_path / "store")
-    record = import_hf_dir(model_dir, store)
-    registry, clock, demand = CollectorRegistry(), [0.0], MemoryDemand()
-    pool = Pool(
-        PoolSpec("d", SnapshotSource(store, record.id), scaling=scaling, grace_period_s=5),
-        backend,
-        PoolMetrics(registry),
-        engines=backend,
-        clock=lambda: clock[0],
-        tick_s=3600,  # ticks only when poked
-    )
-    pool.attach(demand)
-    loop = asyncio.create_task(pool.run())
-    try:
-        yield Rig(pool, backend, demand, clock, registry)
-    finally:
-        await pool.close(drain=False)
-        await loop
+def running_pool(tmp_path: Path, model_dir: Path, backend: MemoryBackend, scaling: ScalingConfig):
+    return pool_rig(tmp_path, model_dir, backend, scaling=scaling)
 
 
 async def decided(rig: Rig, at: float, condition: Callable[[Decision], bool]) -> Decision:

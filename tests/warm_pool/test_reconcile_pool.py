@@ -15,18 +15,13 @@ from pathlib import Path
 
 import pytest
 from aiohttp import web
-from prometheus_client import CollectorRegistry
 
-from snapshots import SnapshotStore, import_hf_dir
 from tests.activator.conftest import eventually
-from tests.warm_pool.rig import MemoryBackend, MemoryDemand, Rig, asleep
+from tests.warm_pool.rig import MemoryBackend, Rig, asleep, pool_rig
 from warm_pool.backend import Placement
 from warm_pool.launch import ENGINE_KEY_ENV, LaunchSpec
-from warm_pool.metrics import PoolMetrics
 from warm_pool.policies.base import ScalingConfig
-from warm_pool.pool import Pool, PoolSpec
 from warm_pool.procs import ProcessHandle
-from warm_pool.snapshot import SnapshotSource
 
 INTERVAL = 5.0
 
@@ -88,31 +83,14 @@ class SleepyBackend(MemoryBackend):
 
 @contextlib.asynccontextmanager
 async def running(tmp_path: Path, model_dir: Path) -> AsyncIterator[Rig]:
-    store = SnapshotStore(tmp_path / "store")
-    record = import_hf_dir(model_dir, store)
-    registry, clock, backend, demand = CollectorRegistry(), [0.0], SleepyBackend(), MemoryDemand()
-    spec = PoolSpec(
-        "d",
-        SnapshotSource(store, record.id),
-        scaling=ScalingConfig(max=1, idle_timeout_s=600, stable_window_s=1),
-        grace_period_s=5,
-        reconcile_interval_s=INTERVAL,
-    )
-    pool = Pool(
-        spec,
-        backend,
-        PoolMetrics(registry),
-        engines=backend,
-        clock=lambda: clock[0],
-        tick_s=3600,
-    )
-    pool.attach(demand)
-    loop = asyncio.create_task(pool.run())
+    backend = SleepyBackend()
+    scaling = ScalingConfig(max=1, idle_timeout_s=600, stable_window_s=1)
     try:
-        yield Rig(pool, backend, demand, clock, registry)
+        async with pool_rig(
+            tmp_path, model_dir, backend, scaling=scaling, reconcile_interval_s=INTERVAL
+        ) as rig:
+            yield rig
     finally:
-        await pool.close(drain=False)
-        await loop
         if backend.gate is not None:
             backend.gate.set()
 

@@ -1,0 +1,173 @@
+"""The two planes' contract, pure parts (`stoker.cluster`, `stoker.gateway_plane`): how an instance's
+concurrency is split, how gateways' reports add up into a pool's demand, what a report may hold,
+and how a key's limits are split. The processes are `test_planes.py`'s."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import pytest
+
+from stoker.cluster import GatewayLoad, RoutingTable, parse_report, share
+from stoker.gateway_plane import KeyTable, RemoteSource
+from stoker.keys import hash_key
+from stoker.openai_errors import APIError
+
+
+@pytest.mark.parametrize(
+    ("concurrency", "gateways", "shares"),
+    [
+        (8, ["a", "b"], [4, 4]),
+        (8, ["a", "b", "c"], [3, 3, 2]),  # the remainder to the first by name: the sum is 8
+        (1, ["a", "b"], [1, 1]),  # at least one each: two gateways may put two on it
+        (8, ["a"], [8]),
+    ],
+)
+def test_an_instance_is_split_between_the_live_gateways(concurrency, gateways, shares):
+    assert [share(concurrency, gateways, g) for g in gateways] == shares
+
+
+def test_a_gateway_not_yet_counted_gets_a_share_as_if_it_were():
+    assert share(8, ["a"], "b") == 4
+
+
+@dataclass
+class Endpoint:
+    id: str
+
+
+@dataclass
+class Pool:
+    routing: list[str] = field(default_factory=list)
+    heard: list[str] = field(default_factory=list)
+
+    def endpoints(self) -> list[Endpoint]:
+        return [Endpoint(i) for i in self.routing]
+
+    def request_arrived(self) -> None:
+        self.heard.append("arrived")
+
+    def request_finished(self, service_s, cold_on) -> None:
+        self.heard.append(f"finished {service_s} {cold_on}")
+
+    def report_failure(self, ident: str) -> None:
+        self.heard.append(f"failure {ident}")
+
+    def report_unhealthy(self, ident: str, reason: str) -> None:
+        self.heard.append(f"unhealthy {ident} {reason}")
+
+    def poke(self) -> None:
+        self.heard.append("poke")
+
+
+def report(**fields) -> dict:
+    _, parsed = parse_report({"gateway": "g", "deployments": {"m": fields}})
+    return parsed["m"]
+
+
+def test_gateways_reports_add_up_and_a_silent_gateway_stops_counting():
+    clock = [100.0]
+    table = RoutingTable(lambda: clock[0], stale_after_s=5)
+    demand = GatewayLoad("m", table, lambda: clock[0])
+    demand.pool = pool = Pool(routing=["i1"])
+    demand.report(
+        "a", report(in_flight=2, queued=1, outstanding={"i1": 2}, routing=["i1"], since_arrival_s=1), 100
+    )
+    clock[0] = 103.0
+    demand.report("b", report(in_flight=1, outstanding={"i1": 1}, routing=["i1"], since_arrival_s=0.5), 103)
+    load = demand.load()
+    assert (load.in_flight, load.queued, load.outstanding, load.last_arrival) == (3, 1, {"i1": 3}, 102.5)
+    clock[0] = 106.0  # a's report is 6 s old: a is gone
+    assert (demand.load().in_flight, demand.load().outstanding) == (1, {"i1": 1})
+    assert pool.heard == []
+
+
+def test_an_instance_out_of_routing_is_busy_until_every_gateway_has_seen_it_go():
+    table = RoutingTable(lambda: 0.0)
+    demand = GatewayLoad("m", table, lambda: 0.0)
+    demand.pool = Pool(routing=[])  # i1 left routing at the controller
+    demand.report("a", report(routing=["i1"]), 0.0)  # a has not heard yet, and reports nothing on it
+    demand.report("b", report(routing=[]), 0.0)
+    assert demand.load().outstanding == {"i1": 1}
+    demand.report("a", report(routing=[]), 0.0)
+    assert demand.load().outstanding == {}
+
+
+def test_a_reports_news_reaches_the_pool_once():
+    demand = GatewayLoad("m", RoutingTable(lambda: 0.0), lambda: 0.0)
+    demand.pool = pool = Pool()
+    demand.report(
+        "a",
+        report(
+            arrivals=2,
+            finished=[[0.5, "i1"], [None, None]],
+            failures=["i2"],
+            unhealthy=[["i3", "503"]],
+            poke=True,
+        ),
+        0.0,
+    )
+    assert pool.heard == [
+        "arrived",
+        "arrived",
+        "finished 0.5 i1",
+        "finished None None",
+        "failure i2",
+        "unhealthy i3 503",
+        "poke",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"deployments": {}}, "gateway"),
+        ({"gateway": "../x", "deployments": {}}, "gateway"),
+        ({"gateway": "g", "deployments": []}, "deployments"),
+        ({"gateway": "g", "deployments": {"Bad Name": {}}}, "deployments"),
+        ({"gateway": "g", "deployments": {"m": {"in_flight": -1}}}, "in_flight"),
+        ({"gateway": "g", "deployments": {"m": {"queued": True}}}, "queued"),
+        ({"gateway": "g", "deployments": {"m": {"since_arrival_s": float("nan")}}}, "since_arrival_s"),
+        ({"gateway": "g", "deployments": {"m": {"finished": [[1.0]]}}}, "finished"),
+        ({"gateway": "g", "deployments": {"m": {"finished": [[0.1, None]] * 10_001}}}, "finished"),
+        ({"gateway": "g", "deployments": {"m": {"outstanding": {"i": "1"}}}}, "outstanding"),
+        ({"gateway": "g", "deployments": {"m": {"routing": ["x" * 200]}}}, "routing"),
+        ({"gateway": "g", "deployments": {"m": {"poke": "yes"}}}, "poke"),
+    ],
+)
+def test_a_bad_report_is_refused_naming_the_field(body, param):
+    with pytest.raises(APIError) as err:
+        parse_report(body)
+    assert (err.value.status, err.value.param) == (400, param)
+
+
+async def test_gateways_wait_for_a_newer_table_and_a_restarted_controller_answers_at_once():
+    table = RoutingTable(lambda: 0.0)
+    assert await table.wait("another-epoch", 10**6, 5)  # a restarted controller: at once
+    assert not await table.wait(table.epoch, table.version, 0.05)  # nothing new: the poll times out
+    waiter = asyncio.create_task(table.wait(table.epoch, table.version, 5))
+    await asyncio.sleep(0)
+    table.bump()
+    assert await waiter
+
+
+def test_a_keys_limits_are_split_between_the_gateways():
+    keys = KeyTable()
+    record = {"id": "k1", "tenant": "t", "deployments": ["m"], "created": 0.0, "hash": hash_key("sk-1")}
+    keys.replace([{**record, "rps": 10.0, "tpm": 1000, "max_concurrent": 3}], gateways=2)
+    found = keys.lookup("sk-1")
+    assert (found.limits.rps, found.limits.tpm, found.limits.max_concurrent) == (5.0, 500, 2)
+    assert keys.lookup("sk-2") is None and len(keys) == 1
+
+
+def test_a_report_that_did_not_get_through_goes_into_the_next():
+    source = RemoteSource(lambda: None)
+    source.request_arrived()
+    source.request_finished(0.2, None)
+    first = source.take()
+    source.request_arrived()
+    source.give_back(first)
+    again = source.take()
+    assert (again["arrivals"], again["finished"]) == (2, [[0.2, None]])
+    assert source.take()["arrivals"] == 0
