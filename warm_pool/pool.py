@@ -48,7 +48,7 @@ from typing import NamedTuple, Protocol
 
 from cachetools import LRUCache
 
-from snapshots import SnapshotError, WarmReport, pagecache
+from snapshots import SnapshotError, WarmReport
 from warm_pool import plan
 from warm_pool.backend import Backend, Running
 from warm_pool.backoff import restart_delay
@@ -59,6 +59,7 @@ from warm_pool.failures import FailureRecord, StartFailures, record_of
 from warm_pool.instances import InstanceOps, InstanceSettings, Launch, unreachable
 from warm_pool.launch import GpuInventory
 from warm_pool.metrics import PoolMetrics, split_cold_start
+from warm_pool.page_tier import PageTier
 from warm_pool.policies import DEFAULT_POLICY
 from warm_pool.policies.base import Decision, ScalingConfig, Tier
 from warm_pool.policies.settings import bind_policy, startup_priors
@@ -72,8 +73,6 @@ log = logging.getLogger("stoker.pool")
 
 S = InstanceState
 COMING_UP = (S.PENDING, S.STARTING)
-TIER_TTL_S = 5.0  # how long a measured snapshot tier (mincore over its files) is trusted
-WARM_EVERY_S = 60.0  # at most one page-cache warm a minute, if the cache cannot keep the snapshot
 
 
 class LoadView(Protocol):
@@ -179,7 +178,6 @@ class Pool:
         self._launches: dict[str, asyncio.Task] = {}  # starts in progress, cancellable
         self._turns: dict[str, asyncio.Task] = {}  # sleeps and wakes in progress, cancellable
         self._stops: dict[str, asyncio.Task] = {}  # drains and stops in progress, never cancelled
-        self._background: set[asyncio.Task] = set()  # page-cache warms the policy asked for
         self._wake = asyncio.Event()
         self._closing = False
         self._failures = 0  # consecutive failed starts, for the restart backoff
@@ -188,9 +186,7 @@ class Pool:
         # The last failure of any instance, and failed starts in a row (`warm_pool.failures`).
         self._start_failures = StartFailures(spec.unavailable_after)
         self.last_decision: Decision | None = None
-        self._warming: asyncio.Future[WarmReport] | None = None  # the snapshot's page-cache warm in flight
-        self._warm_asked_at = -WARM_EVERY_S
-        self._tier_seen: tuple[float, Tier] | None = None  # (when, tier) of the last measurement
+        self._page = PageTier(spec.deployment, spec.snapshot)  # the snapshot in the page cache
         # False once an engine reports no sleep levels (vLLM's CPU build): then nothing is put to sleep.
         self.can_sleep: bool = True
         # The READY engines' own queue and KV-cache figures, for the rules' saturation rule: read in
@@ -310,25 +306,8 @@ class Pool:
         return counts
 
     async def warm_snapshot(self) -> WarmReport:
-        """Read the snapshot's files into the page cache (the page-cache tier), so the next start loads
-        at memory speed. One warm at a time: a call while one runs awaits that one's report."""
-        if self._warming is None or self._warming.done():
-            self._warming = asyncio.ensure_future(asyncio.to_thread(self._warm_snapshot))
-        # A caller that gives up must not cancel the warm the others await (the thread runs on anyway).
-        return await asyncio.shield(self._warming)
-
-    def _warm_snapshot(self) -> WarmReport:
-        try:
-            report = pagecache.warm(self.spec.snapshot.path)
-        except SnapshotError as exc:
-            raise PoolError(f"pool {self.spec.deployment}: cannot warm its snapshot: {exc}") from exc
-        log.info(
-            "pool %s: snapshot in the page cache, %d bytes in %.2fs",
-            self.spec.deployment,
-            report.bytes,
-            report.seconds,
-        )
-        return report
+        """Read the snapshot's files into the page cache (the page-cache tier): `PageTier.warm`."""
+        return await self._page.warm()
 
     async def run(self) -> None:
         """The control loop; returns when `close` is called."""
@@ -351,17 +330,17 @@ class Pool:
         self._closing = True
         self._wake.set()
         scrape = [self._scrape] if self._scrape is not None else []
-        for task in [*self._launches.values(), *self._turns.values(), *self._background, *scrape]:
+        for task in [*self._launches.values(), *self._turns.values(), *scrape]:
             task.cancel()
         await asyncio.gather(
             *self._launches.values(),
             *self._turns.values(),
-            *self._background,
             *self._stops.values(),
             *scrape,
             return_exceptions=True,
         )
         self._scrape = None
+        await self._page.close()
         await self._engines.aclose()
         await self._sleep_states.aclose()
         await self._ops.close()
@@ -400,7 +379,7 @@ class Pool:
             starting=len(census.coming),
             sleeping=census.sleeping,
             waking=len(census.waking),
-            cached_tier=self._snapshot_tier(now),
+            cached_tier=self._page.tier(now),
             snapshot_id=self.spec.snapshot.snapshot_id,
             can_sleep=self.can_sleep,
             engine_waiting=engines.waiting,
@@ -415,7 +394,7 @@ class Pool:
         self._metrics.decided(self.spec.deployment, decision.ready, decision.sleeping, decision.forecast)
         self._apply(decision, census, now, load.outstanding)
         if self.spec.snapshot.snapshot_id in decision.warm:
-            self._warm_in_background(now)
+            self._page.warm_in_background(now)
         self._account(now)
 
     def _engine_totals(self, routing: list[Instance]) -> EngineTotals:
@@ -555,31 +534,6 @@ class Pool:
         code = await self._forget(inst, to=S.STOPPED)
         if died and code is not None:  # a status it ended with by itself, not our SIGTERM's
             self._start_failures.exit_code_known(inst.id, code)
-
-    # ---- page cache ----------------------------------------------------------------------------------
-
-    def _snapshot_tier(self, now: float) -> Tier:
-        """Where a start would load from; measured at most every TIER_TTL_S (it reads every file's
-        page residency)."""
-        if self._tier_seen is None or now - self._tier_seen[0] >= TIER_TTL_S:
-            self._tier_seen = (now, self.spec.snapshot.tier())
-        return self._tier_seen[1]
-
-    def _warm_in_background(self, now: float) -> None:
-        if now - self._warm_asked_at < WARM_EVERY_S or not self.spec.snapshot.is_local():
-            return  # recently asked, or nothing local to read (a start pulls it first)
-        self._warm_asked_at = now
-        task = asyncio.create_task(self._warm_quietly(), name=f"warm-{self.spec.deployment}")
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    async def _warm_quietly(self) -> None:
-        try:
-            await self.warm_snapshot()
-        except PoolError as exc:
-            log.warning("%s", exc)
-        finally:
-            self._tier_seen = None  # measure again at the next tick
 
     # ---- instance lifecycles -------------------------------------------------------------------------
 
