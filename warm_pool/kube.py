@@ -311,15 +311,24 @@ class KubeBackend:
 
     async def running(self) -> list[Running]:
         """This owner's Running pods (not being deleted), each with its Secret's key: what a previous
-        controller left. Pods without a whole record (labels, annotations, Secret) are skipped."""
+        controller left. The rest of this owner's pods (still Pending, ended, or without a whole
+        record: labels, annotations, Secret) cannot be taken over, and are deleted."""
         await self._ensure_watch()
         found: list[Running] = []
         for pod in list(self._pods.values()):
-            if not _alive(pod) or pod.status.phase != "Running" or not pod.status.podIP:
-                continue
-            adopted = await self._adoptable(pod)
+            adopted = None
+            if _alive(pod) and pod.status.phase == "Running" and pod.status.podIP:
+                adopted = await self._adoptable(pod)
             if adopted is not None:
                 found.append(adopted)
+            elif pod.metadata.deletionTimestamp is None:
+                phase = pod.status.phase if pod.status is not None else "unknown"
+                log.warning(
+                    "pod %s left by a previous controller (%s) cannot be adopted: deleting it",
+                    pod.metadata.name,
+                    phase,
+                )
+                await self._delete_pod(pod.metadata.name, self.settings.grace_s)
         return found
 
     async def read_log(self, instance_id: str, max_bytes: int) -> str | None:

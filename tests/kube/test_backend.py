@@ -154,6 +154,24 @@ async def test_an_engine_that_exits_fails_its_start_with_its_exit_code_and_log(
         await backend.aclose()
 
 
+async def test_a_pod_left_pending_by_a_previous_controller_is_deleted_not_adopted(
+    cluster: Cluster_, tiny_store: TinyStore
+) -> None:
+    for node in list(cluster.api.store.objects):
+        if node[0] == "nodes":
+            cluster.api.remove(*node)
+    first, second = cluster.backend(tiny_store.root), cluster.backend(tiny_store.root)
+    try:
+        await first.start(placement(tiny_store, "tiny-66666666"), web_spec())  # never scheduled
+        assert cluster.api.get("pods", NAMESPACE, "tiny-66666666")["status"]["phase"] == "Pending"
+        assert await second.running() == []
+        pod = cluster.api.get("pods", NAMESPACE, "tiny-66666666")
+        assert pod is None or "deletionTimestamp" in pod["metadata"]
+    finally:
+        await first.aclose()
+        await second.aclose()
+
+
 async def test_an_unschedulable_pod_times_out_saying_why(cluster: Cluster_, tiny_store: TinyStore) -> None:
     for node in list(cluster.api.store.objects):
         if node[0] == "nodes":
