@@ -1,0 +1,113 @@
+"""The fleet arbiter's table (`warm_pool.arbiter`): who may be awake where, when not all fit."""
+
+from __future__ import annotations
+
+import pytest
+
+from warm_pool.arbiter import Device, Grant, Member, Wish, arbitrate
+
+GB = 1 << 30
+ONE = [Device("cpu0", 3 * GB)]  # room for one awake (2 GB) and a few asleep (0.1 GB)
+TWO = [Device("gpu0", 3 * GB), Device("gpu1", 3 * GB)]
+
+
+def wish(name: str, ready: int, sleeping: int = 0, *, rate: float = 0.0, held: int = 0) -> Wish:
+    return Wish(name, ready, sleeping, 2 * GB, GB // 10, rate=rate, horizon_s=1.0, held=held)
+
+
+def awake(ident: str, device: str = "cpu0", *, busy: bool = False) -> Member:
+    return Member(ident, ident.split("-")[0], device, True, busy)
+
+
+def asleep(ident: str, device: str = "cpu0") -> Member:
+    return Member(ident, ident.split("-")[0], device, False)
+
+
+CASES = {
+    "a start that fits goes to the freest device": (
+        [wish("a", 1)],
+        [],
+        TWO,
+        {"a": Grant(1, 0, ("gpu0",))},
+    ),
+    "two starts spread over two devices": (
+        [wish("a", 1), wish("b", 1, rate=1.0)],
+        [],
+        TWO,
+        {"b": Grant(1, 0, ("gpu0",)), "a": Grant(1, 0, ("gpu1",))},
+    ),
+    "held requests wake a sleeper: the idle awake one is put to sleep for it": (
+        [wish("a", 1, 1), wish("b", 1, held=1)],
+        [awake("a-1"), asleep("b-1")],
+        ONE,
+        {"a": Grant(0, 1, (), denied=1), "b": Grant(1, 0)},
+    ),
+    "a busy instance is never evicted": (
+        [wish("a", 1), wish("b", 1, held=1)],
+        [awake("a-1", busy=True), asleep("b-1")],
+        ONE,
+        {"a": Grant(1, 0), "b": Grant(0, 1, (), denied=1)},
+    ),
+    "two idle deployments do not evict each other: equal worth keeps what is awake": (
+        [wish("a", 1, 1), wish("b", 1, 1)],
+        [awake("a-1"), asleep("b-1")],
+        ONE,
+        {"a": Grant(1, 0), "b": Grant(0, 1, (), denied=1)},
+    ),
+    "the more valuable forecast wins the device": (
+        [wish("a", 1, 1, rate=0.01), wish("b", 1, 1, rate=2.0)],
+        [awake("a-1"), asleep("b-1")],
+        ONE,
+        {"a": Grant(0, 1, (), denied=1), "b": Grant(1, 0)},
+    ),
+    "a fresh start evicts the least valuable of several": (
+        [wish("a", 1, 1, rate=0.5), wish("b", 1, 1, rate=0.1), wish("c", 1, held=2)],
+        [awake("a-1", "gpu0"), awake("b-1", "gpu1")],
+        TWO,
+        {"a": Grant(1, 0), "b": Grant(0, 1, (), denied=1), "c": Grant(1, 0, ("gpu1",))},
+    ),
+    "scale-down frees memory before growth": (
+        [wish("a", 0, 1), wish("b", 1)],
+        [awake("a-1")],
+        ONE,
+        {"a": Grant(0, 1), "b": Grant(1, 0, ("cpu0",))},
+    ),
+    "a wake must happen on the sleeper's own device": (
+        [wish("a", 1, 1), wish("b", 1, held=1)],
+        [awake("a-1", "gpu0"), asleep("b-1", "gpu0"), awake("c-1", "gpu1")],
+        TWO,
+        {"a": Grant(0, 1, (), denied=1), "b": Grant(1, 0)},
+    ),
+    "nothing evicted when even all candidates would not make room": (
+        [wish("a", 1), wish("b", 2, held=3)],
+        [awake("a-1", busy=True)],
+        [Device("cpu0", 5 * GB)],
+        {"a": Grant(1, 0), "b": Grant(1, 0, ("cpu0",), denied=1)},
+    ),
+    "sleepers stopped to make room when sleeping is not enough": (
+        [wish("a", 0, 3), wish("b", 1, held=1)],
+        [asleep("a-1"), asleep("a-2"), asleep("a-3")],
+        [Device("cpu0", 2 * GB + GB // 10)],
+        {"a": Grant(0, 1), "b": Grant(1, 0, ("cpu0",))},
+    ),
+    "a deployment without a wish keeps what it holds": (
+        [wish("b", 1, held=1)],
+        [Member("a-1", "a", "cpu0", True, holds=2 * GB)],
+        ONE,
+        {"b": Grant(0, 0, (), denied=1)},
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_arbiter_table(case):
+    wishes, members, devices, expected = CASES[case]
+    assert arbitrate(wishes, members, devices) == expected
+
+
+def test_what_is_granted_fits_every_device():
+    wishes = [wish(f"d{i}", 1, 1, rate=i / 10) for i in range(6)]
+    members = [asleep(f"d{i}-1", "gpu0" if i % 2 else "gpu1") for i in range(6)]
+    grants = arbitrate(wishes, members, TWO)
+    assert sum(g.ready for g in grants.values()) == 2  # one awake per 3 GB device
+    assert {name for name, g in grants.items() if g.ready} == {"d5", "d4"}  # the two worth most
