@@ -6,7 +6,8 @@ live one. It is told about events as they happen and builds an `Observation` whe
 
 - `arrived(now)` / `finished(now, service_s)`: requests in and out (a rejected one finishes with
   `service_s=None`). From these come the per-second samples (arrivals, and the time-weighted mean
-  of requests outstanding: Knative's "averaged per-second concurrency"), the idle gaps (from the
+  of requests outstanding, held ones included: Knative's "averaged per-second concurrency"; the
+  predictive policy takes the time held back out, from `queued` at each call), the idle gaps (from the
   moment nothing was outstanding to the next arrival) and the learned latency per request.
 - `started(tier, seconds)`: an instance became READY after `seconds` from `tier`; the per-tier
   start-up times fed to the policy are a running average of these, seeded with priors.
@@ -26,8 +27,8 @@ from warm_pool.policies.base import Observation, SecondSample, Tier, TierTimes
 
 # Latency: a running mean for the first 100 requests, then an exponential average over ~100 (alpha
 # 0.01), so one slow request moves it by 1 %, and a lasting change of workload is learned within a few
-# hundred requests. (predictive sizes from the last 60 s of concurrency and arrivals, W = L / λ, and
-# falls back on this only when that window is empty.)
+# hundred requests. (predictive sizes from the last 60 s of concurrency and arrivals, less the time
+# requests were held, S = L_s / λ, and falls back on this only when that window is empty.)
 LATENCY_ALPHA = 0.01
 # Start-up: starts are rare (a few an hour), so each new one counts for 30 % once three are in.
 STARTUP_ALPHA = 0.3

@@ -7,15 +7,22 @@ Each call:
    gives the arrival rate at now + h, where h is the measured start-up time of the tier a new
    instance would come from now: a wake (~1 s) when one sleeps, else a page-cache, disk or
    object-storage start. Capacity asked for now is READY by then.
-2. Little's law. Expected concurrency = rate × latency, the latency measured over the last
-   `stable_window_s` (60 s, kpa's window) as W = L / λ: the window's mean concurrency (requests in
-   flight or held, time-weighted) over its arrivals per second. The tracker's learned latency (mean
-   service time of finished requests) is only the fallback for a window without arrivals: while a
-   backlog drains it is biased low, because short requests finish first (conv trace, t = 37 s:
-   2.7 s learned against ~6 s true; the forecast then cancelled two starts that the next minute
-   needed, and 19 requests waited ~4 s for a page-cache start). W = L / λ counts the time held
-   requests wait, so a backlog asks for capacity, as kpa's window does; on steady load the two
-   agree (Little's law). Instances =
+2. Little's law, for the instances alone. Expected concurrency = rate × service time S, the
+   seconds a request spends on an instance, measured over the last `stable_window_s` (60 s, kpa's
+   window) as S = L_s / λ: the window's mean concurrency in service over its arrivals per second.
+   L_s is the tracker's time-weighted concurrency (requests in flight or held) less the time held:
+   the requests held at each call (`Observation.queued`) until the next, per second, kept here.
+   Not the time held (W = L / λ): a request held for a start waits for capacity already coming,
+   and counting that wait asks for more (8 requests at zero, target 8, max 2, an 8 s CPU start:
+   8.00/s × 0.39 s → 1 instance, then 3.50/s × 1.39 s = 4.9 concurrent, rising with each second
+   held until a second start was asked for: issue 13). Held requests are the reactive floor's
+   (rules.py, rule 1), which counts them at once; the forecast sizes for the arrivals once served.
+   Not the tracker's learned latency (mean service time of finished requests) either, except for
+   a window without arrivals: while a backlog drains it is biased low, because short requests
+   finish first (conv trace, t = 37 s: 2.7 s learned against ~6 s in the system; the forecast then
+   cancelled two starts that the next minute needed, and 19 requests waited ~4 s for a page-cache
+   start); L_s counts a long request for every second it is served, finished or not. With nothing
+   held, S = W, as before. Instances =
    ceil(concurrency / (target × utilization)), the same per-instance target as `kpa`. The rate
    is already smoothed (α: about a 60 s window). Against flapping, besides
    the shared rules' delays, a step down is taken only if it still holds with the estimate `band`
@@ -68,7 +75,8 @@ Each call:
      tier an engine without sleep has.
 
 State is bounded: Holt's two numbers, the 1440-slot profile, the histogram's bins, a running
-peak of at most max + 1 entries and the stable window's per-second samples (60).
+peak of at most max + 1 entries, and the stable window's per-second samples and held seconds (61
+each at most).
 """
 
 from __future__ import annotations
@@ -120,6 +128,8 @@ class PredictiveState:
     histogram: IdleHistogram = field(default_factory=IdleHistogram)
     readies: Peak = ()  # instances READY or coming up in the last sleep_keepalive_s
     samples: tuple[SecondSample, ...] = ()  # the stable window's seconds
+    held: tuple[tuple[float, float], ...] = ()  # (second's start, request-seconds held in it), the same
+    queued: tuple[float, int] | None = None  # (when, requests held) at the previous call
 
 
 def predictive(
@@ -132,9 +142,11 @@ def predictive(
     horizon = o.startup.of(o.start_tier)
     rate = fc.rate(now, horizon, c.forecast)
     samples = push_seconds(state.samples, o.seconds, now, c.stable_window_s)
+    held = _push_held(state.held, state.queued, now, c.stable_window_s)
     arrived = sum(s.arrivals for s in samples)
     if arrived:
-        latency = sum(s.concurrency for s in samples) / arrived
+        in_held = dict(held)  # L_s = L − time held, second by second (step 2)
+        latency = sum(max(0.0, s.concurrency - in_held.get(s.start, 0.0)) for s in samples) / arrived
     else:
         latency = o.latency_s if o.latency_s is not None else c.latency_prior_s
     concurrency = rate * latency
@@ -171,7 +183,28 @@ def predictive(
     if o.snapshot_id and not stopping and o.sleeping == 0 and slow_start:
         warm = (o.snapshot_id,)
     decision = Decision(ready, sleeping, warm, reason, forecast=rate)
-    return decision, PredictiveState(fc, hist, readies, samples)
+    queued = (now, o.queued) if state.queued is None or now >= state.queued[0] else state.queued
+    return decision, PredictiveState(fc, hist, readies, samples, held, queued)
+
+
+def _push_held(
+    held: tuple[tuple[float, float], ...], queued: tuple[float, int] | None, now: float, window_s: float
+) -> tuple[tuple[float, float], ...]:
+    """`held` with the requests held at the previous call counted until `now`, split at whole
+    seconds as the tracker splits its samples, and only the seconds of the last `window_s` kept.
+
+    The count is what the activator held at that call, so where it changes between calls (a held
+    request gets a slot, a new one is held) this is off by at most the time between calls: a second,
+    and less where the loop is poked, as it is by every request held at zero."""
+    buckets = dict(held)
+    if queued is not None and queued[1] > 0:
+        t = max(queued[0], now - window_s - 1.0)  # after a long silence, only the window counts
+        while t < now:
+            start = float(math.floor(t))
+            end = min(now, start + 1.0)
+            buckets[start] = buckets.get(start, 0.0) + queued[1] * (end - t)
+            t = end
+    return tuple((s, a) for s, a in sorted(buckets.items()) if s + 1.0 > now - window_s)
 
 
 def _last_instance(
