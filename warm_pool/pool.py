@@ -50,12 +50,14 @@ from cachetools import LRUCache
 
 from snapshots import SnapshotError, WarmReport
 from warm_pool import plan
+from warm_pool.arbiter import Member, Wish
 from warm_pool.backend import Backend, Running
 from warm_pool.backoff import restart_delay
 from warm_pool.engine_calls import HttpEngines
 from warm_pool.engine_signals import EngineScraper, EngineTotals, engine_totals
 from warm_pool.errors import PoolError, SnapshotCorrupt, StartFailed
 from warm_pool.failures import FailureRecord, StartFailures, record_of
+from warm_pool.fleet import Fleet, Footprint
 from warm_pool.instances import InstanceOps, InstanceSettings, Launch, unreachable
 from warm_pool.launch import GpuInventory
 from warm_pool.metrics import PoolMetrics, split_cold_start
@@ -108,6 +110,7 @@ class PoolSpec:
     host: str = "127.0.0.1"
     threads: int | None = None
     vllm: VllmLaunch | None = None  # how this machine runs vLLM (engine "vllm" only)
+    footprint: Footprint | None = None  # what an instance reserves on a shared device (with a fleet)
 
     def instance_settings(self) -> InstanceSettings:
         return InstanceSettings(
@@ -159,11 +162,17 @@ class Pool:
         engines: HttpEngines | None = None,  # tests give engines that need no HTTP
         clock: Callable[[], float] = time.monotonic,
         tick_s: float = 1.0,
+        fleet: Fleet | None = None,  # devices shared with other deployments' pools
     ) -> None:
         self._ops = InstanceOps(spec.instance_settings(), backend, engines=engines, gpus=gpus, clock=clock)
         self.spec = spec
+        self.name = spec.deployment
         self._metrics = metrics
         self._clock = clock
+        self._fleet = fleet if spec.footprint is not None else None
+        self._wish: Wish | None = None  # the latest, for the fleet's arbiter
+        self._last_grant = ""  # how the fleet last changed a decision, as logged
+        self._outstanding: Mapping[str, int] = {}
         self._tick_s = tick_s
         self._bound = bind_policy(spec.policy, spec.scaling)
         self._policy_state = self._bound.initial_state
@@ -195,6 +204,8 @@ class Pool:
         self._scrape: asyncio.Task | None = None
         # What the settled engines say of their sleep, asked in the background (`_reconcile`).
         self._sleep_states = SleepStates(clock, interval_s=spec.reconcile_interval_s, name=spec.deployment)
+        if self._fleet is not None:
+            self._fleet.register(self)
 
     @property
     def spec(self) -> PoolSpec:
@@ -294,6 +305,8 @@ class Pool:
                 "phase": self._phases.get(i.id),
                 "url": i.url if i.port is not None or i.address is not None else None,
                 "runs_as": self._ops.handle_name(i),  # "pid 4242", "pod ns/name": where to look
+                "device": i.device,
+                "reserved_bytes": self._reserved(i),
                 "since": wall - (now - i.state_since),
             }
             for i in sorted(self._instances.values(), key=lambda i: i.created_at)
@@ -340,6 +353,8 @@ class Pool:
             return_exceptions=True,
         )
         self._scrape = None
+        if self._fleet is not None:
+            self._fleet.forget(self.name)
         await self._page.close()
         await self._engines.aclose()
         await self._sleep_states.aclose()
@@ -392,7 +407,10 @@ class Pool:
         if decision.ready == 0 and not census.coming and self._start_failures.lift() and not self._corrupt:
             self._demand.set_unavailable(None)  # nobody calls: the next request is held and tries again
         self._metrics.decided(self.spec.deployment, decision.ready, decision.sleeping, decision.forecast)
-        self._apply(decision, census, now, load.outstanding)
+        start_on: tuple[str, ...] = ()
+        if self._fleet is not None:
+            decision, start_on = self._arbitrated(decision, load)
+        self._apply(decision, census, now, load.outstanding, start_on)
         if self.spec.snapshot.snapshot_id in decision.warm:
             self._page.warm_in_background(now)
         self._account(now)
@@ -414,6 +432,56 @@ class Pool:
             )
         return engine_totals(self._engines.latest.values())
 
+    # ---- the fleet ------------------------------------------------------------------------------------
+
+    def _arbitrated(self, decision: Decision, load: LoadView) -> tuple[Decision, tuple[str, ...]]:
+        """The decision as the fleet grants it, and the devices its starts go on."""
+        fp = self.spec.footprint
+        self._outstanding = dict(load.outstanding)
+        self._wish = Wish(
+            self.name,
+            decision.ready,
+            decision.sleeping,
+            fp.awake,
+            fp.asleep,
+            rate=decision.forecast or 0.0,
+            horizon_s=self._tracker.startup.wake,
+            held=load.queued,
+        )
+        grant = self._fleet.grant(self.name)
+        if grant is None or (grant.ready, grant.sleeping) == (decision.ready, decision.sleeping):
+            self._last_grant = ""
+            return decision, grant.start_on if grant is not None else ()
+        why = f"fleet: READY {decision.ready} -> {grant.ready}, SLEEPING {decision.sleeping} -> {grant.sleeping}"
+        if grant.denied:
+            why += f" ({grant.denied} awake not granted: no room yet)"
+        if why != self._last_grant:  # once, not every tick it waits for room
+            log.info("pool %s: %s", self.name, why)
+        self._last_grant = why
+        return replace(
+            decision, ready=grant.ready, sleeping=grant.sleeping, reason=f"{decision.reason}; {why}"
+        ), grant.start_on
+
+    def fleet_wish(self) -> Wish | None:
+        return self._wish
+
+    def fleet_members(self) -> list[Member]:
+        """Every instance that holds device memory: awake unless SLEEPING with no wake under way."""
+        out = []
+        for i in self._instances.values():
+            if i.device is None or i.state == S.STOPPED:
+                continue
+            awake = i.state != S.SLEEPING or self._phases.get(i.id) == Phase.WAKING
+            fp = self.spec.footprint
+            holds = fp.awake if awake else fp.asleep
+            out.append(Member(i.id, self.name, i.device, awake, self._outstanding.get(i.id, 0) > 0, holds))
+        return out
+
+    def _reserved(self, inst: Instance) -> int | None:
+        if inst.device is None or self.spec.footprint is None:
+            return None
+        return next((m.holds for m in self.fleet_members() if m.id == inst.id), 0)
+
     def _census(self) -> Census:
         c = Census([], [], [], [], [], [])
         for inst in self._instances.values():
@@ -432,8 +500,17 @@ class Pool:
                 c.asleep.append(inst)
         return c
 
-    def _apply(self, decision: Decision, c: Census, now: float, outstanding: Mapping[str, int]) -> None:
-        """Carry out `warm_pool.plan`'s actions: tasks and backend calls."""
+    def _apply(
+        self,
+        decision: Decision,
+        c: Census,
+        now: float,
+        outstanding: Mapping[str, int],
+        start_on: tuple[str, ...] = (),
+    ) -> None:
+        """Carry out `warm_pool.plan`'s actions: tasks and backend calls. Fresh starts go on the
+        devices in `start_on` (the fleet's), in order."""
+        devices = iter(start_on)
         by_id = {inst.id: inst for group in c for inst in group}
         members = plan.Census(*(tuple(plan.Member(i.id, i.created_at, i.state_since) for i in g) for g in c))
         may_start = now >= self._not_before and self._corrupt is None
@@ -452,7 +529,7 @@ class Pool:
                 case plan.Wake(id=ident):
                     self._begin_wake(by_id[ident])
                 case plan.Start():
-                    self._start_instance(now)
+                    self._start_instance(now, next(devices, None))
                 case plan.Cancel(id=ident):
                     if (task := self._launches.get(ident)) is not None:
                         task.cancel()
@@ -464,8 +541,9 @@ class Pool:
                         self._stops, inst, self._drain(inst, self.spec.grace_period_s if grace else 0.0)
                     )
 
-    def _start_instance(self, now: float) -> None:
+    def _start_instance(self, now: float, device: str | None = None) -> None:
         inst = Instance(
+            device=device,
             id=new_instance_id(self.spec.deployment),
             deployment=self.spec.deployment,
             created_at=now,
@@ -597,6 +675,8 @@ class Pool:
                 host=self.spec.host,
                 secret=found.secret,
             )
+            if self._fleet is not None and len(self._fleet.devices.devices) == 1:
+                inst.device = self._fleet.devices.devices[0].id  # one shared device: it is on it
             self._instances[inst.id] = inst
             try:
                 observed, caps = await self._ops.adopt(inst, found)
@@ -735,6 +815,8 @@ class Pool:
         left, seconds = inst.move_to(new, now)
         self._metrics.add_instance_seconds(self.spec.deployment, left, seconds)
         self._metrics.set_instances(self.spec.deployment, self._state_counts())
+        if self._fleet is not None and inst.device is not None and new in (S.SLEEPING, S.STOPPED, S.READY):
+            self._fleet.changed()  # memory came free (or a wake finished): pools waiting may go
 
     def _account(self, now: float) -> None:
         for inst in self._instances.values():

@@ -77,6 +77,7 @@ class Instance:
     host: str = "127.0.0.1"
     port: int | None = None
     address: str | None = None  # the engine's base URL as its backend reported it (a pod's IP)
+    device: str | None = None  # the shared device it reserves memory on (`warm_pool.fleet`), if any
     restarts: int = 0
     log_path: Path | None = None
     secret: str = field(default="", repr=False)  # the key the engine wants from its callers; "" if none

@@ -39,6 +39,7 @@ from stoker.paths import snapshot_budget
 from stoker.registry import DeploymentSpec, Registry, not_found, validate
 from warm_pool.backend import Backend, Running
 from warm_pool.errors import EngineUnavailable, PoolError
+from warm_pool.fleet import Devices, Fleet, Footprint, footprint
 from warm_pool.launch import GpuInventory
 from warm_pool.local import LocalBackend
 from warm_pool.metrics import PoolMetrics
@@ -87,6 +88,8 @@ class Platform:
         clock: Callable[[], float] = time.monotonic,
         backend: Backend | None = None,
         gpus: GpuInventory | None = None,  # the devices instances get; default: this machine's
+        devices: Devices | None = None,  # shared device memory (`warm_pool.fleet`); None: whole devices
+        instance_kv_bytes: int = 256 << 20,  # each instance's KV-cache budget, with shared devices
         controller: bool = False,  # the control plane only: gateways run the activators (`stoker.cluster`)
         gateway_stale_after_s: float = 5.0,
     ) -> None:
@@ -105,6 +108,8 @@ class Platform:
         )
         self.gpus = gpus or GpuInventory.from_env()
         self.metrics_registry = CollectorRegistry()
+        self.fleet = Fleet(devices, self.metrics_registry) if devices is not None else None
+        self._kv_bytes = instance_kv_bytes
         self._activator_metrics = ActivatorMetrics(self.metrics_registry)
         self._pool_metrics = PoolMetrics(self.metrics_registry)
         self._federation = EngineFederation(self.metrics_registry)  # GET /metrics/engines
@@ -258,11 +263,13 @@ class Platform:
                 grace_period_s=spec.grace_period_s,
                 vllm=self._vllm if spec.engine == "vllm" else None,
                 unavailable_after=self._unavailable_after,
+                footprint=self._footprint(spec) if self.fleet is not None else None,
             ),
             self.backend,
             self._pool_metrics,
             gpus=self.gpus,
             clock=self._clock,
+            fleet=self.fleet,
         )
         loop = asyncio.create_task(_adopt_then_run(pool, adopt), name=f"pool-{spec.name}")
         if self.controller:
@@ -291,6 +298,15 @@ class Platform:
             deployment.health.cancel()
         await deployment.pool.close(drain=True, stop_instances=stop_instances)
         await deployment.loop
+
+    def _footprint(self, spec: DeploymentSpec) -> Footprint:
+        """What one instance reserves on a shared device: the snapshot's weights and the KV budget."""
+        try:
+            files = self.store.manifest(spec.snapshot_id).files
+        except SnapshotError:  # in object storage only, not pulled yet: its weights are unknown here
+            files = []
+        weights = sum(f.size for f in files if f.path.endswith(".safetensors"))
+        return footprint(weights, self._kv_bytes, spec.engine)
 
     def _scaling(self, spec: DeploymentSpec) -> ScalingConfig:
         return ScalingConfig(

@@ -20,6 +20,7 @@ import time
 import urllib.parse
 from pathlib import Path
 
+from snapshots.sizes import format_size
 from stoker.admin_client import add_url_option, call, stream
 from stoker.durations import duration, format_duration
 from stoker.errors import CLIError
@@ -95,6 +96,19 @@ def add_activator_args(p: argparse.ArgumentParser) -> None:
 
 def add_pool_args(p: argparse.ArgumentParser) -> None:
     """The pools': scale-down window, failed starts, vLLM."""
+    p.add_argument(
+        "--device-memory",
+        metavar="SIZE",
+        help="share one device of SIZE (e.g. 2GiB) between every deployment's CPU-engine instances: each "
+        "reserves its weights plus --instance-kv while awake, and the fleet arbiter puts instances to sleep "
+        "to make room (default: off, every instance on its own)",
+    )
+    p.add_argument(
+        "--instance-kv",
+        metavar="SIZE",
+        default="256MiB",
+        help="each instance's KV-cache budget on a shared device",
+    )
     p.add_argument("--stable-window", type=duration, default="60s", help="how long a scale-down waits")
     p.add_argument(
         "--unavailable-after",
@@ -292,8 +306,11 @@ def _default_limits(args: argparse.Namespace):
 
 
 def _platform(args: argparse.Namespace, **extra):
+    from snapshots.errors import SnapshotError
+    from snapshots.sizes import parse_size
     from stoker.paths import data_dir, snapshot_store_dir
     from stoker.platform import Platform, VllmOptions
+    from warm_pool.fleet import Devices
 
     try:
         vllm = VllmOptions(args.vllm, tuple(shlex.split(args.vllm_args)), args.vllm_cpu_kv_cache)
@@ -301,12 +318,21 @@ def _platform(args: argparse.Namespace, **extra):
         raise CLIError(str(exc)) from None
     if args.unavailable_after < 0:
         raise CLIError(f"--unavailable-after must be 0 (never) or more, got {args.unavailable_after}")
+    devices, kv = None, 256 << 20
+    try:
+        if args.device_memory:
+            devices = Devices.cpu_budget(parse_size(args.device_memory))
+        kv = parse_size(args.instance_kv)
+    except (SnapshotError, ValueError) as exc:
+        raise CLIError(f"--device-memory/--instance-kv: {exc}") from None
     return Platform(
         data_dir(),
         store_dir=snapshot_store_dir(),
         stable_window_s=args.stable_window,
         vllm=vllm,
         unavailable_after=args.unavailable_after,
+        devices=devices,
+        instance_kv_bytes=kv,
         **extra,
     )
 
@@ -431,6 +457,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
             f"{d['name']:<20} {d['model'][:24]:<24} {d['engine']:<6} {d['policy']:<10} {d['min_warm']:>3}"
             f" {d['max']:>3} {n['READY']:>5} {n['SLEEPING']:>6}  {counts}"
         )
+        for i in d.get("instance_list") or []:
+            if i.get("device"):  # on a shared device: where, and how much it holds there
+                print(
+                    f"  {i['id']:<30} {i['state']:<10} {i['device']:<6} {format_size(i['reserved_bytes'] or 0)}"
+                )
         failure = d.get("last_failure")
         if d.get("unavailable"):
             print(f"  unavailable: {d['unavailable']}")
@@ -465,10 +496,11 @@ def describe_lines(d: dict) -> list[str]:
         f"Instances:       {counts}",
     ]
     if rows := d.get("instance_list"):
-        out.append(f"  {'ID':<30} {'STATE':<10} {'SINCE':<12} URL")
+        out.append(f"  {'ID':<30} {'STATE':<10} {'SINCE':<12} {'DEVICE':<16} URL")
         for i in rows:
             state = f"{i['state']}/{i['phase']}" if i.get("phase") else i["state"]
-            out.append(f"  {i['id']:<30} {state:<10} {_ago(i['since']):<12} {i['url'] or '-'}")
+            device = f"{i['device']} {format_size(i['reserved_bytes'] or 0)}" if i.get("device") else "-"
+            out.append(f"  {i['id']:<30} {state:<10} {_ago(i['since']):<12} {device:<16} {i['url'] or '-'}")
     decision = d.get("decision")
     if decision is None:
         out.append("Last decision:   none yet")

@@ -1,0 +1,70 @@
+"""The live fleet's part beyond the arbiter (`warm_pool.fleet.Fleet`): growth only into memory free
+now, victims poked, a waiting wake's sleeper kept, and the device gauge."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry
+
+from warm_pool.arbiter import Member, Wish
+from warm_pool.fleet import Devices, Fleet
+
+MIB = 1 << 20
+
+
+@dataclass
+class Pool:
+    name: str
+    wish: Wish | None = None
+    members: list[Member] = field(default_factory=list)
+    pokes: int = 0
+
+    def fleet_wish(self) -> Wish | None:
+        return self.wish
+
+    def fleet_members(self) -> list[Member]:
+        return self.members
+
+    def poke(self) -> None:
+        self.pokes += 1
+
+
+def wish(name: str, ready: int, sleeping: int = 0, held: int = 0) -> Wish:
+    return Wish(name, ready, sleeping, 64 * MIB, 0, held=held)
+
+
+def test_a_wake_waits_for_the_victim_to_sleep_and_keeps_its_sleeper():
+    registry = CollectorRegistry()
+    fleet = Fleet(Devices.cpu_budget(100 * MIB), registry)
+    a = Pool("a", wish("a", 1), [Member("a-1", "a", "cpu0", True)])
+    b = Pool("b", wish("b", 1, held=1), [Member("b-1", "b", "cpu0", False)])
+    fleet.register(a)
+    fleet.register(b)
+    grant = fleet.grant("b")
+    assert (grant.ready, grant.sleeping, grant.denied) == (0, 1, 1)  # not yet: a is still awake
+    assert a.pokes == 1  # told to give its memory back
+    a.members = [Member("a-1", "a", "cpu0", False)]  # a's instance fell asleep
+    fleet.changed()
+    assert b.pokes == 1
+    grant = fleet.grant("b")
+    assert (grant.ready, grant.sleeping, grant.denied) == (1, 0, 0)  # now the wake goes ahead
+    b.members = [Member("b-1", "b", "cpu0", True)]
+    fleet.changed()
+    sample = registry.get_sample_value
+    assert sample("stoker_device_memory_bytes", {"device": "cpu0", "state": "awake"}) == 64 * MIB
+    assert sample("stoker_device_memory_bytes", {"device": "cpu0", "state": "free"}) == 36 * MIB
+
+
+def test_a_fresh_start_goes_on_a_device_with_room_now():
+    fleet = Fleet(Devices.cpu_budget(200 * MIB))
+    a = Pool("a", wish("a", 1), [Member("a-1", "a", "cpu0", True, busy=True)])
+    b = Pool("b", wish("b", 2, held=2))
+    fleet.register(a)
+    fleet.register(b)
+    grant = fleet.grant("b")
+    assert (grant.ready, grant.start_on, grant.denied) == (2, ("cpu0", "cpu0"), 0)
+    c = Pool("c", wish("c", 1, held=1))
+    fleet.register(c)
+    b.members = [Member(f"b-{i}", "b", "cpu0", True, busy=True) for i in range(2)]
+    assert fleet.grant("c").denied == 1  # everything there is busy: nothing to evict
