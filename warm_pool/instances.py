@@ -78,6 +78,8 @@ class InstanceOps:
             settings.deployment, settings.snapshot, settings.vllm
         )  # specs and compile caches
         self._handles: dict[str, Handle] = {}
+        # The part of a shared device an instance of this deployment reserves (`warm_pool.fleet`).
+        self.share_of: Callable[[str], float | None] = lambda device: None
         self._pins: dict[str, Pin] = {}  # each instance's hold on its snapshot files
 
     def handle_name(self, inst: Instance) -> str | None:
@@ -163,6 +165,14 @@ class InstanceOps:
     async def _spec(self, inst: Instance, snapshot_dir: Path) -> LaunchSpec:
         s = self.settings
         if s.engine == "vllm":
+            share = self.share_of(inst.device) if inst.device is not None else None
+            if share is not None and inst.device.startswith("gpu") and not self._vllm.cpu_build:
+                # A shared GPU (`warm_pool.fleet`): its part of the device's memory, not the whole.
+                gpus, extra = (
+                    [int(inst.device.removeprefix("gpu"))],
+                    ("--gpu-memory-utilization", f"{share:.3f}"),
+                )
+                return await self._vllm.spec(inst, snapshot_dir, gpus, s.host, extra)
             gpus = [] if self._vllm.cpu_build else self._gpus.acquire(1, inst.id)
             return await self._vllm.spec(inst, snapshot_dir, gpus, s.host)
         extra = ("--max-num-seqs", str(s.instance_concurrency), "--grace-period", f"{s.grace_period_s:g}")

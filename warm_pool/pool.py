@@ -206,6 +206,10 @@ class Pool:
         self._sleep_states = SleepStates(clock, interval_s=spec.reconcile_interval_s, name=spec.deployment)
         if self._fleet is not None:
             self._fleet.register(self)
+            devices = self._fleet.devices
+            self._ops.share_of = lambda d: (
+                spec.footprint.awake / devices.memory(d) if devices.memory(d) else None
+            )
 
     @property
     def spec(self) -> PoolSpec:

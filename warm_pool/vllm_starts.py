@@ -61,7 +61,9 @@ class VllmStarts:
     def cpu_build(self) -> bool:
         return self.launch is not None and self.launch.runtime.cpu_build
 
-    async def spec(self, inst: Instance, snapshot_dir: Path, gpus: list[int], host: str) -> LaunchSpec:
+    async def spec(
+        self, inst: Instance, snapshot_dir: Path, gpus: list[int], host: str, extra: tuple[str, ...] = ()
+    ) -> LaunchSpec:
         """vLLM on the snapshot, with what the snapshot says (dtype, context length) and a copy of the
         snapshot's compile cache for this vLLM and these arguments, if one was kept."""
         vllm = self.launch
@@ -95,7 +97,7 @@ class VllmStarts:
             sleep_mode=not vllm.runtime.cpu_build,
             cache_root=work,
             cpu_kv_cache_gib=vllm.cpu_kv_cache_gib,
-            extra_args=vllm.args,
+            extra_args=(*extra, *vllm.args),  # the operator's --vllm-args come last and win
             vllm_command=vllm.runtime.command,
             api_key=inst.secret,
         )

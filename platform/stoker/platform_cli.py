@@ -109,6 +109,12 @@ def add_pool_args(p: argparse.ArgumentParser) -> None:
         default="256MiB",
         help="each instance's KV-cache budget on a shared device",
     )
+    p.add_argument(
+        "--share-gpus",
+        action="store_true",
+        help="share this machine's GPUs (their memory read with NVML) between every deployment's vLLM instances, "
+        "each started with --gpu-memory-utilization from its footprint (needs nvidia-ml-py: the gpu extra)",
+    )
     p.add_argument("--stable-window", type=duration, default="60s", help="how long a scale-down waits")
     p.add_argument(
         "--unavailable-after",
@@ -320,8 +326,12 @@ def _platform(args: argparse.Namespace, **extra):
         raise CLIError(f"--unavailable-after must be 0 (never) or more, got {args.unavailable_after}")
     devices, kv = None, 256 << 20
     try:
+        if args.device_memory and args.share_gpus:
+            raise CLIError("--device-memory (a CPU budget) and --share-gpus exclude each other")
         if args.device_memory:
             devices = Devices.cpu_budget(parse_size(args.device_memory))
+        elif args.share_gpus:
+            devices = _gpu_devices()
         kv = parse_size(args.instance_kv)
     except (SnapshotError, ValueError) as exc:
         raise CLIError(f"--device-memory/--instance-kv: {exc}") from None
@@ -335,6 +345,21 @@ def _platform(args: argparse.Namespace, **extra):
         instance_kv_bytes=kv,
         **extra,
     )
+
+
+def _gpu_devices():
+    from warm_pool.fleet import Devices
+    from warm_pool.launch import GpuInventory
+
+    gpus = GpuInventory.from_env().gpus
+    if not gpus:
+        raise CLIError("--share-gpus: no GPU found (set STOKER_GPUS or CUDA_VISIBLE_DEVICES)")
+    try:
+        return Devices.from_nvml(gpus)
+    except ImportError:
+        raise CLIError("--share-gpus reads the GPUs' memory with NVML: pip install 'stoker[gpu]'") from None
+    except Exception as exc:  # pynvml's NVMLError and its kin: no driver, no such device
+        raise CLIError(f"--share-gpus: NVML could not read the GPUs: {exc}") from None
 
 
 def _access(args: argparse.Namespace, admin_key: str | None, default_limits):

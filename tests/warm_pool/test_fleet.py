@@ -68,3 +68,27 @@ def test_a_fresh_start_goes_on_a_device_with_room_now():
     fleet.register(c)
     b.members = [Member(f"b-{i}", "b", "cpu0", True, busy=True) for i in range(2)]
     assert fleet.grant("c").denied == 1  # everything there is busy: nothing to evict
+
+
+async def test_a_vllm_instance_on_a_shared_gpu_takes_its_share_of_its_memory(tmp_path, tiny_model_dir):
+    from snapshots import SnapshotStore, import_hf_dir
+    from warm_pool.instances import InstanceOps, InstanceSettings
+    from warm_pool.launch import GpuInventory
+    from warm_pool.snapshot import SnapshotSource
+    from warm_pool.states import Instance
+    from warm_pool.vllm import VllmLaunch, VllmRuntime
+
+    store = SnapshotStore(tmp_path / "store")
+    source = SnapshotSource(store, import_hf_dir(tiny_model_dir, store).id)
+    launch = VllmLaunch(VllmRuntime(("vllm",), "0.32.0"), ("--enforce-eager",))  # a GPU build
+    settings = InstanceSettings("d", source, "vllm", 30.0, 8, 300.0, 10.0, "127.0.0.1", None, launch)
+    ops = InstanceOps(settings, backend=None, engines=object(), gpus=GpuInventory([0, 1]))
+    ops.share_of = lambda device: 0.25
+    shared = Instance("d-00000001", "d", 0.0, 8, port=8001, device="gpu1", secret="k")
+    spec = await ops._spec(shared, source.path)
+    args = " ".join(spec.argv)
+    assert "--gpu-memory-utilization 0.250 --enforce-eager" in args and "--enable-sleep-mode" in args
+    assert spec.env["CUDA_VISIBLE_DEVICES"] == "1"
+    alone = Instance("d-00000002", "d", 0.0, 8, port=8002, secret="k")  # no shared device: a whole GPU
+    spec = await ops._spec(alone, source.path)
+    assert "--gpu-memory-utilization" not in spec.argv and spec.env["CUDA_VISIBLE_DEVICES"] == "0"
