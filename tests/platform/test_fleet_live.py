@@ -58,7 +58,9 @@ def instances(p: PlatformProcess) -> dict[str, list[dict]]:
 
 
 def test_three_deployments_take_turns_on_one_device(platform_factory, tiny_model_dir: Path) -> None:
-    p = platform_factory("--device-memory", "100MiB", "--instance-kv", "64MiB", "--stable-window", "1")
+    # Awake: the tiny weights + 512 MiB of KV; asleep: the CPU engine's 160 MiB. 900 MiB holds one
+    # awake and two asleep, never two awake.
+    p = platform_factory("--device-memory", "900MiB", "--instance-kv", "512MiB", "--stable-window", "1")
     for name in ("a", "b", "c"):
         p.deploy(name, tiny_model_dir, "--min-warm", "0", "--max", "1", "--idle-timeout", "600")
     with Watch(p) as watch:
@@ -73,9 +75,10 @@ def test_three_deployments_take_turns_on_one_device(platform_factory, tiny_model
     assert [i["state"] for i in now["a"]] == ["READY"]
     assert {i["state"] for i in now["b"] + now["c"]} == {"SLEEPING"}
     [a] = now["a"]
-    assert a["device"] == "cpu0" and 64 * MIB < a["reserved_bytes"] < 100 * MIB
+    assert a["device"] == "cpu0" and 512 * MIB < a["reserved_bytes"] < 520 * MIB
     assert p.metric("stoker_instance_starts_total", deployment="a", outcome="ready") == 1
     assert p.metric("stoker_instance_sleep_wake_total", deployment="a", action="wake", outcome="ok") >= 1
-    assert 64 * MIB < p.metric("stoker_device_memory_bytes", device="cpu0", state="awake") < 100 * MIB
+    assert 512 * MIB < p.metric("stoker_device_memory_bytes", device="cpu0", state="awake") < 520 * MIB
+    assert p.metric("stoker_device_memory_bytes", device="cpu0", state="asleep") == 2 * 160 * MIB
     described = p.cli("describe", "a").stdout
     assert "cpu0" in described

@@ -43,7 +43,7 @@ Which decision uses which signal:
 | signal | measured by | decides |
 |---|---|---|
 | requests in flight and held (the activator's counts) | activator, `Demand.load` | the reactive floor and cold-start fast path (rule 1); reactive's count |
-| arrivals and per-second concurrency | `ObservationTracker`, from the activator's events | every policy's desired count: kpa's windows, keepalive's and histogram's per-second needs, predictive's forecast and W = L / λ |
+| arrivals and per-second concurrency | `ObservationTracker`, from the activator's events | every policy's desired count: kpa's windows, keepalive's and histogram's per-second needs, predictive's forecast and its service time, S = L_s / λ (the window's concurrency less the time held) |
 | idle gaps (out of work → next arrival) | `ObservationTracker` | histogram's and predictive's pre-warm and keep-until points for the last instance |
 | requests waiting inside the engines, KV-cache fill | engines' `/metrics`, `engine_signals.EngineScraper` | the saturation rule (rule 2) |
 | measured start-up time per tier, and the tier a start would come from | `ObservationTracker.started`; the pool's page-cache probe | predictive's forecast horizon and pre-warm lead; histogram's pre-warm lead |
