@@ -187,11 +187,18 @@ class _Deployment(sim.Simulation):
     def sleepers(self) -> int:
         return sum(1 for i in self._instances.values() if i.state == "sleeping" or i.leaving == "sleep")
 
-    def give_way(self, grant: Grant) -> None:
-        """Another deployment's growth took room from this one: carry the lower grant out now."""
-        self.evicted += max(0, self.active() - grant.ready)
+    def give_way(self, grant: Grant) -> bool:
+        """Carry out another deployment's arbitration at once where it takes room from this one: an
+        awake instance to be put to sleep, or a sleeper to be stopped. Growth granted here waits for
+        this deployment's own tick (its sleepers to be woken are kept meanwhile). True if it acted."""
+        active = self.active()
+        growth = max(0, grant.ready - active)
+        if grant.ready >= active and grant.sleeping + growth >= self.sleepers():
+            return False
+        self.evicted += max(0, active - grant.ready)
         self._start_on = []
-        sim.Simulation._apply(self, min(grant.ready, self.active()), grant.sleeping, False)
+        sim.Simulation._apply(self, min(grant.ready, active), grant.sleeping + growth, False)
+        return True
 
     def _wish(self, ready: int, sleeping: int) -> Wish:
         while self._recent and self._recent[0] <= self._now - RATE_WINDOW_S:

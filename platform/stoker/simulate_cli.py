@@ -19,6 +19,7 @@ import json
 import math
 from pathlib import Path
 
+from stoker import fleet_cli
 from stoker.durations import duration
 from stoker.errors import CLIError
 
@@ -41,8 +42,9 @@ COLUMNS = (
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("simulate", help="replay a request trace through the scaling policies")
     p.add_argument(
-        "--trace", required=True, type=Path, help="CSV with TIMESTAMP, ContextTokens, GeneratedTokens"
+        "--trace", type=Path, help="CSV with TIMESTAMP, ContextTokens, GeneratedTokens (or --fleet FILE)"
     )
+    fleet_cli.add_arguments(p)
     p.add_argument(
         "--policy",
         action="append",
@@ -139,6 +141,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from warm_pool.simulate import Prices, simulate
     from warm_pool.trace import load_trace
 
+    if args.fleet is not None or args.trace is None or args.baseline is not None:
+        return fleet_cli.cmd_fleet(args)
     names = args.policy or list(DEFAULT_POLICIES)
     try:
         if args.plot is not None:
