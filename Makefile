@@ -76,7 +76,7 @@ test: $(STAMP) $(VLLM_STAMP) $(PROMTOOL)
 	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -n 2 --dist loadfile
 
-bench: bench-engine bench-constrained bench-engines bench-vllm-start bench-proxy bench-planes bench-scale bench-s3 bench-policies
+bench: bench-engine bench-constrained bench-engines bench-vllm-start bench-proxy bench-planes bench-scale bench-s3 bench-policies bench-fleet
 
 bench-engine: $(STAMP)
 	$(PY) bench/engine_bench.py

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from warm_pool import simulate as sim
 from warm_pool.arbiter import Device, Grant, Member, Wish, arbitrate
 from warm_pool.errors import InvalidConfig
+from warm_pool.fleet import ASLEEP_RESIDUAL as RESIDUALS
 from warm_pool.policies import BoundPolicy
 from warm_pool.policies.base import Decision, ScalingConfig
 from warm_pool.policies.settings import bind_policy
@@ -49,8 +50,8 @@ from warm_pool.profiles import GPU, InstanceModel
 from warm_pool.trace import TraceRequest
 
 GB = 1 << 30
-# What a sleeping vLLM instance keeps on its GPU (its CUDA context): warm_pool.fleet's figure for vLLM.
-ASLEEP_RESIDUAL = 768 << 20
+# What a sleeping vLLM instance keeps on its GPU (its CUDA context): the live fleet's figure.
+ASLEEP_RESIDUAL = RESIDUALS["vllm"]
 RATE_WINDOW_S = 60.0  # the arrivals a wish's rate is taken from when the policy makes no forecast
 MAX_INSTANCES = 16  # a deployment's `max`, at most (as `stoker simulate`'s default)
 MODES = ("shared", "dedicated")

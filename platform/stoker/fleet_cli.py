@@ -97,11 +97,13 @@ def cmd_fleet(args: argparse.Namespace) -> int:
 
 
 def _asleep_bytes(profile: str, can_sleep: bool) -> int:
-    """What an asleep instance keeps on its device: vLLM's CUDA context on a GPU; the CPU engine's
-    budget drops to nothing (warm_pool.fleet's figures)."""
-    from warm_pool.fleet_sim import ASLEEP_RESIDUAL
+    """What an asleep instance keeps on its device, the live fleet's figures: vLLM's CUDA context on
+    a GPU, the CPU engine's measured residual; nothing where the engine cannot sleep."""
+    from warm_pool.fleet import ASLEEP_RESIDUAL
 
-    return ASLEEP_RESIDUAL if profile == "gpu" and can_sleep else 0
+    if not can_sleep:
+        return 0
+    return ASLEEP_RESIDUAL["vllm" if profile == "gpu" else "cpu"]
 
 
 def _with_policy(deployment, policy: str):
