@@ -137,7 +137,8 @@ def test_a_ready_deployment_shows_its_instances_and_a_follow_runs_until_the_clie
     )
     assert d["last_failure"] is None and d["unavailable"] is None
     text = p.cli("describe", "tiny").stdout
-    assert re.search(rf"\n  {inst['id']} +READY +\d+[smh]+ ago +{inst['url']}\n", text), text
+    # DEVICE is "-": no shared device (`stoker up --device-memory`).
+    assert re.search(rf"\n  {inst['id']} +READY +\d+[smh]+ ago +- +{inst['url']}\n", text), text
     assert "Last failure:    none" in text
 
     with subprocess.Popen(
