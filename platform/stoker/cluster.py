@@ -36,6 +36,7 @@ from stoker.openai_errors import invalid
 from stoker.registry import NAME
 
 MAX_REPORT_FINISHED = 10_000  # completions one report may carry (a second of a busy gateway's)
+MAX_REPORT_EVENTS = 1000  # failures, and unhealthy instances, one report may carry
 MAX_ID_LEN = 128
 
 
@@ -237,7 +238,7 @@ def _parse_one(name: object, r: object) -> dict[str, Any]:
         cold = None if item[1] is None else _ident(item[1], "finished")
         finished.append((_seconds(item[0], "finished"), cold))
     unhealthy = []
-    for item in _list(r, "unhealthy", 1000):
+    for item in _list(r, "unhealthy", MAX_REPORT_EVENTS):
         if not isinstance(item, list) or len(item) != 2 or not isinstance(item[1], str):
             raise invalid("'unhealthy' holds [instance id, reason] pairs.", "unhealthy")
         unhealthy.append((_ident(item[0], "unhealthy"), item[1][:500]))
@@ -252,7 +253,7 @@ def _parse_one(name: object, r: object) -> dict[str, Any]:
         "outstanding": {_ident(k, "outstanding"): _count(outstanding, k, "outstanding") for k in outstanding},
         "routing": [_ident(i, "routing") for i in _list(r, "routing", 10_000)],
         "finished": finished,
-        "failures": [_ident(i, "failures") for i in _list(r, "failures", 1000)],
+        "failures": [_ident(i, "failures") for i in _list(r, "failures", MAX_REPORT_EVENTS)],
         "unhealthy": unhealthy,
         "poke": poke,
     }

@@ -33,13 +33,16 @@ from prometheus_client import CollectorRegistry
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
 
 from activator import Activator, ActivatorConfig, ActivatorMetrics
+from stoker.cluster import MAX_REPORT_EVENTS, MAX_REPORT_FINISHED
 from stoker.keys import KeyRecord, hash_key
 from stoker.limits import Limits
 
 log = logging.getLogger("stoker.gateway")
 POLL_TIMEOUT_S = 20.0  # the controller holds a routes request this long when nothing changes
 MAX_TABLE_BYTES = 16 << 20
-MAX_BUFFERED = 50_000  # completions kept for the next report while the controller is away
+# Kept for the next report while the controller is away: as many as one report may carry (more
+# would be refused whole, and kept, for ever), the newest.
+MAX_BUFFERED, MAX_REPORTED = MAX_REPORT_FINISHED, MAX_REPORT_EVENTS
 
 
 @dataclass(frozen=True)
@@ -65,8 +68,8 @@ class RemoteSource:
         self._on_poke = on_poke
         self.arrivals = 0
         self.finished: deque[list] = deque(maxlen=MAX_BUFFERED)
-        self.failures: list[str] = []
-        self.unhealthy: list[list[str]] = []
+        self.failures: deque[str] = deque(maxlen=MAX_REPORTED)
+        self.unhealthy: deque[list[str]] = deque(maxlen=MAX_REPORTED)
         self.poked = False
 
     def endpoints(self) -> Sequence[RemoteEndpoint]:
@@ -98,20 +101,21 @@ class RemoteSource:
         news = {
             "arrivals": self.arrivals,
             "finished": list(self.finished),
-            "failures": self.failures[:1000],
-            "unhealthy": self.unhealthy[:1000],
+            "failures": list(self.failures),
+            "unhealthy": list(self.unhealthy),
             "poke": self.poked,
         }
-        self.arrivals, self.failures, self.unhealthy, self.poked = 0, [], [], False
-        self.finished.clear()
+        self.arrivals, self.poked = 0, False
+        for buffer in (self.finished, self.failures, self.unhealthy):
+            buffer.clear()
         return news
 
     def give_back(self, news: dict[str, Any]) -> None:
         """A report that did not get through: its news goes into the next one."""
         self.arrivals += news["arrivals"]
         self.finished.extendleft(reversed(news["finished"]))
-        self.failures = news["failures"] + self.failures
-        self.unhealthy = news["unhealthy"] + self.unhealthy
+        self.failures.extendleft(reversed(news["failures"]))  # older than what came since: dropped first
+        self.unhealthy.extendleft(reversed(news["unhealthy"]))
         self.poked = self.poked or news["poke"]
 
 
@@ -228,7 +232,10 @@ class GatewayPlane:
                 while True:
                     table = await self._poll()
                     self.controller_reachable = True
-                    self._apply(table)
+                    try:
+                        self._apply(table)
+                    except (KeyError, TypeError, AttributeError) as exc:  # retried, as a failed poll
+                        raise ValueError(f"malformed routing table: {exc!r}") from None
             if attempt.retry_state.outcome is not None and attempt.retry_state.outcome.failed:
                 self.controller_reachable = False
                 exc = attempt.retry_state.outcome.exception()

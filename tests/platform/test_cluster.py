@@ -171,3 +171,17 @@ def test_a_report_that_did_not_get_through_goes_into_the_next():
     again = source.take()
     assert (again["arrivals"], again["finished"]) == (2, [[0.2, None]])
     assert source.take()["arrivals"] == 0
+
+
+def test_what_a_gateway_buffers_while_the_controller_is_away_is_bounded_and_always_accepted():
+    from stoker.gateway_plane import MAX_BUFFERED, MAX_REPORTED
+
+    source = RemoteSource(lambda: None)
+    for i in range(MAX_BUFFERED + 5):
+        source.request_finished(float(i), None)
+    for i in range(MAX_REPORTED + 5):
+        source.report_failure(f"i{i}")
+    news = source.take()
+    assert len(news["finished"]) == MAX_BUFFERED and news["finished"][-1] == [float(MAX_BUFFERED + 4), None]
+    assert len(news["failures"]) == MAX_REPORTED and news["failures"][-1] == f"i{MAX_REPORTED + 4}"
+    parse_report({"gateway": "g", "deployments": {"m": news}})  # not refused: it would be kept for ever
