@@ -79,13 +79,14 @@ def version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from stoker import engine_cli, node_cli, planes_cli, platform_cli, simulate_cli, snapshot_cli
+    from stoker import engine_cli, node_cli, planes_cli, platform_cli, serve_cli, simulate_cli, snapshot_cli
 
     parser = StokerParser(prog="stoker", description="Serverless inference for LLMs.")
     parser.add_argument("--version", action="version", version=f"stoker {version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     snapshot_cli.add_parser(sub)
     engine_cli.add_parser(sub)
+    serve_cli.add_parser(sub)
     platform_cli.add_parsers(sub)
     planes_cli.add_parsers(sub)
     node_cli.add_parser(sub)

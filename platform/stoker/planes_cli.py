@@ -12,18 +12,18 @@ from urllib.parse import urlsplit
 from stoker.durations import duration
 from stoker.errors import CLIError
 from stoker.paths import add_store_option
-from stoker.platform_cli import (
-    _access,
-    _activator_config,
-    _admin_key,
-    _default_limits,
-    _log_setup,
-    _platform,
-    _serve,
+from stoker.serve_cli import (
+    access_of,
+    activator_config,
     add_activator_args,
     add_limit_args,
     add_pool_args,
     add_serve_args,
+    admin_key_of,
+    build_platform,
+    default_limits,
+    log_setup,
+    serve,
 )
 
 
@@ -106,13 +106,13 @@ def cmd_controller(args: argparse.Namespace) -> int:
 
     if args.data_dir:
         os.environ["STOKER_HOME"] = args.data_dir
-    admin_key = _admin_key(args)
-    _log_setup(args)
+    admin_key = admin_key_of(args)
+    log_setup(args)
     extra, leader = {}, None
     if args.backend == "kubernetes":
         extra, leader = _kubernetes(args)
-    platform = _platform(args, controller=True, gateway_stale_after_s=args.gateway_stale_after, **extra)
-    access = _access(args, admin_key, NO_LIMITS)
+    platform = build_platform(args, controller=True, gateway_stale_after_s=args.gateway_stale_after, **extra)
+    access = access_of(args, admin_key, NO_LIMITS)
     holder: dict = {}
     app = build_controller(
         platform,
@@ -121,7 +121,7 @@ def cmd_controller(args: argparse.Namespace) -> int:
         leader=leader,
         on_lost_lease=lambda: setattr(holder["server"], "should_exit", True),
     )
-    return _serve(app, args, platform, holder)
+    return serve(app, args, platform, holder)
 
 
 def _kubernetes(args: argparse.Namespace) -> tuple[dict, object]:
@@ -172,21 +172,21 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     from stoker.http import own_origins
     from stoker.planes import build_data_gateway
 
-    admin_key = _admin_key(args)
+    admin_key = admin_key_of(args)
     controller = _controller_url(args.controller)
-    _log_setup(args)
-    activator_config, limits = _activator_config(args), _default_limits(args)
+    log_setup(args)
+    holding, limits = activator_config(args), default_limits(args)
     gateway_id = args.gateway_id or f"{socket.gethostname()}-{os.getpid()}"
     plane = GatewayPlane(
         controller,
         admin_key,
         gateway_id,
-        activator_config,
+        holding,
         CollectorRegistry(),
         report_interval_s=args.report_interval,
     )
     access = Access(admin_key, plane.keys, own_origins(args.host, args.port), limits)
-    return _serve(build_data_gateway(plane, access=access), args)
+    return serve(build_data_gateway(plane, access=access), args)
 
 
 def _controller_url(url: str) -> str:

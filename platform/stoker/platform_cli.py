@@ -1,7 +1,7 @@
-"""`stoker up`, `stoker deploy`, `stoker ls`, `stoker describe`, `stoker logs`, `stoker rm`,
-`stoker keys`: run the platform, and manage its deployments and API keys.
+"""`stoker deploy`, `stoker ls`, `stoker describe`, `stoker logs`, `stoker rm`, `stoker keys`:
+manage a running platform's deployments and API keys (`stoker up` is `stoker.serve_cli`'s).
 
-`up` runs the gateway in the foreground. The others talk to a running platform's admin API at
+They talk to a running platform's admin API at
 `--url` (default `$STOKER_URL`, else http://127.0.0.1:8080: `stoker.admin_client`), with
 `$STOKER_ADMIN_KEY` as their bearer key when set, and print one line on any error. Flags that take
 seconds take durations too (`90s`, `5m`, `1h30m`: `stoker.durations`).
@@ -14,7 +14,6 @@ import datetime
 import difflib
 import json
 import os
-import shlex
 import sys
 import time
 import urllib.parse
@@ -24,145 +23,10 @@ from snapshots.sizes import format_size
 from stoker.admin_client import add_url_option, call, stream
 from stoker.durations import duration, format_duration
 from stoker.errors import CLIError
-from stoker.paths import add_store_option
 from warm_pool.policies import DEFAULT_POLICY, POLICIES
 
 
-def add_serve_args(p: argparse.ArgumentParser) -> None:
-    """Where a process serves, and its log."""
-    p.add_argument("--host", default="127.0.0.1", help="address to serve on")
-    p.add_argument("--port", type=int, default=8080, help="port to serve on")
-    p.add_argument(
-        "--allow-open",
-        action="store_true",
-        help="serve a non-loopback address without STOKER_ADMIN_KEY (anyone who reaches it is admin)",
-    )
-    p.add_argument(
-        "--log-level",
-        default="info",
-        choices=["debug", "info", "warning", "error"],
-        help="what the log shows",
-    )
-
-
-def add_activator_args(p: argparse.ArgumentParser) -> None:
-    """The activator's: how requests are held, proxied, and sick instances ejected."""
-    p.add_argument(
-        "--hold-deadline", type=duration, default="120s", help="how long a request may wait for capacity"
-    )
-    p.add_argument("--max-queued", type=int, default=100, help="requests held per deployment at once")
-    p.add_argument(
-        "--keepalive-interval",
-        type=_duration_or_off,
-        default="5s",
-        help="time between the keep-alives (blank lines) a held stream gets; 0 or off: none, and a held "
-        "stream's headers wait for its answer",
-    )
-    p.add_argument(
-        "--first-byte-timeout",
-        type=duration,
-        default="300s",
-        help="how long a plain request waits for its whole answer's headers",
-    )
-    p.add_argument(
-        "--stream-headers-timeout",
-        type=duration,
-        default="10s",
-        help="how long a stream waits for an instance's headers before it is retried elsewhere",
-    )
-    p.add_argument(
-        "--eject-after", type=int, default=3, help="failures in a row that take an instance out of routing"
-    )
-    p.add_argument(
-        "--eject-time",
-        type=duration,
-        default="10s",
-        help="how long the first ejection lasts; doubled on each one in a row, up to 300 s",
-    )
-    p.add_argument(
-        "--replace-after-ejections",
-        type=int,
-        default=3,
-        help="ejections in a row after which an instance is replaced as stopped or wedged",
-    )
-    p.add_argument(
-        "--health-interval",
-        type=duration,
-        default="5s",
-        help="time between probes of each instance's /health",
-    )
-    p.add_argument("--health-timeout", type=duration, default="2s", help="how long a /health probe may take")
-
-
-def add_pool_args(p: argparse.ArgumentParser) -> None:
-    """The pools': scale-down window, failed starts, vLLM."""
-    p.add_argument(
-        "--device-memory",
-        metavar="SIZE",
-        help="share one device of SIZE (e.g. 2GiB) between every deployment's CPU-engine instances: each "
-        "reserves its weights plus --instance-kv while awake, and the fleet arbiter puts instances to sleep "
-        "to make room (default: off, every instance on its own)",
-    )
-    p.add_argument(
-        "--instance-kv",
-        metavar="SIZE",
-        default="256MiB",
-        help="each instance's KV-cache budget on a shared device",
-    )
-    p.add_argument(
-        "--share-gpus",
-        action="store_true",
-        help="share this machine's GPUs (their memory read with NVML) between every deployment's vLLM instances, "
-        "each started with --gpu-memory-utilization from its footprint (needs nvidia-ml-py: the gpu extra)",
-    )
-    p.add_argument("--stable-window", type=duration, default="60s", help="how long a scale-down waits")
-    p.add_argument(
-        "--unavailable-after",
-        type=int,
-        default=3,
-        metavar="N",
-        help="failed starts in a row after which held and new requests are refused at once with the reason, "
-        "while starts go on being retried (0: never)",
-    )
-    p.add_argument(
-        "--vllm",
-        metavar="CMD",
-        help="the command that runs vLLM's CLI (default: $STOKER_VLLM, else `vllm` on PATH)",
-    )
-    p.add_argument(
-        "--vllm-args",
-        metavar="ARGS",
-        default="",
-        help="extra arguments for every vLLM instance, e.g. '--enforce-eager' (one quoted string; default none)",
-    )
-    p.add_argument(
-        "--vllm-cpu-kv-cache",
-        metavar="GIB",
-        type=float,
-        default=1.0,
-        help="GiB of host memory for each vLLM CPU instance's KV cache",
-    )
-
-
-def add_limit_args(p: argparse.ArgumentParser) -> None:
-    """Default limits of tenant keys."""
-    limits = p.add_argument_group("limits of tenant keys that set none of their own (default: none)")
-    limits.add_argument("--key-rps", type=float, metavar="R", help="requests per second per key")
-    limits.add_argument(
-        "--key-tpm", type=int, metavar="T", help="tokens (prompt + completion) per minute per key"
-    )
-    limits.add_argument(
-        "--key-max-concurrent", type=int, metavar="N", help="requests held + in flight at once per key"
-    )
-
-
 def add_parsers(sub: argparse._SubParsersAction) -> None:
-    up = sub.add_parser("up", help="run the platform (gateway, activators, warm pools) in the foreground")
-    for add in (add_serve_args, add_activator_args, add_pool_args, add_limit_args):
-        add(up)
-    add_store_option(up)
-    up.set_defaults(func=cmd_up)
-
     deploy = sub.add_parser("deploy", help="create or update a deployment")
     deploy.add_argument("name", help="the deployment's name, which clients send as `model`")
     deploy.add_argument(
@@ -245,173 +109,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         add_url_option(command)
 
 
-def _duration_or_off(value: str) -> float | None:
-    """A duration, or None for `off` (or any zero duration): a setting that can be switched off."""
-    if value.strip().lower() == "off":
-        return None
-    return duration(value) or None
-
-
 def _lines(value: str) -> int:
     if not value.isdigit() or int(value) > 10_000:
         raise argparse.ArgumentTypeError(f"must be a number of lines in 0..10000, got {value!r}")
     return int(value)
-
-
-def _admin_key(args: argparse.Namespace) -> str | None:
-    from stoker.http import is_loopback
-
-    admin_key = os.environ.get("STOKER_ADMIN_KEY") or None
-    if admin_key is None and not is_loopback(args.host) and not args.allow_open:
-        raise CLIError(
-            f"refusing to serve {args.host} without STOKER_ADMIN_KEY (anyone reaching it could deploy "
-            "and call models): set STOKER_ADMIN_KEY, or pass --allow-open"
-        )
-    return admin_key
-
-
-def _log_setup(args: argparse.Namespace) -> None:
-    import logging
-
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-
-
-def _activator_config(args: argparse.Namespace):
-    from activator import ActivatorConfig
-
-    try:
-        return ActivatorConfig(
-            max_queued=args.max_queued,
-            hold_deadline_s=args.hold_deadline,
-            keepalive_interval_s=args.keepalive_interval,
-            first_byte_timeout_s=args.first_byte_timeout,
-            stream_headers_timeout_s=args.stream_headers_timeout,
-            eject_after=args.eject_after,
-            eject_base_s=args.eject_time,
-            eject_max_s=max(300.0, args.eject_time),
-            replace_after_ejections=args.replace_after_ejections,
-            health_interval_s=args.health_interval,
-            health_timeout_s=args.health_timeout,
-        )
-    except ValueError as exc:
-        raise CLIError(str(exc)) from None
-
-
-def _default_limits(args: argparse.Namespace):
-    from stoker.limits import Limits
-    from stoker.openai_errors import APIError
-
-    try:
-        return Limits.parse(
-            {"rps": args.key_rps, "tpm": args.key_tpm, "max_concurrent": args.key_max_concurrent}, "key_"
-        )
-    except APIError as exc:
-        raise CLIError(exc.message.replace("'key_", "'--key-").replace("_", "-")) from None
-
-
-def _platform(args: argparse.Namespace, **extra):
-    from snapshots.errors import SnapshotError
-    from snapshots.sizes import parse_size
-    from stoker.paths import data_dir, snapshot_store_dir
-    from stoker.platform import Platform, VllmOptions
-    from warm_pool.fleet import Devices
-
-    try:
-        vllm = VllmOptions(args.vllm, tuple(shlex.split(args.vllm_args)), args.vllm_cpu_kv_cache)
-    except ValueError as exc:
-        raise CLIError(str(exc)) from None
-    if args.unavailable_after < 0:
-        raise CLIError(f"--unavailable-after must be 0 (never) or more, got {args.unavailable_after}")
-    devices, kv = None, 256 << 20
-    try:
-        if args.device_memory and args.share_gpus:
-            raise CLIError("--device-memory (a CPU budget) and --share-gpus exclude each other")
-        if args.device_memory:
-            devices = Devices.cpu_budget(parse_size(args.device_memory))
-        elif args.share_gpus:
-            devices = _gpu_devices()
-        kv = parse_size(args.instance_kv)
-    except (SnapshotError, ValueError) as exc:
-        raise CLIError(f"--device-memory/--instance-kv: {exc}") from None
-    return Platform(
-        data_dir(),
-        store_dir=snapshot_store_dir(),
-        stable_window_s=args.stable_window,
-        vllm=vllm,
-        unavailable_after=args.unavailable_after,
-        devices=devices,
-        instance_kv_bytes=kv,
-        **extra,
-    )
-
-
-def _gpu_devices():
-    from warm_pool.fleet import Devices
-    from warm_pool.launch import GpuInventory
-
-    gpus = GpuInventory.from_env().gpus
-    if not gpus:
-        raise CLIError("--share-gpus: no GPU found (set STOKER_GPUS or CUDA_VISIBLE_DEVICES)")
-    try:
-        return Devices.from_nvml(gpus)
-    except ImportError:
-        raise CLIError("--share-gpus reads the GPUs' memory with NVML: pip install 'stoker[gpu]'") from None
-    except Exception as exc:  # pynvml's NVMLError and its kin: no driver, no such device
-        raise CLIError(f"--share-gpus: NVML could not read the GPUs: {exc}") from None
-
-
-def _access(args: argparse.Namespace, admin_key: str | None, default_limits):
-    import logging
-
-    from stoker.gateway import Access
-    from stoker.http import own_origins
-    from stoker.keys import KeyStore
-    from stoker.paths import data_dir
-
-    keys = KeyStore(data_dir() / "stoker.db")
-    if admin_key is None:
-        log = logging.getLogger("stoker.up")
-        if len(keys) == 0:
-            log.warning(
-                "OPEN MODE: no STOKER_ADMIN_KEY and no API keys; anyone who can reach %s:%d may deploy "
-                "and call every model. Set STOKER_ADMIN_KEY to require keys.",
-                args.host,
-                args.port,
-            )
-        else:
-            log.warning(
-                "no STOKER_ADMIN_KEY: /v1 takes the %d API key(s), but the admin API is open to anyone "
-                "who can reach %s:%d",
-                len(keys),
-                args.host,
-                args.port,
-            )
-    return Access(admin_key, keys, own_origins(args.host, args.port), default_limits)
-
-
-def _serve(app, args: argparse.Namespace, platform=None, holder: dict | None = None) -> int:
-    """Serve `app` until SIGTERM; `holder["server"]` is the server, for whoever must stop it."""
-    from stoker.http import make_server, run_server
-
-    server = make_server(app, host=args.host, port=args.port, log_level=args.log_level, grace_period_s=60)
-    if holder is not None:
-        holder["server"] = server
-    if platform is not None:
-        platform.stopping = lambda: server.should_exit
-    return 0 if run_server(server) else 1
-
-
-def cmd_up(args: argparse.Namespace) -> int:
-    from stoker.gateway import build_gateway
-
-    admin_key = _admin_key(args)
-    _log_setup(args)
-    activator_config, limits = _activator_config(args), _default_limits(args)
-    platform = _platform(args, activator_config=activator_config)
-    app = build_gateway(platform, access=_access(args, admin_key, limits))
-    return _serve(app, args, platform)
 
 
 def cmd_deploy(args: argparse.Namespace) -> int:

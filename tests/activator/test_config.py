@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from activator.config import ActivatorConfig
-from stoker.platform_cli import _duration_or_off
+from stoker.serve_cli import duration_or_off
 
 
 def test_defaults_cover_a_vllm_cold_start() -> None:
@@ -63,9 +63,9 @@ def test_keepalives_can_be_off_but_not_zero() -> None:
 )
 def test_the_keepalive_flag_takes_a_duration_or_off(flag, seconds) -> None:
     """`stoker up --keepalive-interval`: `off` and zero switch keep-alives off (None in the config)."""
-    assert _duration_or_off(flag) == seconds
+    assert duration_or_off(flag) == seconds
 
 
 def test_the_keepalive_flag_refuses_other_words() -> None:
     with pytest.raises(argparse.ArgumentTypeError, match="'never' is not a duration"):
-        _duration_or_off("never")
+        duration_or_off("never")
