@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from warm_pool.errors import StartFailed
-from warm_pool.local import ERROR_LINE, FAILURE_LOG_LINES
+from warm_pool.log_text import ERROR_LINE, FAILURE_LOG_LINES
 
 MAX_MESSAGE_CHARS = 500
 REDACTED = "[redacted]"

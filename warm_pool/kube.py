@@ -28,7 +28,6 @@ import logging
 import math
 import re
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +48,8 @@ from warm_pool.kube_pod import (
     PULL_CONTAINER,
     SNAPSHOT_ANNOTATION,
     STARTED_ANNOTATION,
+    NodePin,
+    PodGpus,
     PodSettings,
     owner_labels,
     owner_reference,
@@ -57,19 +58,20 @@ from warm_pool.kube_pod import (
     secret_name,
     snapshot_label,
 )
+from warm_pool.kube_status import alive, is_ready, pending_reason, terminated, waiting
+from warm_pool.kube_watch import PodWatch
 from warm_pool.launch import LaunchSpec
+from warm_pool.log_text import FAILURE_LOG_LINES, meaningful_lines
 from warm_pool.policies.base import Tier
 from warm_pool.snapshot import Acquired, SnapshotSource
 
-__all__ = ["KubeBackend", "NodePin", "PodHandle", "snapshot_label"]
+__all__ = ["KubeBackend", "NodePin", "PodGpus", "PodHandle", "snapshot_label"]
 
 log = logging.getLogger(__name__)
 
-FAILURE_LOG_LINES = 20
 # How long past its grace a deleted pod may take to go: the kubelet's next sync (up to ~10 s on a
 # busy node) plus its status update. Longer, and the node is taken as lost.
 _KUBELET_SLACK_S = 30.0
-_GONE_KEPT = 1024  # last states of deleted pods kept for `stop`'s exit code
 _LABEL_VALUE = re.compile(r"^(?:[A-Za-z0-9](?:[A-Za-z0-9._-]{0,61}[A-Za-z0-9])?)$")
 # Waiting reasons that no amount of waiting fixes: the start fails at once with the reason.
 _FATAL_WAITING = {
@@ -80,7 +82,6 @@ _FATAL_WAITING = {
     "CreateContainerConfigError",
     "CreateContainerError",
 }
-_CONTROL = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|[\x00-\x08\x0b-\x1f\x7f]")
 
 
 @dataclass(frozen=True)
@@ -92,75 +93,6 @@ class PodHandle:
     @property
     def name(self) -> str:
         return f"pod {self.namespace}/{self.pod}"
-
-
-class NodePin:
-    """The pin of a snapshot that lives on the nodes: the node agent keeps a node's store, and a pod
-    holds its own pin there (the engine pins what it loads), so there is nothing to hold here."""
-
-    def __init__(self, snapshot_id: str, holder: str) -> None:
-        self.snapshot_id, self.holder = snapshot_id, holder
-        self.held = True
-
-    def release(self) -> None:
-        self.held = False
-
-
-def _alive(pod: Pod) -> bool:
-    return (
-        pod.metadata.deletionTimestamp is None
-        and pod.status is not None
-        and pod.status.phase
-        not in (
-            "Failed",
-            "Succeeded",
-        )
-    )
-
-
-def _condition(pod: Pod, kind: str):
-    return next((c for c in (pod.status and pod.status.conditions) or [] if c.type == kind), None)
-
-
-def _is_ready(pod: Pod) -> bool:
-    ready = _condition(pod, "Ready")
-    return ready is not None and ready.status == "True" and bool(pod.status.podIP)
-
-
-def _terminated(pod: Pod):
-    """(container name, its terminated state) of the first container that ended, init ones first."""
-    status = pod.status
-    for statuses in (status and status.initContainerStatuses, status and status.containerStatuses):
-        for cs in statuses or []:
-            if cs.state is not None and cs.state.terminated is not None:
-                return cs.name, cs.state.terminated
-    return None
-
-
-def _waiting(pod: Pod) -> tuple[str, str] | None:
-    """(reason, message) of a container stuck waiting, init ones first."""
-    status = pod.status
-    for statuses in (status and status.initContainerStatuses, status and status.containerStatuses):
-        for cs in statuses or []:
-            if cs.state is not None and cs.state.waiting is not None and cs.state.waiting.reason:
-                return cs.state.waiting.reason, cs.state.waiting.message or ""
-    return None
-
-
-def _pending_reason(pod: Pod) -> str:
-    """Why a pod is not ready yet, from its status: unschedulable, a waiting container, its phase."""
-    scheduled = _condition(pod, "PodScheduled")
-    if scheduled is not None and scheduled.status == "False":
-        return f"{scheduled.reason}: {scheduled.message or ''}".rstrip(": ")
-    if (waiting := _waiting(pod)) is not None:
-        return f"{waiting[0]}: {waiting[1]}".rstrip(": ")
-    return f"phase {pod.status.phase if pod.status else 'unknown'}"
-
-
-def clean_lines(text: str, lines: int) -> list[str]:
-    """The last `lines` non-empty lines of a log, control characters out, each at most 300 chars."""
-    kept = [s for s in (_CONTROL.sub("", line).strip() for line in text.splitlines()) if s]
-    return [line[:300] for line in kept[-lines:]]
 
 
 class KubeBackend:
@@ -214,15 +146,16 @@ class KubeBackend:
             pull_secret=pull_secret,
         )
         self._labels = owner_labels(owner)
-        self._retry_s = watch_retry_s
-        self._sync_timeout_s = sync_timeout_s
         self._wall_clock = wall_clock
-        self._pods: dict[str, Pod] = {}  # by name: this owner's pods as last seen
-        self._gone: OrderedDict[str, Pod] = OrderedDict()  # by uid: last state of deleted pods
-        self._changed = asyncio.Condition()
-        self._synced = asyncio.Event()
-        self._watch_task: asyncio.Task | None = None
-        self._watch_error = "not listed yet"  # what the last failed list or watch said
+        # This owner's pods as last seen; a pod that ends has its log read while it is still there.
+        self._watch = PodWatch(
+            self._client,
+            namespace,
+            self._labels,
+            retry_s=watch_retry_s,
+            sync_timeout_s=sync_timeout_s,
+            on_ended=self._refresh_log,
+        )
         self._logs: dict[str, list[str]] = {}  # by instance id: the last log tail read
         self._log_reads: dict[str, asyncio.Task] = {}
 
@@ -242,7 +175,7 @@ class KubeBackend:
     async def start(self, placement: Placement, spec: LaunchSpec) -> PodHandle:
         """Create the Secret, then the Pod; then hand the Secret to the Pod for garbage collection.
         A Secret left from an earlier failed attempt with this name is replaced."""
-        await self._ensure_watch()
+        await self._watch.ensure()
         await self._create_secret(Secret.from_dict(secret_manifest(self.settings, placement, spec)))
         manifest = pod_manifest(self.settings, placement, spec, self._wall_clock())
         try:
@@ -253,21 +186,21 @@ class KubeBackend:
             raise StartFailed(
                 f"pod {self.namespace}/{placement.instance_id} was not created: {why}", phase="process_start"
             ) from None
-        current = self._pods.get(pod.metadata.name)
+        current = self._watch.pods.get(pod.metadata.name)
         if current is None or current.metadata.uid != pod.metadata.uid:
-            self._remember(pod)  # unless the watch was quicker, and has a newer state already
+            self._watch.remember(pod)  # unless the watch was quicker, and has a newer state already
         await self._own_secret(pod)
         return PodHandle(self.namespace, pod.metadata.name, pod.metadata.uid)
 
     def is_alive(self, handle: PodHandle) -> bool:
-        pod = self._pods.get(handle.pod)
-        return pod is not None and pod.metadata.uid == handle.uid and _alive(pod)
+        pod = self._watch.pods.get(handle.pod)
+        return pod is not None and pod.metadata.uid == handle.uid and alive(pod)
 
     async def wait_ready(self, handle: PodHandle, timeout_s: float, *, health_path: str = "/health") -> str:
         """The pod's URL once Ready: its readiness probe is an httpGet on the spec's `health_path`
         (the one given here is the same, from the same spec). StartFailed, with the reason and the
         log's tail, if it fails, is deleted, or is not Ready within `timeout_s`."""
-        await self._ensure_watch()
+        await self._watch.ensure()
         outcome: list[str | StartFailed] = []
 
         def decided() -> bool:
@@ -276,9 +209,9 @@ class KubeBackend:
                 outcome.append(result)
             return result is not None
 
-        if not await self._wait_for(decided, timeout_s):
-            pod = self._pods.get(handle.pod)
-            why = _pending_reason(pod) if pod is not None else "no such pod"
+        if not await self._watch.wait_for(decided, timeout_s):
+            pod = self._watch.pods.get(handle.pod)
+            why = pending_reason(pod) if pod is not None else "no such pod"
             raise await self._failed(handle, f"not ready after {timeout_s:g}s ({why})", None, "wait_ready")
         result = outcome[0]
         if isinstance(result, StartFailed):
@@ -290,22 +223,22 @@ class KubeBackend:
         it: SIGTERM, SIGKILL at the end of the grace); then its Secret. The engine's exit code where
         the pod reported it. A pod still there well after its grace (its node is lost) is deleted by
         force, as `kubectl delete --force` does. Safe to repeat, and on the already gone."""
-        await self._ensure_watch()
+        await self._watch.ensure()
         grace = max(0, math.ceil(term_timeout_s))
-        current = self._pods.get(handle.pod)
+        current = self._watch.pods.get(handle.pod)
         if current is not None and current.metadata.uid != handle.uid:
             return None  # a later pod with the same name: not ours to stop, nor its Secret
         if current is not None:
             await self._delete_pod(handle.pod, grace)
-            gone = await self._wait_for(lambda: self._gone_now(handle), grace + _KUBELET_SLACK_S)
+            gone = await self._watch.wait_for(lambda: self._watch.gone_now(handle), grace + _KUBELET_SLACK_S)
             if not gone:
                 log.warning(
                     "%s still there %gs after its grace: deleting by force", handle.name, _KUBELET_SLACK_S
                 )
                 await self._delete_pod(handle.pod, 0)
-                await self._wait_for(lambda: self._gone_now(handle), 10.0)
+                await self._watch.wait_for(lambda: self._watch.gone_now(handle), 10.0)
         await self._delete_secret(handle.pod)
-        last = self._gone.pop(handle.uid, None) or current
+        last = self._watch.gone.pop(handle.uid, None) or current
         self._logs.pop(handle.pod, None)
         return self._exit_code(last) if last is not None else None
 
@@ -313,11 +246,11 @@ class KubeBackend:
         """This owner's Running pods (not being deleted), each with its Secret's key: what a previous
         controller left. The rest of this owner's pods (still Pending, ended, or without a whole
         record: labels, annotations, Secret) cannot be taken over, and are deleted."""
-        await self._ensure_watch()
+        await self._watch.ensure()
         found: list[Running] = []
-        for pod in list(self._pods.values()):
+        for pod in list(self._watch.pods.values()):
             adopted = None
-            if _alive(pod) and pod.status.phase == "Running" and pod.status.podIP:
+            if alive(pod) and pod.status.phase == "Running" and pod.status.podIP:
                 adopted = await self._adoptable(pod)
             if adopted is not None:
                 found.append(adopted)
@@ -338,7 +271,7 @@ class KubeBackend:
 
     def _refresh_log(self, instance_id: str) -> None:
         """Read the pod's log in the background, unless a read is under way or there is no pod."""
-        if instance_id in self._pods and instance_id not in self._log_reads:
+        if instance_id in self._watch.pods and instance_id not in self._log_reads:
             with contextlib.suppress(RuntimeError):  # no running loop: the cached lines only
                 task = asyncio.get_running_loop().create_task(self._read_log(instance_id, ENGINE_CONTAINER))
                 self._log_reads[instance_id] = task
@@ -346,113 +279,24 @@ class KubeBackend:
 
     async def aclose(self) -> None:
         """Stop watching; close the client if this backend made it. Pods are left running."""
-        if self._watch_task is not None:
-            self._watch_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watch_task
-            self._watch_task = None
+        await self._watch.close()
         for task in list(self._log_reads.values()):
             task.cancel()
         if self._own_client:
             await self._client.close()
 
-    # -- the watch ----------------------------------------------------------------------------------
-
-    async def _ensure_watch(self) -> None:
-        """Start the watch if need be and wait for its first list; PoolError if the API does not
-        answer in `sync_timeout_s` (the watch keeps trying)."""
-        if self._watch_task is None:
-            self._watch_task = asyncio.create_task(self._watch(), name=f"kube-watch-{self.namespace}")
-        try:
-            await asyncio.wait_for(self._synced.wait(), self._sync_timeout_s)
-        except TimeoutError:
-            raise PoolError(f"cannot list pods in namespace {self.namespace} ({self._watch_error})") from None
-
-    async def _watch(self) -> None:
-        """List, then watch from the list's version; on 410 Gone or a broken stream, list again."""
-        while True:
-            try:
-                version = await self._relist()
-                watch = self._client.watch(
-                    Pod, namespace=self.namespace, labels=self._labels, resource_version=version
-                )
-                async for event, pod in watch:
-                    await self._apply(event, pod)
-            except ApiError as exc:
-                if exc.status.code != 410:
-                    self._watch_error = f"{exc.status.code} {exc.status.reason}: {exc.status.message}"
-                    log.warning("watching pods in %s: %s; listing again", self.namespace, self._watch_error)
-                    await asyncio.sleep(self._retry_s)
-            except (httpx2.HTTPError, OSError) as exc:
-                self._watch_error = f"{type(exc).__name__}: {exc}"
-                log.warning("watching pods in %s: %s; listing again", self.namespace, self._watch_error)
-                await asyncio.sleep(self._retry_s)
-
-    async def _relist(self) -> str:
-        listing = self._client.list(Pod, namespace=self.namespace, labels=self._labels)
-        pods = {pod.metadata.name: pod async for pod in listing}
-        version = listing.resourceVersion
-        # A pod `start` created after the list was taken is newer than it: kept, its events follow.
-        # (Versions are compared only here, between a list and an object from the same server.)
-        newer = {
-            n: p
-            for n, p in self._pods.items()
-            if n not in pods and int(p.metadata.resourceVersion) > int(version)
-        }
-        for name, pod in self._pods.items():
-            if name not in pods and name not in newer:
-                self._forget(pod)
-        self._pods = {**pods, **newer}
-        self._synced.set()
-        async with self._changed:
-            self._changed.notify_all()
-        return version
-
-    async def _apply(self, event: str, pod: Pod) -> None:
-        if event == "DELETED":
-            current = self._pods.get(pod.metadata.name)
-            if current is not None and current.metadata.uid == pod.metadata.uid:
-                del self._pods[pod.metadata.name]
-            self._forget(pod)
-        else:
-            self._remember(pod)
-            if pod.status is not None and pod.status.phase in ("Failed", "Succeeded"):
-                self._refresh_log(pod.metadata.name)  # read it while the pod is still there
-        async with self._changed:
-            self._changed.notify_all()
-
-    def _remember(self, pod: Pod) -> None:
-        self._pods[pod.metadata.name] = pod
-
-    def _forget(self, pod: Pod) -> None:
-        self._gone[pod.metadata.uid] = pod
-        while len(self._gone) > _GONE_KEPT:
-            self._gone.popitem(last=False)
-
-    async def _wait_for(self, predicate: Callable[[], bool], timeout_s: float) -> bool:
-        async with self._changed:
-            try:
-                await asyncio.wait_for(self._changed.wait_for(predicate), max(0.0, timeout_s))
-            except TimeoutError:
-                return False
-        return True
-
-    def _gone_now(self, handle: PodHandle) -> bool:
-        pod = self._pods.get(handle.pod)
-        return pod is None or pod.metadata.uid != handle.uid
-
     # -- readiness and failure ----------------------------------------------------------------------
 
     def _ready_or_failed(self, handle: PodHandle) -> str | StartFailed | None:
         """The URL if Ready, a StartFailed if it cannot become so, None while it may yet."""
-        pod = self._pods.get(handle.pod)
+        pod = self._watch.pods.get(handle.pod)
         if pod is None or pod.metadata.uid != handle.uid:
             return StartFailed(f"{handle.name} was deleted before it was ready", phase="process_start")
         if pod.metadata.deletionTimestamp is not None:
             return StartFailed(f"{handle.name} is being deleted", phase="process_start")
-        if _is_ready(pod) and _alive(pod):
+        if is_ready(pod) and alive(pod):
             return f"http://{pod.status.podIP}:{self.settings.engine_port}"
-        if (ended := _terminated(pod)) is not None and not _alive(pod):
+        if (ended := terminated(pod)) is not None and not alive(pod):
             container, state = ended
             what = f"container {container} exited with status {state.exitCode}"
             detail = "; ".join(filter(None, (state.reason, state.message)))
@@ -460,12 +304,12 @@ class KubeBackend:
             return StartFailed(
                 f"{handle.name}: {what} ({detail}) before it was ready", exit_code=state.exitCode, phase=phase
             )
-        if not _alive(pod):
+        if not alive(pod):
             return StartFailed(
-                f"{handle.name} ended ({_pending_reason(pod)}) before it was ready", phase="process_start"
+                f"{handle.name} ended ({pending_reason(pod)}) before it was ready", phase="process_start"
             )
-        if (waiting := _waiting(pod)) is not None and waiting[0] in _FATAL_WAITING:
-            return StartFailed(f"{handle.name}: {': '.join(filter(None, waiting))}", phase="process_start")
+        if (stuck := waiting(pod)) is not None and stuck[0] in _FATAL_WAITING:
+            return StartFailed(f"{handle.name}: {': '.join(filter(None, stuck))}", phase="process_start")
         return None
 
     async def _failed(self, handle: PodHandle, what: str, code: int | None, phase: str) -> StartFailed:
@@ -473,8 +317,8 @@ class KubeBackend:
 
     async def _with_log(self, handle: PodHandle, failure: StartFailed) -> StartFailed:
         """`failure` with the tail of the log of the container that failed."""
-        pod = self._pods.get(handle.pod) or self._gone.get(handle.uid)
-        ended = _terminated(pod) if pod is not None else None
+        pod = self._watch.pods.get(handle.pod) or self._watch.gone.get(handle.uid)
+        ended = terminated(pod) if pod is not None else None
         container = ended[0] if ended is not None else ENGINE_CONTAINER
         lines = await self._read_log(handle.pod, container)
         if not lines:
@@ -506,7 +350,7 @@ class KubeBackend:
         text = await self._log_text(pod, container, tail_lines=200)
         if text is None:
             return self._logs.get(pod, [])
-        lines = clean_lines(text, FAILURE_LOG_LINES)
+        lines = meaningful_lines(text, FAILURE_LOG_LINES)
         if container == ENGINE_CONTAINER:
             self._logs[pod] = lines
         return lines
@@ -602,26 +446,3 @@ class KubeBackend:
         except (ApiError, httpx2.HTTPError) as exc:
             log.debug("listing nodes: %s", exc)
         return False
-
-
-class PodGpus:
-    """The GPU inventory of a controller whose instances are pods: each pod asks Kubernetes for its
-    GPUs (`nvidia.com/gpu`), and the device plugin shows it those as indices 0..n-1. So an instance
-    is handed 0..n-1 here, and the scheduler, not this, decides whether they exist."""
-
-    gpus = (0,)  # "there are GPUs": vLLM's GPU build may be deployed
-
-    def __init__(self) -> None:
-        self._held: dict[str, list[int]] = {}
-
-    def acquire(self, n: int, owner: str) -> list[int]:
-        if n < 1:
-            raise ValueError(f"acquire needs n >= 1, got {n}")
-        self._held[owner] = list(range(n))
-        return self._held[owner]
-
-    def held_by(self, owner: str) -> list[int]:
-        return self._held.get(owner, [])
-
-    def release(self, owner: str) -> list[int]:
-        return self._held.pop(owner, [])

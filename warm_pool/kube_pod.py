@@ -214,3 +214,38 @@ def pod_manifest(settings: PodSettings, placement: Placement, spec: LaunchSpec, 
         },
         "spec": pod_spec,
     }
+
+
+class NodePin:
+    """The pin of a snapshot that lives on the nodes: the node agent keeps a node's store, and a pod
+    holds its own pin there (the engine pins what it loads), so there is nothing to hold here."""
+
+    def __init__(self, snapshot_id: str, holder: str) -> None:
+        self.snapshot_id, self.holder = snapshot_id, holder
+        self.held = True
+
+    def release(self) -> None:
+        self.held = False
+
+
+class PodGpus:
+    """The GPU inventory of a controller whose instances are pods: each pod asks Kubernetes for its
+    GPUs (`nvidia.com/gpu`), and the device plugin shows it those as indices 0..n-1. So an instance
+    is handed 0..n-1 here, and the scheduler, not this, decides whether they exist."""
+
+    gpus = (0,)  # "there are GPUs": vLLM's GPU build may be deployed
+
+    def __init__(self) -> None:
+        self._held: dict[str, list[int]] = {}
+
+    def acquire(self, n: int, owner: str) -> list[int]:
+        if n < 1:
+            raise ValueError(f"acquire needs n >= 1, got {n}")
+        self._held[owner] = list(range(n))
+        return self._held[owner]
+
+    def held_by(self, owner: str) -> list[int]:
+        return self._held.get(owner, [])
+
+    def release(self, owner: str) -> list[int]:
+        return self._held.pop(owner, [])

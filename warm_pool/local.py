@@ -19,7 +19,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import re
 import signal
 import socket
 import time
@@ -32,13 +31,13 @@ import aiohttp
 from warm_pool.backend import Placement, Running
 from warm_pool.errors import StartFailed
 from warm_pool.launch import LaunchSpec
+from warm_pool.log_text import FAILURE_LOG_LINES, meaningful_lines
 from warm_pool.procs import OWNER_ENV, ProcessHandle, killpg, read_start_ticks
 from warm_pool.records import InstanceRecord, InstanceRecords, marked
 from warm_pool.snapshot import Acquired, SnapshotSource
 
 log = logging.getLogger("warm_pool.local")
 _LOG_TAIL_LINES = 5
-FAILURE_LOG_LINES = 20  # what a failure record keeps of the log: a traceback's last frames and its error
 _LOG_TAIL_BYTES = 64 * 1024  # a crash's traceback plus what follows it
 
 
@@ -69,30 +68,11 @@ def _read_tail(path: Path, nbytes: int) -> str | None:
         return None
 
 
-# Lines a dying vLLM prints after its error that say nothing about it: nanobind's leak report at
-# interpreter exit (dozens of lines) and vLLM's own shutdown chatter.
-_NOISE = re.compile(
-    r"^nanobind: |^- leaked|^- \.\.\. skipped|\[shutdown\]|^INFO: |resource_tracker|warnings\.warn|refleaks"
-)
-ERROR_LINE = re.compile(r"\w(Error|Exception)\b|\bERROR\b|^stoker: error: ")
-# Terminal escapes (transformers colours its load report) and other control characters: a log
-# line shown in a table or a JSON answer carries neither.
-_CONTROL = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|[\x00-\x08\x0b-\x1f\x7f]")
-
-
 def log_tail_lines(path: Path, lines: int = _LOG_TAIL_LINES) -> list[str]:
     """The last meaningful lines of a log (at most `lines`, each at most 300 characters). The last
     line that names an error leads, if the tail itself does not hold it."""
     text = _read_tail(path, _LOG_TAIL_BYTES)
-    if text is None:
-        return []
-    cleaned = (_CONTROL.sub("", line).strip() for line in text.splitlines())
-    kept = [line for line in cleaned if line and not _NOISE.search(line)]
-    tail = kept[-lines:]
-    errors = [line for line in kept if ERROR_LINE.search(line) and " WARNING " not in line]
-    if errors and errors[-1] not in tail:
-        tail = [errors[-1], *tail[-(lines - 1) :]]
-    return [line[:300] for line in tail]
+    return [] if text is None else meaningful_lines(text, lines)
 
 
 def log_tail(path: Path, lines: int = _LOG_TAIL_LINES) -> str:

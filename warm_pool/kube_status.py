@@ -1,0 +1,57 @@
+"""What a pod's status says, read the same way everywhere in the Kubernetes backend: alive, ready,
+which container ended and how, and why it is not ready yet."""
+
+from __future__ import annotations
+
+from lightkube.resources.core_v1 import Pod
+
+
+def alive(pod: Pod) -> bool:
+    return (
+        pod.metadata.deletionTimestamp is None
+        and pod.status is not None
+        and pod.status.phase
+        not in (
+            "Failed",
+            "Succeeded",
+        )
+    )
+
+
+def condition(pod: Pod, kind: str):
+    return next((c for c in (pod.status and pod.status.conditions) or [] if c.type == kind), None)
+
+
+def is_ready(pod: Pod) -> bool:
+    ready = condition(pod, "Ready")
+    return ready is not None and ready.status == "True" and bool(pod.status.podIP)
+
+
+def terminated(pod: Pod):
+    """(container name, its terminated state) of the first container that ended, init ones first."""
+    status = pod.status
+    for statuses in (status and status.initContainerStatuses, status and status.containerStatuses):
+        for cs in statuses or []:
+            if cs.state is not None and cs.state.terminated is not None:
+                return cs.name, cs.state.terminated
+    return None
+
+
+def waiting(pod: Pod) -> tuple[str, str] | None:
+    """(reason, message) of a container stuck waiting, init ones first."""
+    status = pod.status
+    for statuses in (status and status.initContainerStatuses, status and status.containerStatuses):
+        for cs in statuses or []:
+            if cs.state is not None and cs.state.waiting is not None and cs.state.waiting.reason:
+                return cs.state.waiting.reason, cs.state.waiting.message or ""
+    return None
+
+
+def pending_reason(pod: Pod) -> str:
+    """Why a pod is not ready yet, from its status: unschedulable, a waiting container, its phase."""
+    scheduled = condition(pod, "PodScheduled")
+    if scheduled is not None and scheduled.status == "False":
+        return f"{scheduled.reason}: {scheduled.message or ''}".rstrip(": ")
+    if (stuck := waiting(pod)) is not None:
+        return f"{stuck[0]}: {stuck[1]}".rstrip(": ")
+    return f"phase {pod.status.phase if pod.status else 'unknown'}"
