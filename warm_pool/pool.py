@@ -1,4 +1,6 @@
-"""The pool of one deployment: a thin loop around the deployment's scaling policy.
+"""The pool of one deployment: a thin loop around the deployment's scaling policy. Each instance's
+way through its states is `warm_pool.lifecycle`'s, the pool's seat among shared devices
+`warm_pool.fleet_seat`'s, its settings and census types `warm_pool.pool_spec`'s.
 
 Every second, and at once when poked (a request arrived with nothing to serve it), the loop
 observes, decides and applies, as the simulator does (`warm_pool.simulate`), through the same
@@ -42,34 +44,31 @@ import logging
 import secrets
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
-from enum import StrEnum
-from typing import NamedTuple, Protocol
+from dataclasses import replace
 
 from cachetools import LRUCache
 
-from snapshots import SnapshotError, WarmReport
+from snapshots import WarmReport
 from warm_pool import plan
-from warm_pool.arbiter import Member, Wish
-from warm_pool.backend import Backend, Running
-from warm_pool.backoff import restart_delay
+from warm_pool.arbiter import Wish
+from warm_pool.backend import Backend
 from warm_pool.engine_calls import HttpEngines
 from warm_pool.engine_signals import EngineScraper, EngineTotals, engine_totals
-from warm_pool.errors import PoolError, SnapshotCorrupt, StartFailed
-from warm_pool.failures import FailureRecord, StartFailures, record_of
-from warm_pool.fleet import Fleet, Footprint
-from warm_pool.instances import InstanceOps, InstanceSettings, Launch, unreachable
+from warm_pool.errors import PoolError
+from warm_pool.failures import FailureRecord, StartFailures
+from warm_pool.fleet import Fleet
+from warm_pool.fleet_seat import FleetSeat
+from warm_pool.instances import InstanceOps
 from warm_pool.launch import GpuInventory
-from warm_pool.metrics import PoolMetrics, split_cold_start
+from warm_pool.lifecycle import Lifecycle
+from warm_pool.metrics import PoolMetrics
 from warm_pool.page_tier import PageTier
-from warm_pool.policies import DEFAULT_POLICY
 from warm_pool.policies.base import Decision, ScalingConfig, Tier
 from warm_pool.policies.settings import bind_policy, startup_priors
-from warm_pool.reconcile import Correction, Observed, SleepStates, correction
-from warm_pool.snapshot import SnapshotSource
+from warm_pool.pool_spec import Census, Demand, Phase, PoolSpec
+from warm_pool.reconcile import SleepStates
 from warm_pool.states import Instance, InstanceState, new_instance_id
 from warm_pool.tracker import ObservationTracker
-from warm_pool.vllm import VllmLaunch
 
 log = logging.getLogger("stoker.pool")
 
@@ -77,81 +76,7 @@ S = InstanceState
 COMING_UP = (S.PENDING, S.STARTING)
 
 
-class LoadView(Protocol):
-    in_flight: int
-    queued: int
-    last_arrival: float | None
-    outstanding: Mapping[str, int]
-
-
-class Demand(Protocol):
-    """What the pool needs to know about load, and whom it tells that capacity changed."""
-
-    def load(self) -> LoadView: ...
-
-    def capacity_changed(self) -> None: ...
-
-    def set_unavailable(self, reason: str | None) -> None: ...  # no start can succeed (why), or None
-
-
-@dataclass(frozen=True)
-class PoolSpec:
-    deployment: str
-    snapshot: SnapshotSource  # made local (pulled if need be) and pinned per instance
-    engine: str = "cpu"  # "cpu" | "vllm"
-    scaling: ScalingConfig = field(default_factory=ScalingConfig)
-    policy: str = DEFAULT_POLICY  # a name in warm_pool.policies.POLICIES
-    grace_period_s: float = 30.0  # in-flight requests of a draining instance get this long
-    instance_concurrency: int = 8  # requests one instance takes at once (the engine's --max-num-seqs)
-    start_timeout_s: float = 300.0  # also bounds a sleep or a wake
-    kill_timeout_s: float = 10.0  # after SIGTERM, before SIGKILL
-    reconcile_interval_s: float = 5.0  # how often settled engines are asked whether they sleep
-    unavailable_after: int = 3  # failed starts in a row that refuse held requests with the reason; 0: never
-    host: str = "127.0.0.1"
-    threads: int | None = None
-    vllm: VllmLaunch | None = None  # how this machine runs vLLM (engine "vllm" only)
-    footprint: Footprint | None = None  # what an instance reserves on a shared device (with a fleet)
-
-    def instance_settings(self) -> InstanceSettings:
-        return InstanceSettings(
-            self.deployment,
-            self.snapshot,
-            self.engine,
-            self.grace_period_s,
-            self.instance_concurrency,
-            self.start_timeout_s,
-            self.kill_timeout_s,
-            self.host,
-            self.threads,
-            self.vllm,
-        )
-
-
-class Phase(StrEnum):
-    """Where an instance is in a sleep or wake; it is out of the routing set throughout."""
-
-    TO_SLEEP = "to_sleep"  # READY, waiting for its requests to finish; may still be taken back
-    FALLING_ASLEEP = "falling_asleep"  # READY, `POST /sleep` in flight
-    WAKING = "waking"  # SLEEPING, `POST /wake_up` in flight
-
-
-class Census(NamedTuple):
-    """The instances as a decision sees them, each in exactly one group (DRAINING/FAILED in none)."""
-
-    routing: list[Instance]  # READY and taking requests
-    coming: list[Instance]  # PENDING or STARTING
-    waking: list[Instance]
-    asleep: list[Instance]  # SLEEPING, nothing in progress
-    to_sleep: list[Instance]
-    falling: list[Instance]
-
-    @property
-    def sleeping(self) -> int:
-        """Asleep or on the way: what the observation and the decision call sleeping."""
-        return len(self.asleep) + len(self.to_sleep) + len(self.falling)
-
-
-class Pool:
+class Pool(Lifecycle, FleetSeat):
     def __init__(
         self,
         spec: PoolSpec,
@@ -436,56 +361,6 @@ class Pool:
             )
         return engine_totals(self._engines.latest.values())
 
-    # ---- the fleet ------------------------------------------------------------------------------------
-
-    def _arbitrated(self, decision: Decision, load: LoadView) -> tuple[Decision, tuple[str, ...]]:
-        """The decision as the fleet grants it, and the devices its starts go on."""
-        fp = self.spec.footprint
-        self._outstanding = dict(load.outstanding)
-        self._wish = Wish(
-            self.name,
-            decision.ready,
-            decision.sleeping,
-            fp.awake,
-            fp.asleep,
-            rate=decision.forecast or 0.0,
-            horizon_s=self._tracker.startup.wake,
-            held=load.queued,
-        )
-        grant = self._fleet.grant(self.name)
-        if grant is None or (grant.ready, grant.sleeping) == (decision.ready, decision.sleeping):
-            self._last_grant = ""
-            return decision, grant.start_on if grant is not None else ()
-        why = f"fleet: READY {decision.ready} -> {grant.ready}, SLEEPING {decision.sleeping} -> {grant.sleeping}"
-        if grant.denied:
-            why += f" ({grant.denied} awake not granted: no room yet)"
-        if why != self._last_grant:  # once, not every tick it waits for room
-            log.info("pool %s: %s", self.name, why)
-        self._last_grant = why
-        return replace(
-            decision, ready=grant.ready, sleeping=grant.sleeping, reason=f"{decision.reason}; {why}"
-        ), grant.start_on
-
-    def fleet_wish(self) -> Wish | None:
-        return self._wish
-
-    def fleet_members(self) -> list[Member]:
-        """Every instance that holds device memory: awake unless SLEEPING with no wake under way."""
-        out = []
-        for i in self._instances.values():
-            if i.device is None or i.state == S.STOPPED:
-                continue
-            awake = i.state != S.SLEEPING or self._phases.get(i.id) == Phase.WAKING
-            fp = self.spec.footprint
-            holds = fp.awake if awake else fp.asleep
-            out.append(Member(i.id, self.name, i.device, awake, self._outstanding.get(i.id, 0) > 0, holds))
-        return out
-
-    def _reserved(self, inst: Instance) -> int | None:
-        if inst.device is None or self.spec.footprint is None:
-            return None
-        return next((m.holds for m in self.fleet_members() if m.id == inst.id), 0)
-
     def _census(self) -> Census:
         c = Census([], [], [], [], [], [])
         for inst in self._instances.values():
@@ -567,251 +442,6 @@ class Pool:
                 if (task := self._turns.pop(inst.id, None)) is not None:
                     task.cancel()
                 self._failed(inst, f"its engine ({self._ops.handle_name(inst)}) died", "serving")
-
-    def _settled(self, inst: Instance) -> bool:
-        """READY or SLEEPING with nothing of the pool's own in flight for it (start, sleep, wake, drain)."""
-        busy = (self._phases, self._turns, self._stops, self._launches)
-        return inst.state in (S.READY, S.SLEEPING) and not any(inst.id in tasks for tasks in busy)
-
-    def _reconcile(self) -> None:
-        """Correct what the pool believes by what the settled engines last said of their sleep, and
-        ask them again when due (`warm_pool.reconcile`). The asking runs in the background: the tick
-        never waits for it, and reads its answers at a later tick."""
-        for seen in self._sleep_states.collect():
-            inst = self._instances.get(seen.instance_id)
-            # Gone, moved, or busy with a sleep, wake or drain since it was asked: the answer is stale.
-            if inst is not None and inst.transitions == seen.transitions and self._settled(inst):
-                self._correct(inst, seen.observed)
-        if self.can_sleep:  # an engine without sleep mode serves no /is_sleeping
-            self._sleep_states.start(i for i in self._instances.values() if self._settled(i))
-
-    def _correct(self, inst: Instance, observed: Observed) -> None:
-        fix = correction(inst.state, observed)
-        if fix is Correction.NONE:
-            return
-        believed = inst.state.value
-        log.warning("instance %s: believed %s, its engine says %s: %s", inst.id, believed, observed, fix)
-        self._metrics.state_corrected(self.spec.deployment, believed, observed.value)
-        if fix is Correction.REPLACE:
-            self._failed(inst, "its engine refused the instance's key (401): it holds another", "key")
-            return
-        if fix is Correction.TO_READY:
-            self._tiers[inst.id] = Tier.WAKE  # requests held for it were served by a wake
-        self._move(inst, S.SLEEPING if fix is Correction.TO_SLEEPING else S.READY, self._clock())
-        self._demand.capacity_changed()
-        self._wake.set()  # the policy decides on the truth at once: wake it, or sleep it again
-
-    def _failed(self, inst: Instance, why: str, phase: str) -> None:
-        """Out of routing, FAILED, stopped and forgotten; its replacement waits for the backoff."""
-        log.error("instance %s failed: %s", inst.id, why)
-        now = self._clock()
-        self._start_failures.failed(record_of(inst.id, phase, why, time.time(), inst.secret))
-        self._phases.pop(inst.id, None)
-        self._move(inst, S.FAILED, now)
-        self._failed_start(now)
-        self._demand.capacity_changed()
-        self._spawn(self._stops, inst, self._stop_failed(inst, died=phase == "serving"))
-
-    async def _stop_failed(self, inst: Instance, died: bool) -> None:
-        code = await self._forget(inst, to=S.STOPPED)
-        if died and code is not None:  # a status it ended with by itself, not our SIGTERM's
-            self._start_failures.exit_code_known(inst.id, code)
-
-    # ---- instance lifecycles -------------------------------------------------------------------------
-
-    async def _launch(self, inst: Instance) -> None:
-        spec, clock = self.spec, self._clock
-        launch = Launch()
-        try:
-            await self._ops.launch(inst, launch, lambda: self._move(inst, S.STARTING, clock()))
-        except (StartFailed, PoolError, OSError, SnapshotError) as exc:
-            log.error("instance %s failed to start: %s", inst.id, exc)
-            self._metrics.start_finished(spec.deployment, "failed")
-            self._move(inst, S.FAILED, clock())
-            self._failed_start(clock())
-            reason = self._start_failures.start_failed(
-                record_of(inst.id, launch.stage, exc, time.time(), inst.secret)
-            )
-            if isinstance(exc, SnapshotCorrupt) and self._corrupt is None:
-                self._corrupt = str(exc)  # retrying cannot help: no more starts until a redeploy
-                log.error("pool %s: starts no more instances: %s", spec.deployment, exc)
-                self._demand.set_unavailable(f"deployment {spec.deployment!r}: {exc}")
-            elif reason is not None and self._corrupt is None:
-                log.error("pool %s: %s; held requests are refused while it retries", spec.deployment, reason)
-                self._demand.set_unavailable(reason)
-            await self._forget(inst, to=S.STOPPED)
-            return
-        except asyncio.CancelledError:
-            await self._forget(inst, to=S.STOPPED)
-            raise
-        self._learn_capabilities(launch.capabilities)
-        self._metrics.observe_cold_start(
-            spec.deployment, split_cold_start(launch.snapshot_s, launch.process_s, launch.phases or {})
-        )
-        self._metrics.start_finished(spec.deployment, "ready")
-        self._failures = 0
-        if self._start_failures.started() and self._corrupt is None:
-            self._demand.set_unavailable(None)
-        self._became_ready(inst, launch.acquired.tier, inst.created_at)
-        log.info(
-            "instance %s ready at %s after %.2fs (%s)",
-            inst.id,
-            inst.url,
-            launch.snapshot_s + launch.process_s,
-            launch.acquired.tier,
-        )
-
-    async def adopt(self, running: list[Running]) -> list[str]:
-        """Take over engines a previous controller started for this deployment: each joins as READY
-        or SLEEPING, as its engine says, with no start counted; one that does not answer as ours is
-        stopped. The ids adopted."""
-        adopted = []
-        # What they served is unknown here: as far as idleness goes, they were in use until now, so
-        # the policy does not scale down before the deployment has been idle for its timeout.
-        self._tracker.active(self._clock())
-        for found in running:
-            now = self._clock()
-            inst = Instance(
-                id=found.instance_id,
-                deployment=self.spec.deployment,
-                created_at=now,
-                max_concurrency=self.spec.instance_concurrency,
-                host=self.spec.host,
-                secret=found.secret,
-            )
-            if self._fleet is not None and len(self._fleet.devices.devices) == 1:
-                inst.device = self._fleet.devices.devices[0].id  # one shared device: it is on it
-            self._instances[inst.id] = inst
-            try:
-                observed, caps = await self._ops.adopt(inst, found)
-            except PoolError as exc:
-                observed, caps = Observed.UNKNOWN, None
-                log.warning("instance %s: %s", inst.id, exc)
-            if (why := unreachable(observed)) is not None:
-                log.warning("instance %s (%s) not adopted: %s; stopping it", inst.id, found.handle.name, why)
-                await self._forget(inst, to=S.STOPPED)
-                continue
-            self._learn_capabilities(caps)
-            self._move(inst, S.STARTING, now)
-            self._move(inst, S.READY, now)
-            if observed is Observed.ASLEEP:
-                self._move(inst, S.SLEEPING, now)
-            log.info("instance %s adopted (%s, %s) at %s", inst.id, found.handle.name, inst.state, inst.url)
-            adopted.append(inst.id)
-        if adopted and self._demand is not None:
-            self._demand.capacity_changed()
-        self._wake.set()
-        return adopted
-
-    def _became_ready(self, inst: Instance, tier: Tier, asked_at: float) -> None:
-        """READY and routable; the seconds since it was asked for feed the tracker and the metrics."""
-        now = self._clock()
-        self._move(inst, S.READY, now)
-        self._tiers[inst.id] = tier
-        self._tracker.started(tier, now - asked_at)
-        self._metrics.observe_startup(self.spec.deployment, tier.value, now - asked_at)
-        self._demand.capacity_changed()
-
-    def _learn_capabilities(self, caps) -> None:
-        """What the engine says it can do decides the tiers the policy gets: an engine without sleep
-        (vLLM's CPU build) is never put to sleep; its idle instances stop instead."""
-        if caps is None:
-            return
-        if self.can_sleep != caps.can_sleep:
-            log.info(
-                "pool %s: engine sleep levels %s: %s",
-                self.spec.deployment,
-                list(caps.sleep_levels) or "none",
-                "idle instances sleep" if caps.can_sleep else "idle instances stop instead of sleeping",
-            )
-        self.can_sleep = caps.can_sleep
-
-    def _begin_sleep(self, inst: Instance) -> None:
-        self._phases[inst.id] = Phase.TO_SLEEP
-        self._demand.capacity_changed()  # out of routing before anything else
-        self._spawn(self._turns, inst, self._sleep(inst))
-
-    def _take_back(self, inst: Instance) -> None:
-        """An instance waiting for its requests before a sleep: back into routing, the sleep called off."""
-        del self._phases[inst.id]
-        if (task := self._turns.pop(inst.id, None)) is not None:
-            task.cancel()  # it is in its wait, which has nothing to undo
-        self._demand.capacity_changed()
-
-    async def _sleep(self, inst: Instance) -> None:
-        """Wait (within the grace period) for its requests to finish, then put it to sleep."""
-        deadline = self._clock() + self.spec.grace_period_s
-        # A bounded poll of the activator's counter, as in `_drain`.
-        while self._demand.load().outstanding.get(inst.id, 0) > 0 and self._clock() < deadline:  # noqa: ASYNC110
-            await asyncio.sleep(0.05)
-        self._phases[inst.id] = Phase.FALLING_ASLEEP
-        try:
-            await self._ops.sleep(inst)
-        except PoolError as exc:
-            self._metrics.sleep_wake_finished(self.spec.deployment, "sleep", ok=False)
-            self._failed(inst, f"sleep failed: {exc}", "sleep")
-            return
-        finally:
-            if self._phases.get(inst.id) == Phase.FALLING_ASLEEP:
-                del self._phases[inst.id]
-        self._metrics.sleep_wake_finished(self.spec.deployment, "sleep", ok=True)
-        self._move(inst, S.SLEEPING, self._clock())
-        log.info("instance %s asleep", inst.id)
-        self._wake.set()  # the loop may want it awake again already
-
-    def _begin_wake(self, inst: Instance) -> None:
-        self._phases[inst.id] = Phase.WAKING
-        self._spawn(self._turns, inst, self._wake_up(inst, self._clock()))
-
-    async def _wake_up(self, inst: Instance, asked_at: float) -> None:
-        try:
-            await self._ops.wake(inst)
-        except PoolError as exc:
-            self._metrics.sleep_wake_finished(self.spec.deployment, "wake", ok=False)
-            self._failed(inst, f"wake-up failed: {exc}", "wake")
-            return
-        finally:
-            if self._phases.get(inst.id) == Phase.WAKING:
-                del self._phases[inst.id]
-        self._metrics.sleep_wake_finished(self.spec.deployment, "wake", ok=True)
-        self._became_ready(inst, Tier.WAKE, asked_at)
-        log.info("instance %s awake after %.2fs", inst.id, self._clock() - asked_at)
-
-    async def _drain(self, inst: Instance, grace_s: float) -> None:
-        """Out of the routing set, let in-flight requests finish within `grace_s`, then stop. A
-        sleeping instance has none: it is stopped at once."""
-        if inst.state in (S.READY, S.SLEEPING):
-            was_ready = inst.state == S.READY
-            self._move(inst, S.DRAINING, self._clock())
-            if was_ready:
-                self._demand.capacity_changed()
-                deadline = self._clock() + grace_s
-                # A bounded poll of the activator's counter: 50 ms of latency on a drain costs nothing.
-                while self._demand.load().outstanding.get(inst.id, 0) > 0 and self._clock() < deadline:  # noqa: ASYNC110
-                    await asyncio.sleep(0.05)
-        await self._forget(inst, to=S.STOPPED)
-
-    async def _forget(self, inst: Instance, to: InstanceState | None = None) -> int | None:
-        """Stop the instance's engine and drop it from the pool; its exit status where the backend
-        knows it."""
-        code = await self._ops.stop(inst)
-        if to is not None and inst.state != to:
-            self._move(inst, to, self._clock())
-        self._phases.pop(inst.id, None)
-        self._instances.pop(inst.id, None)
-        self._account(self._clock())
-        return code
-
-    def _spawn(self, tasks: dict[str, asyncio.Task], inst: Instance, work) -> None:
-        task = asyncio.create_task(work, name=f"{work.__name__}-{inst.id}")
-        tasks[inst.id] = task
-        task.add_done_callback(lambda t: tasks.pop(inst.id, None) if tasks.get(inst.id) is t else None)
-
-    def _failed_start(self, now: float) -> None:
-        self._failures += 1
-        self._metrics.restarted(self.spec.deployment)
-        self._not_before = now + restart_delay(self._failures - 1)
-        self._wake.set()
 
     # ---- bookkeeping ---------------------------------------------------------------------------------
 
