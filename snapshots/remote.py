@@ -1,4 +1,5 @@
-"""Snapshots in object storage: push one from the store to `s3://bucket/prefix`, pull one back.
+"""Snapshots in object storage: pull one from `s3://bucket/prefix` into the store (the push is
+`snapshots.push`'s, what both share `snapshots.transfer`'s; all three are imported from here).
 
 Layout in the bucket: `prefix/manifest.json` plus every manifest file at `prefix/<path>`. The
 manifest goes up last, so a prefix whose push died halfway holds no manifest and is not a snapshot
@@ -32,50 +33,41 @@ import hashlib
 import os
 import shutil
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import suppress
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from snapshots.compile_cache import CompileCaches
-from snapshots.compile_remote import pull_caches, push_caches
+from snapshots.compile_remote import pull_caches
 from snapshots.errors import (
     CorruptSnapshot,
     RemoteError,
     RemoteNotFound,
     SnapshotError,
     StoreWriteError,
-    UnsafeFileError,
 )
 from snapshots.manifest import MANIFEST_NAME, FileEntry, Manifest
 from snapshots.pulldir import Journal, Part, exclusive, hash_into, hash_range, journal_path, lock_path
+from snapshots.push import PushReport, push
 from snapshots.s3 import S3, RemoteConfig, S3Uri, ShortBody, connect, error_code
 from snapshots.store import SnapshotStore
-from snapshots.weights import PICKLE_SUFFIXES, is_pickle
+from snapshots.transfer import (
+    Meter,
+    Progress,
+    T,
+    get_manifest,
+    refuse_pickles,
+    parts,
+    read_manifest,
+    run_all,
+)
 
 __all__ = ["PullReport", "PushReport", "RemoteConfig", "pull", "push", "read_manifest"]
 
-T = TypeVar("T")
-Progress = Callable[[int, int], None]  # (bytes done, bytes in all), called as bytes move
 
 WRITE_BYTES = 1024 * 1024  # body bytes gathered per pwrite: one thread hop per MiB, not per socket read
-MAX_MANIFEST_BYTES = 16 * 1024 * 1024  # thousands of files fit in a few hundred kB
-
-
-@dataclass(frozen=True)
-class PushReport:
-    id: str
-    uri: str
-    files: int
-    bytes_uploaded: int
-    bytes_skipped: int  # already in the bucket with the same size and sha256
-    seconds: float
-    compile_caches: int = 0  # compile caches uploaded with it (snapshots.compile_remote)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -91,245 +83,6 @@ class PullReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "path": str(self.path)}
-
-
-class _Meter:
-    """Bytes done out of a total, reported to an optional progress callback."""
-
-    def __init__(self, progress: Progress | None, total: int, done: int = 0) -> None:
-        self.progress, self.total, self.done = progress, total, done
-        self._report()
-
-    def add(self, n: int) -> None:
-        self.done += n
-        self._report()
-
-    def _report(self) -> None:
-        if self.progress is not None:
-            self.progress(self.done, self.total)
-
-
-async def _all(aws: Iterable[Awaitable[T]]) -> list[T]:
-    """Run all at once; on the first failure cancel the rest, wait for them, and raise that failure.
-
-    Unlike a TaskGroup this raises the error itself, not an ExceptionGroup, so one-line errors stay
-    one line; unlike gather it does not leave siblings running after a failure.
-    """
-    tasks = [asyncio.ensure_future(a) for a in aws]
-    if not tasks:
-        return []
-    try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-    finally:  # on a failure, or on our own cancellation: no task outlives this call
-        pending = [t for t in tasks if not t.done()]
-        for t in pending:
-            t.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
-    # Asking every task for its exception marks it retrieved: two that failed together must not
-    # leave "Task exception was never retrieved" on stderr after our one-line error.
-    errors = [e for t in tasks if not t.cancelled() and (e := t.exception()) is not None]
-    if errors:
-        raise errors[0]
-    return [t.result() for t in tasks]
-
-
-def _parts(size: int, part_size: int) -> list[tuple[int, int]]:
-    """(offset, length) of each part: 10 MiB at 4 MiB parts -> (0, 4M), (4M, 4M), (8M, 2M)."""
-    return [(offset, min(part_size, size - offset)) for offset in range(0, size, part_size)]
-
-
-# --- push ------------------------------------------------------------------------------------------
-
-
-async def push(
-    store: SnapshotStore, ref_or_id: str, uri: str, config: RemoteConfig, progress: Progress | None = None
-) -> PushReport:
-    """Upload a stored snapshot to `uri`; files already there (same size and sha256) are skipped."""
-    started = time.monotonic()
-    where = S3Uri.parse(uri)
-    record = store.resolve(ref_or_id)
-    raw = (record.path / MANIFEST_NAME).read_bytes()
-    manifest = Manifest.from_json(raw)
-    if manifest.snapshot_id != record.id:
-        raise CorruptSnapshot(f"snapshot {record.id[:12]}'s manifest does not match its id: run verify")
-    uploaded = skipped = 0
-    meter = _Meter(progress, manifest.total_bytes)
-    with store.pin(record.id, holder=f"push {where}"):
-        async with connect(config) as s3:
-            sem = asyncio.Semaphore(config.concurrency)
-
-            async def one(entry: FileEntry) -> None:
-                nonlocal uploaded, skipped
-                if await _already_there(s3, where, entry, sem):
-                    skipped += entry.size
-                    meter.add(entry.size)
-                    return
-                path = record.path / entry.path
-                if entry.size <= config.part_size:
-                    async with sem:
-                        data = await asyncio.to_thread(path.read_bytes)
-                        await s3.call(
-                            "put_object",
-                            f"PUT {where.url(entry.path)}",
-                            Bucket=where.bucket,
-                            Key=where.key(entry.path),
-                            Body=data,
-                            Metadata={"sha256": entry.sha256},
-                        )
-                    uploaded += entry.size
-                    meter.add(entry.size)
-                    return
-
-                def part_done(n: int) -> None:
-                    nonlocal uploaded
-                    uploaded += n
-                    meter.add(n)
-
-                await _multipart(s3, where, entry, path, config, sem, part_done)
-
-            await _all(one(e) for e in manifest.files)
-            # Last: until this lands, the prefix is not a snapshot.
-            await s3.call(
-                "put_object",
-                f"PUT {where.url(MANIFEST_NAME)}",
-                Bucket=where.bucket,
-                Key=where.key(MANIFEST_NAME),
-                Body=raw,
-                ContentType="application/json",
-            )
-            caches = await push_caches(s3, where, CompileCaches(store.root), record.id)
-    store.remember_remote(record.id, str(where))
-    return PushReport(
-        record.id,
-        str(where),
-        len(manifest.files),
-        uploaded,
-        skipped,
-        time.monotonic() - started,
-        caches.pushed,
-    )
-
-
-async def _already_there(s3: S3, where: S3Uri, entry: FileEntry, sem: asyncio.Semaphore) -> bool:
-    async with sem:
-        try:
-            head = await s3.head(where.bucket, where.key(entry.path), f"HEAD {where.url(entry.path)}")
-        except RemoteNotFound:
-            return False  # no such key (or no such bucket: the PUT will say so)
-    return head.get("ContentLength") == entry.size and head.get("Metadata", {}).get("sha256") == entry.sha256
-
-
-async def _multipart(
-    s3: S3,
-    where: S3Uri,
-    entry: FileEntry,
-    path: Path,
-    config: RemoteConfig,
-    sem: asyncio.Semaphore,
-    part_done: Callable[[int], None],
-) -> None:
-    """Upload one large file in parallel parts; abort the upload if any part fails."""
-    url, key = where.url(entry.path), where.key(entry.path)
-    created = await s3.call(
-        "create_multipart_upload",
-        f"start a multipart upload of {url}",
-        Bucket=where.bucket,
-        Key=key,
-        Metadata={"sha256": entry.sha256},
-    )
-    upload_id = created["UploadId"]
-    parts = _parts(entry.size, config.upload_part_size(entry.size))
-    etags: dict[int, str] = {}
-
-    async def upload(number: int, offset: int, length: int) -> None:
-        async with sem:
-            data = await asyncio.to_thread(_pread_all, path, offset, length)
-            done = await s3.call(
-                "upload_part",
-                f"PUT part {number}/{len(parts)} of {url}",
-                Bucket=where.bucket,
-                Key=key,
-                UploadId=upload_id,
-                PartNumber=number,
-                Body=data,
-            )
-        etags[number] = done["ETag"]
-        part_done(length)
-
-    try:
-        await _all(upload(i + 1, off, n) for i, (off, n) in enumerate(parts))
-        await s3.call(
-            "complete_multipart_upload",
-            f"complete the multipart upload of {url}",
-            Bucket=where.bucket,
-            Key=key,
-            UploadId=upload_id,
-            MultipartUpload={"Parts": [{"ETag": etags[n], "PartNumber": n} for n in sorted(etags)]},
-        )
-    except BaseException:
-        # Parts of an upload never completed are billed until aborted. Retried like any call (an
-        # abort racing the parts still in flight can meet a 5xx); errors are then ignored, since the
-        # failure that got us here is the one to report.
-        with suppress(Exception):
-            await s3.call(
-                "abort_multipart_upload",
-                f"abort the multipart upload of {url}",
-                Bucket=where.bucket,
-                Key=key,
-                UploadId=upload_id,
-            )
-        raise
-
-
-def _pread_all(path: Path, offset: int, length: int) -> bytes:
-    with open(path, "rb") as f:
-        data = os.pread(f.fileno(), length, offset)
-    if len(data) != length:
-        raise CorruptSnapshot(f"{path} is shorter than its manifest says: run verify")
-    return data
-
-
-# --- reading the manifest --------------------------------------------------------------------------
-
-
-async def _get_manifest(s3: S3, where: S3Uri) -> tuple[Manifest, bytes]:
-    url = where.url(MANIFEST_NAME)
-
-    async def get() -> bytes:
-        resp = await s3.client.get_object(Bucket=where.bucket, Key=where.key(MANIFEST_NAME))
-        async with resp["Body"] as body:
-            if resp.get("ContentLength", 0) > MAX_MANIFEST_BYTES:
-                raise RemoteError(f"{url} is {resp['ContentLength']} bytes: too large to be a manifest")
-            return await body.read()
-
-    try:
-        raw = await s3.run(get, f"GET {url}")
-    except RemoteNotFound as exc:
-        if error_code(exc.__cause__)[0] == "NoSuchBucket":
-            raise
-        raise RemoteNotFound(f"no snapshot at {where} (no {MANIFEST_NAME} there)") from exc
-    return Manifest.from_json(raw), raw
-
-
-async def read_manifest(uri: str, config: RemoteConfig) -> Manifest:
-    """The manifest of the snapshot at `uri` (one GET): its id is `.snapshot_id`."""
-    where = S3Uri.parse(uri)
-    async with connect(config) as s3:
-        manifest, _ = await _get_manifest(s3, where)
-    return manifest
-
-
-def _refuse_pickles(manifest: Manifest, where: S3Uri) -> None:
-    for entry in manifest.files:
-        if is_pickle(entry.path):
-            kinds = "/".join(sorted(PICKLE_SUFFIXES))
-            raise UnsafeFileError(
-                f"refusing {where}: {entry.path} is pickled weights ({kinds}), never loaded since "
-                "unpickling runs code"
-            )
-
-
-# --- pull ------------------------------------------------------------------------------------------
 
 
 async def pull(
@@ -360,13 +113,13 @@ async def pull(
         )
 
     async with connect(config) as s3:
-        manifest, raw = await _get_manifest(s3, where)
+        manifest, raw = await get_manifest(s3, where)
         sid = manifest.snapshot_id
         if expected_id is not None and sid != expected_id:
             raise CorruptSnapshot(
                 f"the snapshot at {where} is {sid[:12]}, not the expected {expected_id[:12]}"
             )
-        _refuse_pickles(manifest, where)
+        refuse_pickles(manifest, where)
         if store.path_of(sid).is_dir():
             return await report(sid)
         pull_dir = store.pull_dir(sid)
@@ -443,12 +196,12 @@ class _Pull:
     async def run(self) -> None:
         try:
             await self._io(self._prepare_dir)
-            await _all(self._head(f) for f in self.files if f.entry.size > 0)
+            await run_all(self._head(f) for f in self.files if f.entry.size > 0)
             await self._io(self._reconcile)
             await self._io(self._allocate)
-            meter = _Meter(self.progress, self.manifest.total_bytes, self.reused)
+            meter = Meter(self.progress, self.manifest.total_bytes, self.reused)
             # A file that fails its sha256 does not stop the others: their parts stay for the next pull.
-            corrupt = [bad for bad in await _all(self._fetch_file(f, meter) for f in self.files) if bad]
+            corrupt = [bad for bad in await run_all(self._fetch_file(f, meter) for f in self.files) if bad]
             if corrupt:
                 raise corrupt[0]
         finally:
@@ -504,7 +257,7 @@ class _Pull:
             f = by_path.get(part.path)
             if f is None or not f.etag or part.etag != f.etag:
                 continue  # another object, or one pushed over since: its parts may differ
-            if (part.offset, part.length) not in _parts(f.entry.size, self.config.part_size):
+            if (part.offset, part.length) not in parts(f.entry.size, self.config.part_size):
                 continue  # planned at another part size
             if any(k.path == part.path and k.offset == part.offset for k in kept):
                 continue
@@ -544,13 +297,13 @@ class _Pull:
                         raise  # ENOSPC, EFBIG, EDQUOT: the disk cannot hold it
                     # a filesystem without fallocate: blocks are taken as written instead
 
-    async def _fetch_file(self, f: _File, meter: _Meter) -> CorruptSnapshot | None:
+    async def _fetch_file(self, f: _File, meter: Meter) -> CorruptSnapshot | None:
         """Fetch what is missing of one file and check its sha256: the mismatch is returned, not raised."""
         done = {p.offset for p in self.kept if p.path == f.entry.path}
         f.done.update((p.offset, p.length) for p in self.kept if p.path == f.entry.path)
-        plan = _parts(f.entry.size, self.config.part_size)
+        plan = parts(f.entry.size, self.config.part_size)
         try:
-            await _all(
+            await run_all(
                 self._fetch_part(f, off, n, len(plan) > 1, meter) for off, n in plan if off not in done
             )
         except RemoteError as exc:
@@ -585,7 +338,7 @@ class _Pull:
         self.kept = [p for p in self.journal.load() if p.path != f.entry.path]
         self.journal.replace(self.kept)
 
-    async def _fetch_part(self, f: _File, offset: int, length: int, ranged: bool, meter: _Meter) -> None:
+    async def _fetch_part(self, f: _File, offset: int, length: int, ranged: bool, meter: Meter) -> None:
         url = self.where.url(f.entry.path)
         what = f"GET {url}" + (f" bytes {offset}-{offset + length - 1}" if ranged else "")
         params: dict[str, Any] = {"Bucket": self.where.bucket, "Key": self.where.key(f.entry.path)}
