@@ -58,9 +58,9 @@ from snapshots.transfer import (
     Progress,
     T,
     get_manifest,
-    refuse_pickles,
     parts,
     read_manifest,
+    refuse_pickles,
     run_all,
 )
 
