@@ -91,6 +91,10 @@ class Backend(Protocol):
         whole): the platform adopts those of deployments it still has and stops the rest."""
         ...
 
+    async def aclose(self) -> None:
+        """Let go of what the backend itself holds (connections, watches); instances run on."""
+        ...
+
     async def read_log(self, instance_id: str, max_bytes: int) -> str | None:
         """The last `max_bytes` of the instance's engine log; None if there is none to read. (vLLM
         says how its start went only there: `warm_pool.vllm.startup_phases`.)"""

@@ -174,6 +174,9 @@ class LocalBackend:
                     await self.stop(handle, 10.0)
         return found
 
+    async def aclose(self) -> None:
+        """Nothing held but the children, which `stop` reaps; those still running run on."""
+
     async def read_log(self, instance_id: str, max_bytes: int) -> str | None:
         return await asyncio.to_thread(_read_tail, self.log_path(instance_id), max_bytes)
 

@@ -181,8 +181,7 @@ class Platform:
                 log.error("deployment %s did not stop cleanly: %r", d.spec.name, outcome)
         self._deployments.clear()
         await self._federation.aclose()
-        if (aclose := getattr(self.backend, "aclose", None)) is not None:
-            await aclose()  # a backend with connections of its own (the Kubernetes API's)
+        await self.backend.aclose()
         if self._session is not None:
             await self._session.close()
         self.registry.close()

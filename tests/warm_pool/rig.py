@@ -77,6 +77,9 @@ class MemoryBackend:
     async def read_log(self, instance_id: str, max_bytes: int) -> str | None:
         return None
 
+    async def aclose(self) -> None:
+        return None
+
     async def read_startup_phases(
         self, url: str, instance_id: str | None = None, headers=None
     ) -> dict[str, float]:
