@@ -100,7 +100,7 @@ class InferenceEndpoint:
                 )
             if ticket is not None:
                 send = tap = UsageTap(send, ticket)
-            await deployment.activator.serve(scope, receive, send, body, stream, principal.key_id)
+            await deployment.serve(scope, receive, send, body, parsed, stream, principal.key_id)
         except APIError as exc:
             await error_response(exc)(scope, receive, send)
         except ActivatorError as exc:

@@ -126,6 +126,10 @@ class RemoteDeployment:
     source: RemoteSource
     health: asyncio.Task
 
+    async def serve(self, scope, receive, send, body: bytes, parsed: dict, stream: bool, owner: str) -> None:
+        """Answer one request whose body the gateway has read (`parsed`: its JSON), for `owner`."""
+        await self.activator.serve(scope, receive, send, body, stream, owner)
+
 
 class KeyTable:
     """Tenant keys by hash, as the controller sent them: what `KeyAuth` needs of a `KeyStore`."""

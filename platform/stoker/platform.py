@@ -74,6 +74,10 @@ class Deployment:
     health: asyncio.Task | None  # the activator's probes of the instances' /health
     demand: GatewayLoad | None = None  # a controller's: what the gateways report
 
+    async def serve(self, scope, receive, send, body: bytes, parsed: dict, stream: bool, owner: str) -> None:
+        """Answer one request whose body the gateway has read (`parsed`: its JSON), for `owner`."""
+        await self.activator.serve(scope, receive, send, body, stream, owner)
+
 
 class Platform:
     def __init__(
