@@ -1,16 +1,19 @@
 """The activator: holds requests while capacity comes up, picks a ready instance, streams the answer.
 
 Per deployment, an `Activator` holds a bounded queue of requests with deadlines, picks the ready
-instance with the fewest outstanding requests (`balancer.pick`) and relays the answer through an
-unbuffered streaming proxy (aiohttp, one shared connection pool). It imports none of Stoker's other
-packages: the composition root wires it to the warm pool through the protocols in `source.py`.
+instance with the fewest outstanding requests (`balancer.pick`), or in prefix mode the one its
+prompt prefix hashes to within a load bound (`set_balance(Balance("prefix"))`, `pick_by_prefix`),
+and relays the answer through an unbuffered streaming proxy (aiohttp, one shared connection pool).
+It imports none of Stoker's other packages: the composition root wires it to the warm pool through
+the protocols in `source.py`.
 
     activator = Activator("smollm2", pool, ActivatorConfig(), session, ActivatorMetrics(registry))
     await activator.serve(scope, receive, send, body, stream)   # raises ActivatorError before headers
 """
 
 from activator.activator import Activator
-from activator.balancer import pick
+from activator.affinity import Balance
+from activator.balancer import pick, pick_by_prefix
 from activator.config import ActivatorConfig
 from activator.errors import (
     ActivatorError,
@@ -28,6 +31,7 @@ __all__ = [
     "ActivatorConfig",
     "ActivatorError",
     "ActivatorMetrics",
+    "Balance",
     "DeadlineExceeded",
     "Endpoint",
     "InstanceSource",
@@ -37,4 +41,5 @@ __all__ = [
     "Unavailable",
     "UpstreamError",
     "pick",
+    "pick_by_prefix",
 ]

@@ -33,6 +33,11 @@ A probe answering 503 (the engine says it is failed) is reported to the source
 (`report_unhealthy`), which replaces the instance; so is one ejected `replace_after_ejections` times
 in a row (stopped or wedged: were it kept, a deployment whose every instance is ejected would hold
 its requests until their deadline).
+
+Which instance: the one with the fewest outstanding requests, or in prefix mode (`set_balance`,
+`affinity.Balance`) the one the request's prompt prefix hashes to, unless that one is above the
+load bound (`balancer.pick_by_prefix`). Only prefix mode reads the body (its JSON, unless the
+caller passes it parsed), for the immediate pick, a held request's and a retry's alike.
 """
 
 from __future__ import annotations
@@ -41,12 +46,13 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, MutableMapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping, Sequence
 from typing import Any
 
 import aiohttp
 
-from activator import ejection, proxy
+from activator import affinity, ejection, proxy
+from activator.affinity import Balance
 from activator.config import ActivatorConfig
 from activator.ejection import HEALTHY, EjectionRules, Health
 from activator.errors import (
@@ -80,6 +86,7 @@ class _Exchange:
         "held_s",
         "owner",
         "path",
+        "prefix",
         "reply",
         "routing",
         "stream",
@@ -94,8 +101,10 @@ class _Exchange:
         stream: bool,
         now: float,
         owner: str,
+        prefix: int | None,
     ):
         self.arrival = now
+        self.prefix = prefix  # its prompt prefix's key in prefix mode (`affinity.request_key`), else None
         self.owner = owner  # whose request (the API key): the hold queue is shared fairly by owner
         query = scope.get("query_string", b"")
         self.path: str = scope["path"] + (f"?{query.decode('latin-1')}" if query else "")
@@ -127,7 +136,8 @@ class Activator:
         self._config = config
         self._session = session
         self._clock = clock
-        self._slots = Slots(self._routable)
+        self._balance = Balance()
+        self._slots = Slots(self._routable, self._balance.bound)
         self._rules = EjectionRules(config.eject_after, config.eject_base_s, config.eject_max_s)
         self._health: dict[Key, Health] = {}  # instances that failed lately; absent: HEALTHY
         self._ejected: set[Key] = set()  # those out of routing now
@@ -160,6 +170,12 @@ class Activator:
         if reason is not None:
             self._slots.fail_held(lambda: Unavailable(reason, self._config.retry_after_s))
 
+    def set_balance(self, balance: Balance) -> None:
+        """How to pick an instance from now on (least outstanding, or by prompt prefix within a load
+        bound). Requests already held keep the key they came with."""
+        self._balance = balance
+        self._slots.bound = balance.bound
+
     def load(self) -> Load:
         return Load(
             in_flight=self._slots.in_flight,
@@ -181,13 +197,18 @@ class Activator:
         body: bytes,
         stream: bool,
         owner: str = "",
+        parsed: Mapping[str, Any] | None = None,
     ) -> None:
         """Answer one request whose body the gateway has read, on behalf of `owner` (its API key's
-        id; held requests of different owners take turns). Raises an `ActivatorError` only while
-        no header went to the client; after that every outcome is written to the stream."""
+        id; held requests of different owners take turns). `parsed`: the body's JSON, if the caller
+        has it (prefix mode reads the prompt from it instead of parsing `body` again). Raises an
+        `ActivatorError` only while no header went to the client; after that every outcome is
+        written to the stream."""
         now = self._clock()
         self._last_arrival = now
-        ex = _Exchange(scope, send, body, stream, now, owner)
+        balance = self._balance
+        prefix = affinity.request_key(body, balance, parsed) if balance.by_prefix else None
+        ex = _Exchange(scope, send, body, stream, now, owner, prefix)
         self._source.request_arrived()  # from here on, request_finished follows in every case
         work = asyncio.ensure_future(self._run(ex))
         watcher = asyncio.ensure_future(_until_disconnect(receive))
@@ -221,7 +242,7 @@ class Activator:
 
     async def _run(self, ex: _Exchange) -> None:
         try:
-            endpoint = self._slots.try_acquire()
+            endpoint = self._slots.try_acquire(prefix=ex.prefix)
             if endpoint is None:
                 ex.routing = frozenset(key(e) for e in self._routable())
                 ex.cold = not ex.routing  # nothing READY: whatever serves it is a cold start
@@ -272,7 +293,9 @@ class Activator:
                     self._slots.release(endpoint.id)
                     ex.held_s = (ex.held_s or 0.0) + max(0.0, self._clock() - acquired_at)
                 failed = (key(endpoint),)
-                endpoint = self._slots.try_acquire(failed) or await self._hold(ex, exclude=failed, front=True)
+                endpoint = self._slots.try_acquire(failed, ex.prefix) or await self._hold(
+                    ex, exclude=failed, front=True
+                )
         except ActivatorError as exc:
             if not ex.reply.started:
                 raise
@@ -289,7 +312,7 @@ class Activator:
         config = self._config
         if self._unavailable is not None:
             raise Unavailable(self._unavailable, config.retry_after_s)
-        waiter = self._slots.hold(exclude, front, ex.owner)
+        waiter = self._slots.hold(exclude, front, ex.owner, ex.prefix)
         self._source.poke()  # at once: the pool must not wait for its next tick
         self._queue_length.inc()
         held_at = self._clock()

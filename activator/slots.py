@@ -11,6 +11,11 @@ request each, however many each has queued. Retries go before everything (they h
 already). When the queue is full, `displace` refuses the newest request of the owner holding the
 most, so that a newcomer from an owner holding fewer still gets its place: no key can fill the
 queue for the others.
+
+Each request may carry a prefix key (`affinity.request_key`; None in least-outstanding mode, or when
+its body has no prompt to read): with one, its instance is picked by consistent hashing with
+bounded loads (`balancer.pick_by_prefix`) on a ring of the routable instances, kept until that set
+changes; without, by least outstanding (`balancer.pick`).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import bisect
 import itertools
 from collections.abc import Callable, Collection, Sequence
 
-from activator.balancer import pick
+from activator.balancer import Ring, pick, pick_by_prefix
 from activator.source import Endpoint
 
 Key = tuple[str, str]  # (id, url): an instance restarted under the same id on a new port is new
@@ -33,10 +38,18 @@ def key(endpoint: Endpoint) -> Key:
 class Waiter:
     """A held request. Its future resolves to the endpoint whose slot it was granted."""
 
-    __slots__ = ("exclude", "future", "order", "owner", "tag")
+    __slots__ = ("exclude", "future", "order", "owner", "prefix", "tag")
 
-    def __init__(self, exclude: Collection[Key], owner: str, tag: int, order: tuple[int, int, int]) -> None:
+    def __init__(
+        self,
+        exclude: Collection[Key],
+        owner: str,
+        tag: int,
+        order: tuple[int, int, int],
+        prefix: int | None = None,
+    ) -> None:
         self.exclude = exclude
+        self.prefix = prefix  # its prefix key, or None
         self.owner = owner
         self.tag = tag
         self.order = order  # its place in the queue: (0 for a retry, else 1; tag; sequence)
@@ -47,8 +60,10 @@ class Waiter:
 
 
 class Slots:
-    def __init__(self, endpoints: Callable[[], Sequence[Endpoint]]) -> None:
+    def __init__(self, endpoints: Callable[[], Sequence[Endpoint]], bound: float = 1.25) -> None:
         self._endpoints = endpoints
+        self.bound = bound  # prefix affinity's load factor (`pick_by_prefix`)
+        self._ring: Ring | None = None  # the routable instances on the ring, for keyed requests
         self.outstanding: dict[str, int] = {}  # endpoint id -> requests granted and not yet released
         self._waiters: list[Waiter] = []  # sorted by `Waiter.order`
         self._turn = 0  # rotates ties in `pick`
@@ -65,12 +80,12 @@ class Slots:
     def in_flight(self) -> int:
         return sum(self.outstanding.values())
 
-    def try_acquire(self, exclude: Collection[Key] = ()) -> Endpoint | None:
+    def try_acquire(self, exclude: Collection[Key] = (), prefix: int | None = None) -> Endpoint | None:
         """A slot now, or None. Held requests are served first: a newcomer only gets what is left
         after `dispatch`, which is nothing if a plain request is still held, and otherwise only
-        capacity that the held retries may not use."""
+        capacity that the held retries may not use. `prefix`: the request's prefix key, if any."""
         self.dispatch()
-        endpoint = self._pick(self._endpoints(), exclude)
+        endpoint = self._pick(self._endpoints(), exclude, prefix)
         if endpoint is not None:
             self._take(endpoint)
         return endpoint
@@ -78,17 +93,19 @@ class Slots:
     def held_by(self, owner: str) -> int:
         return self._held_by.get(owner, 0)
 
-    def hold(self, exclude: Collection[Key] = (), front: bool = False, owner: str = "") -> Waiter:
-        """Queue a request of `owner`: at its fair place, or at the front for a retry (the newest
-        retry first: it has waited once already)."""
+    def hold(
+        self, exclude: Collection[Key] = (), front: bool = False, owner: str = "", prefix: int | None = None
+    ) -> Waiter:
+        """Queue a request of `owner` (with its prefix key, if any): at its fair place, or at the
+        front for a retry (the newest retry first: it has waited once already)."""
         seq = next(self._seq)
         if front:
-            waiter = Waiter(exclude, owner, 0, (0, 0, -seq))
+            waiter = Waiter(exclude, owner, 0, (0, 0, -seq), prefix)
         else:
             tag = max(self._granted_tag, self._last_tag.get(owner, 0)) + 1
             self._last_tag[owner] = tag
             self._held_by[owner] = self._held_by.get(owner, 0) + 1
-            waiter = Waiter(exclude, owner, tag, (1, tag, seq))
+            waiter = Waiter(exclude, owner, tag, (1, tag, seq), prefix)
         bisect.insort(self._waiters, waiter)
         return waiter
 
@@ -140,7 +157,7 @@ class Slots:
             return
         endpoints = self._endpoints()
         for waiter in list(self._waiters):
-            endpoint = self._pick(endpoints, waiter.exclude)
+            endpoint = self._pick(endpoints, waiter.exclude, waiter.prefix)
             if endpoint is None:
                 if not waiter.exclude:
                     return  # nothing free for anyone
@@ -166,10 +183,19 @@ class Slots:
                 self._last_tag.pop(owner, None)
         return True
 
-    def _pick(self, endpoints: Sequence[Endpoint], exclude: Collection[Key]) -> Endpoint | None:
+    def _pick(
+        self, endpoints: Sequence[Endpoint], exclude: Collection[Key], prefix: int | None
+    ) -> Endpoint | None:
+        self._turn += 1
+        if prefix is not None:
+            ring = self._ring
+            if ring is None or not ring.places(endpoints):
+                ring = self._ring = Ring.of(e.id for e in endpoints)
+            if exclude:
+                endpoints = [e for e in endpoints if key(e) not in exclude]
+            return pick_by_prefix(endpoints, self.outstanding, prefix, self.bound, ring, self._turn)
         if exclude:
             endpoints = [e for e in endpoints if key(e) not in exclude]
-        self._turn += 1
         return pick(endpoints, self.outstanding, self._turn)
 
     def _take(self, endpoint: Endpoint) -> None:
