@@ -79,7 +79,16 @@ def version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from stoker import engine_cli, node_cli, planes_cli, platform_cli, serve_cli, simulate_cli, snapshot_cli
+    from stoker import (
+        cascade_cli,
+        engine_cli,
+        node_cli,
+        planes_cli,
+        platform_cli,
+        serve_cli,
+        simulate_cli,
+        snapshot_cli,
+    )
 
     parser = StokerParser(prog="stoker", description="Serverless inference for LLMs.")
     parser.add_argument("--version", action="version", version=f"stoker {version()}")
@@ -88,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     engine_cli.add_parser(sub)
     serve_cli.add_parser(sub)
     platform_cli.add_parsers(sub)
+    cascade_cli.add_parser(sub)
     planes_cli.add_parsers(sub)
     node_cli.add_parser(sub)
     simulate_cli.add_parser(sub)

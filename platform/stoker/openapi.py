@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from stoker.cascade import DEFAULT_MIN_MEAN_LOGPROB, LOGPROB_FLOOR
 from stoker.engine.protocol import MAX_STOP_SEQUENCES
 from stoker.log_api import DEFAULT_TAIL
 from stoker.registry import ENGINES, FIELDS, NAME
@@ -274,6 +275,7 @@ def openapi_schema() -> dict[str, Any]:
                 },
             },
             "/admin/v1/deployments/{name}/logs": _logs(name_param),
+            **_cascade_paths(name_param),
             "/admin/v1/keys": {
                 "get": {
                     "summary": "Every API key: id, tenant, deployments, created (never the key)",
@@ -355,5 +357,69 @@ def _key_request() -> dict[str, Any]:
             "rps": {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 1e6},
             "tpm": {"type": ["integer", "null"], "minimum": 1, "maximum": 10**12},
             "max_concurrent": {"type": ["integer", "null"], "minimum": 1, "maximum": 1_000_000},
+        },
+    }
+
+
+def _cascade_paths(name_param: list[dict[str, Any]]) -> dict[str, Any]:
+    """`stoker.cascade_api`'s routes."""
+    name = {"type": "string", "pattern": f"^{NAME.pattern}$"}
+    request = {
+        "type": "object",
+        "required": ["name", "small", "large"],
+        "additionalProperties": False,
+        "properties": {
+            "name": {**name, "description": "what clients send as `model`; no deployment's name"},
+            "small": {**name, "description": "the deployment that answers first"},
+            "large": {**name, "description": "the deployment an unsure or too-long request goes to"},
+            "min_mean_logprob": {
+                "type": "number",
+                "minimum": LOGPROB_FLOOR,
+                "maximum": 0,
+                "default": DEFAULT_MIN_MEAN_LOGPROB,
+                "description": "escalate a small answer whose mean token logprob is under this",
+            },
+            "escalate_on_context": {"type": "boolean", "default": True},
+        },
+    }
+    route = {"type": "object", "required": ["name", "small", "large"], "properties": request["properties"]}
+    return {
+        "/admin/v1/routes": {
+            "get": {
+                "summary": "Every cascade route",
+                "responses": {"200": {"description": "the list", **_json({"type": "object"})}},
+            },
+            "post": {
+                "summary": "Create a cascade route (a name answered by a small deployment, escalating to a large one), or replace it",
+                "requestBody": {"required": True, **_json(request)},
+                "responses": {
+                    "200": {"description": "replaced", **_json(route)},
+                    "201": {"description": "created", **_json(route)},
+                    **_errors(400, 409, 413, 415),
+                },
+            },
+        },
+        "/admin/v1/routes/{name}": {
+            "get": {
+                "summary": "One cascade route, with its requests by outcome since the platform started",
+                "parameters": name_param,
+                "responses": {"200": {"description": "it", **_json(route)}, **_errors(404)},
+            },
+            "delete": {
+                "summary": "Remove a cascade route",
+                "parameters": name_param,
+                "responses": {
+                    "200": {
+                        "description": "removed",
+                        **_json(
+                            {
+                                "type": "object",
+                                "properties": {"name": {"type": "string"}, "deleted": {"const": True}},
+                            }
+                        ),
+                    },
+                    **_errors(404),
+                },
+            },
         },
     }
