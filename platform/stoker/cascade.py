@@ -13,7 +13,10 @@ its answer is kept back, not sent, while it is judged (at most `MAX_ANSWER_BYTES
 
 The client sees one answer; `x-stoker-cascade` says which way it went, and
 `x-stoker-cascade-logprob` the small answer's score when it was judged. Logprobs the client did
-not ask for are taken out of the answer again (`"logprobs": null`, as when not asked).
+not ask for are taken out of the answer again (`"logprobs": null`, as when not asked), except from
+an answer past `MAX_ANSWER_BYTES`, which goes out as it comes. A limited key is charged the tokens
+of the answer it gets (`limits.UsageTap` reads what reaches the client), not the small side's
+refused or escalated one.
 The answer's `model` is the deployment that answered (what it returns, untouched): a stream's
 chunks are relayed unparsed, so rewriting it there would mean parsing every chunk, and the name
 tells the client the same thing as the header.
@@ -26,7 +29,7 @@ goes through as it comes, unjudged. A stream held at zero whose keep-alives alre
 
 "Clearly too long" is a cheap estimate, no tokenizer: the prompt's UTF-8 bytes / 8 (typical text
 is about 4 bytes a token, so this undercounts by half), plus `max_tokens` when given, above the
-small snapshot's `max_position_embeddings` (the CPU engine's context, capped at 4096). An estimate
+small snapshot's `max_position_embeddings` (at most 4096 on the CPU engine, which caps it so). An estimate
 that is short only costs one refused call to the small one, whose 400 escalates the request then.
 
 Who may call a route: the caller's key must list the route's name AND both deployments; any
@@ -36,8 +39,8 @@ a deployment it could not call by name, and a key made for `tiny` alone does not
 Metrics (on the platform's registry; `route` is the route's name):
 
 - `stoker_cascade_requests_total{route,outcome}`: outcome small, escalated_unsure,
-  escalated_context, escalated_error. The share escalated is
-  `1 - rate(…{outcome="small"}) / rate(…)`.
+  escalated_context, escalated_error. The share escalated:
+  `1 - sum(rate(stoker_cascade_requests_total{outcome="small"}[5m])) / sum(rate(stoker_cascade_requests_total[5m]))`.
 - `stoker_cascade_latency_seconds{route,side}`: each side's time, from the call to its deployment
   to the end of its answer (side small: every call to it, escalated ones too; side large).
 - `stoker_cascade_saved_seconds_total{route}` and `stoker_cascade_lost_seconds_total{route}`:
