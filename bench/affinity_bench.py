@@ -2,6 +2,7 @@
 
     python bench/affinity_bench.py [--instances 2] [--prompts 4] [--questions 16] [--concurrency 8]
                                    [--kv-blocks N] [--seeds 14,18] [--out bench/results/affinity.json]
+    python bench/affinity_bench.py --instances 3 --prompts 3 --seeds 14,11 --out bench/results/affinity.3x3.json
 
 `--instances` vLLM servers (`.venv-vllm/bin/vllm serve`, launched as the pool launches vLLM's CPU
 build: `warm_pool.launch.vllm_spec`, through `engines_bench.Server`) on the embedded SmolLM2-135M
@@ -20,7 +21,8 @@ reset, and its counters `vllm:prefix_cache_hits_total` and `vllm:prefix_cache_qu
 (tokens) are read before and after: hit rate = Δhits / Δqueries over all servers. The default
 seeds: 14 (the issue's number), whose 4 prompts the ring splits 3/1 between the 2 instances, the
 commonest case (probability 1/2); and 18, the first seed of 10-19 that splits 2/2 (probability
-3/8): the best case for affinity.
+3/8): the best case for affinity. On 3 instances with 3 prompts, seed 11 is the first of 10-19
+whose prompts the ring sends one to each instance.
 
 Each server's KV cache is `--kv-blocks` blocks (`--num-gpu-blocks-override`), by default its share
 of the prompts (prompts / instances × system blocks) plus one block for each request it runs.
@@ -438,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
         "prompts / instances × system blocks, plus one block for each request it runs)",
     )
     ap.add_argument("--max-num-seqs", type=int, default=8)
-    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--max-model-len", type=int, default=896)  # 7 blocks: a prompt is ~690 tokens
     ap.add_argument(
         "--seeds",
         type=lambda v: [int(x) for x in v.split(",")],
@@ -451,6 +453,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.kv_blocks is None:
         share = math.ceil(args.prompts / args.instances) * args.system_blocks
         args.kv_blocks = share + math.ceil(args.concurrency / args.instances)
+    # vLLM refuses a cache that cannot hold one request of --max-model-len (plus its null block).
+    args.kv_blocks = max(args.kv_blocks, math.ceil(args.max_model_len / BLOCK) + 1)
     if not VLLM.exists():
         raise SystemExit(f"{VLLM} is missing: run `make vllm`")
     started = time.perf_counter()
