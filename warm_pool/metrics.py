@@ -145,11 +145,20 @@ class PoolMetrics:
             ["deployment"],
             registry=registry,
         )
+        # Each pool's latest counts and decision: a deployment's gauges sum its pools (revisions).
+        self._counts: dict[str, dict[InstanceState, int]] = {}
+        self._decisions: dict[str, tuple[int, int, float | None]] = {}
 
-    def set_instances(self, deployment: str, counts: Mapping[InstanceState, int]) -> None:
-        """Every state's count for the deployment, zeros included, so a state left shows 0."""
+    def set_instances(self, pool: str, counts: Mapping[InstanceState, int]) -> None:
+        """One pool's count in every state (`pool`: `PoolSpec.key`, "deployment@revision"); the
+        gauge is the deployment's, summed over its pools, zeros included so a state left shows 0."""
+        self._counts[pool] = dict(counts)
+        self._publish_instances(_deployment(pool))
+
+    def _publish_instances(self, deployment: str) -> None:
+        mine = [c for p, c in self._counts.items() if _deployment(p) == deployment]
         for state in InstanceState:
-            self.instances.labels(deployment, state.value).set(counts.get(state, 0))
+            self.instances.labels(deployment, state.value).set(sum(c.get(state, 0) for c in mine))
 
     def add_instance_seconds(self, deployment: str, state: InstanceState, seconds: float) -> None:
         if seconds > 0:
@@ -191,14 +200,32 @@ class PoolMetrics:
             )
         self.corrections.labels(deployment, believed, observed).inc()
 
-    def decided(self, deployment: str, ready: int, sleeping: int, forecast: float | None) -> None:
-        self.desired.labels(deployment, "READY").set(ready)
-        self.desired.labels(deployment, "SLEEPING").set(sleeping)
-        if forecast is not None:
-            self.forecast.labels(deployment).set(forecast)
+    def decided(self, pool: str, ready: int, sleeping: int, forecast: float | None) -> None:
+        """One pool's latest decision; the gauges are the deployment's, summed over its pools."""
+        self._decisions[pool] = (ready, sleeping, forecast)
+        self._publish_decisions(_deployment(pool))
+
+    def _publish_decisions(self, deployment: str) -> None:
+        mine = [d for p, d in self._decisions.items() if _deployment(p) == deployment]
+        self.desired.labels(deployment, "READY").set(sum(d[0] for d in mine))
+        self.desired.labels(deployment, "SLEEPING").set(sum(d[1] for d in mine))
+        forecasts = [d[2] for d in mine if d[2] is not None]
+        if forecasts:
+            self.forecast.labels(deployment).set(sum(forecasts))
+
+    def pool_gone(self, pool: str) -> None:
+        """A pool stopped while its deployment stays (a revision drained away): its share leaves
+        the deployment's gauges."""
+        self._counts.pop(pool, None)
+        self._decisions.pop(pool, None)
+        self._publish_instances(_deployment(pool))
+        self._publish_decisions(_deployment(pool))
 
     def forget(self, deployment: str) -> None:
         """Drop a removed deployment's gauges (its counters stay: they are history)."""
+        for pool in [p for p in (*self._counts, *self._decisions) if _deployment(p) == deployment]:
+            self._counts.pop(pool, None)
+            self._decisions.pop(pool, None)
         for state in InstanceState:
             with contextlib.suppress(KeyError):
                 self.instances.remove(deployment, state.value)
@@ -207,3 +234,8 @@ class PoolMetrics:
                 self.desired.remove(deployment, state)
         with contextlib.suppress(KeyError):
             self.forecast.remove(deployment)
+
+
+def _deployment(pool: str) -> str:
+    """The deployment of a pool key ("name@revision"); a bare name is its own."""
+    return pool.rsplit("@", 1)[0]

@@ -91,7 +91,7 @@ class Pool(Lifecycle, FleetSeat):
     ) -> None:
         self._ops = InstanceOps(spec.instance_settings(), backend, engines=engines, gpus=gpus, clock=clock)
         self.spec = spec
-        self.name = spec.deployment
+        self.name = spec.key  # unique among pools: the fleet and the gauges tell them apart by it
         self._metrics = metrics
         self._clock = clock
         self._fleet = fleet if spec.footprint is not None else None
@@ -335,7 +335,7 @@ class Pool(Lifecycle, FleetSeat):
         self.last_decision = decision
         if decision.ready == 0 and not census.coming and self._start_failures.lift() and not self._corrupt:
             self._demand.set_unavailable(None)  # nobody calls: the next request is held and tries again
-        self._metrics.decided(self.spec.deployment, decision.ready, decision.sleeping, decision.forecast)
+        self._metrics.decided(self.name, decision.ready, decision.sleeping, decision.forecast)
         start_on: tuple[str, ...] = ()
         if self._fleet is not None:
             decision, start_on = self._arbitrated(decision, load)
@@ -448,7 +448,7 @@ class Pool(Lifecycle, FleetSeat):
     def _move(self, inst: Instance, new: InstanceState, now: float) -> None:
         left, seconds = inst.move_to(new, now)
         self._metrics.add_instance_seconds(self.spec.deployment, left, seconds)
-        self._metrics.set_instances(self.spec.deployment, self._state_counts())
+        self._metrics.set_instances(self.name, self._state_counts())
         if self._fleet is not None and inst.device is not None and new in (S.SLEEPING, S.STOPPED, S.READY):
             self._fleet.changed()  # memory came free (or a wake finished): pools waiting may go
 
@@ -456,7 +456,7 @@ class Pool(Lifecycle, FleetSeat):
         for inst in self._instances.values():
             state, seconds = inst.accrue(now)
             self._metrics.add_instance_seconds(self.spec.deployment, state, seconds)
-        self._metrics.set_instances(self.spec.deployment, self._state_counts())
+        self._metrics.set_instances(self.name, self._state_counts())
 
     def _state_counts(self) -> dict[InstanceState, int]:
         counts = dict.fromkeys(S, 0)

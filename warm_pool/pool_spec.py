@@ -51,6 +51,12 @@ class PoolSpec:
     threads: int | None = None
     vllm: VllmLaunch | None = None  # how this machine runs vLLM (engine "vllm" only)
     footprint: Footprint | None = None  # what an instance reserves on a shared device (with a fleet)
+    revision: int = 1  # which of the deployment's revisions this pool serves
+
+    @property
+    def key(self) -> str:
+        """This pool among all pools: a deployment has one per revision that serves or warms."""
+        return f"{self.deployment}@{self.revision}"
 
     def instance_settings(self) -> InstanceSettings:
         return InstanceSettings(
