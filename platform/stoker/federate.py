@@ -17,9 +17,8 @@ Prometheus scraping them all would store each engine's series once per replica. 
 `/metrics/engines` from one of them, with `honor_labels: true` (the `instance` label here names
 the engine instance; without it Prometheus renames ours to `exported_instance`, as for any target).
 
-`revision` is the deployment's snapshot id, its first 12 hex digits, until deployments have
-revisions of their own: a snapshot id names exact bytes, so it changes exactly when what serves
-changes. A label an engine already sets under one of these three names is kept as `exported_<name>`.
+`revision` is the number of the deployment's revision the instance serves (`stoker revisions`),
+so a canary's engines and the stable ones are told apart. A label an engine already sets under one of these three names is kept as `exported_<name>`.
 
 Bounded in time and size: every instance is read at once (at most `concurrency` connections), all
 within one `timeout_s` of the scrape's start, each body within `max_instance_bytes`, all of them

@@ -28,6 +28,8 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from activator import ActivatorError, DeadlineExceeded, QueueFull, Unavailable, UpstreamError
+from stoker.cascade import Cascades
+from stoker.cascade_api import cascade_routes
 from stoker.http import (
     AdminGuard,
     ClientGone,
@@ -49,6 +51,7 @@ from stoker.openai_errors import (
 from stoker.openapi import openapi_schema
 from stoker.platform import Platform
 from stoker.registry import not_found
+from stoker.revision_api import revision_routes
 
 log = logging.getLogger("stoker.gateway")
 
@@ -77,9 +80,10 @@ class InferenceEndpoint:
     the caller's limits (`limits.Limiter`): a limited key's answer goes out through a `UsageTap`,
     which adds its x-ratelimit-* headers and settles its token charge."""
 
-    def __init__(self, platform: Router, limiter: Limiter) -> None:
+    def __init__(self, platform: Router, limiter: Limiter, cascades: Cascades | None = None) -> None:
         self.platform = platform
         self.limiter = limiter
+        self.cascades = cascades  # routes by name (`stoker.cascade`); None: deployments only
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         ticket = tap = None
@@ -88,6 +92,9 @@ class InferenceEndpoint:
             parsed, name, stream = _route_fields(body)
             deployment = self.platform.get(name)
             principal = principal_of(scope)
+            if deployment is None and self.cascades is not None:
+                # A cascade route: None unless the caller may call both its deployments too.
+                deployment = self.cascades.lookup(name, principal.may_call)
             # Not the caller's: the same 404 as a deployment that does not exist (no existence leak).
             if deployment is None or not principal.may_call(name):
                 raise APIError(
@@ -104,7 +111,10 @@ class InferenceEndpoint:
         except APIError as exc:
             await error_response(exc)(scope, receive, send)
         except ActivatorError as exc:
-            await error_response(api_error(exc))(scope, receive, send)
+            error = api_error(exc)
+            if (revision := scope.get("stoker.revision")) is not None:  # the revision that failed it
+                error.headers["x-stoker-revision"] = str(revision)
+            await error_response(error)(scope, receive, send)
         except ClientGone:
             return
         finally:
@@ -145,7 +155,7 @@ class Router(Protocol):
     def list(self) -> list[Any]: ...
 
 
-def data_routes(platform: Router, limiter: Limiter) -> list[Route]:
+def data_routes(platform: Router, limiter: Limiter, cascades: Cascades | None = None) -> list[Route]:
     """OpenAI's routes."""
 
     async def models(request: Request) -> Response:
@@ -175,7 +185,7 @@ def data_routes(platform: Router, limiter: Limiter) -> list[Route]:
         card = {"id": d.spec.name, "object": "model", "created": 0, "owned_by": "stoker"}
         return JSONResponse({**card, "root": d.spec.snapshot_id})
 
-    inference = InferenceEndpoint(platform, limiter)
+    inference = InferenceEndpoint(platform, limiter, cascades)
     return [
         Route("/v1/chat/completions", inference, methods=["POST"]),
         Route("/v1/completions", inference, methods=["POST"]),
@@ -224,10 +234,19 @@ def admin_routes(platform: Platform, access: Access | None, limiter: Limiter) ->
                 "forecast": decision.forecast,
             }
         failure = d.pool.last_failure
+        counts: dict[str, int] = {}
+        for pool in d.pools():
+            for state, n in pool.counts().items():
+                counts[state] = counts.get(state, 0) + n
         return {
-            **d.spec.to_dict(),
-            "instances": d.pool.counts(),
-            "instance_list": d.pool.instances(),  # id, state, phase, url, pid, since (epoch s)
+            **d.spec.to_dict(),  # the primary revision's (most traffic)
+            "latest_revision": d.latest.revision,
+            "traffic": {str(r): p for r, p in sorted(d.traffic.items())},
+            "instances": counts,  # every revision's
+            # id, state, phase, url, pid, since (epoch s), and the revision each serves
+            "instance_list": [
+                {**i, "revision": u.spec.revision} for u in d.units.values() for i in u.pool.instances()
+            ],
             "decision": last,
             "unavailable": d.pool.unavailable,  # why no instance can start; None: they can
             "failed_starts": d.pool.failed_starts,  # in a row, since the last that reached READY
@@ -240,7 +259,9 @@ def admin_routes(platform: Platform, access: Access | None, limiter: Limiter) ->
     async def create_deployment(request: Request) -> Response:
         body = parse_json_object(await read_body(request.receive, request.scope, MAX_BODY_BYTES))
         spec, created = await platform.deploy(body)
-        return JSONResponse(describe(platform.get(spec.name)), status_code=201 if created else 200)
+        d = platform.get(spec.name)
+        deployed = next(r for r in platform.revisions(spec.name) if r["revision"] == spec.revision)
+        return JSONResponse(describe(d) | {"deployed": deployed}, status_code=201 if created else 200)
 
     async def get_deployment(request: Request) -> Response:
         d = platform.get(request.path_params["name"])
@@ -286,6 +307,7 @@ def admin_routes(platform: Platform, access: Access | None, limiter: Limiter) ->
         Route("/admin/v1/deployments/{name}", get_deployment, methods=["GET"]),
         Route("/admin/v1/deployments/{name}", delete_deployment, methods=["DELETE"]),
         Route("/admin/v1/deployments/{name}/logs", InstanceLogs(platform), methods=["GET"]),
+        *revision_routes(platform),
         Route("/admin/v1/keys", list_keys, methods=["GET"]),
         Route("/admin/v1/keys", create_key, methods=["POST"]),
         Route("/admin/v1/keys/{id}", revoke_key, methods=["DELETE"]),
@@ -320,10 +342,13 @@ def build_gateway(
     limiter = Limiter(
         access.default_limits if access is not None else NO_LIMITS, registry=platform.metrics_registry
     )
+    cascades = Cascades(platform, platform.metrics_registry)  # cascade routes (`stoker.cascade`)
+    platform.name_taken = cascades.conflict
     routes = [
-        *data_routes(platform, limiter),
+        *data_routes(platform, limiter, cascades),
         *common_routes(platform, platform.metrics_registry),
         *admin_routes(platform, access, limiter),
+        *cascade_routes(platform, cascades),
     ]
     middleware = middleware_for(access, "gateway")
 
@@ -334,6 +359,7 @@ def build_gateway(
             yield
         finally:
             await platform.shutdown()
+            cascades.close()
             if access is not None:
                 access.keys.close()
 

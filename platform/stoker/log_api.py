@@ -115,7 +115,7 @@ class InstanceLogs:
         """Still worth following: the deployment is the same one, and the instance is in its pool."""
         if self.platform.get(name) is not deployment:
             return False
-        return any(i["id"] == instance for i in deployment.pool.instances())
+        return any(i["id"] == instance for pool in deployment.pools() for i in pool.instances())
 
     async def _stream(
         self, fd: int, tail: int, follow: bool, alive: Callable[[], bool], receive: Receive, send: Send

@@ -14,7 +14,8 @@ from typing import Any
 from stoker.cascade import DEFAULT_MIN_MEAN_LOGPROB, LOGPROB_FLOOR
 from stoker.engine.protocol import MAX_STOP_SEQUENCES
 from stoker.log_api import DEFAULT_TAIL
-from stoker.registry import ENGINES, FIELDS, NAME
+from stoker.registry import BALANCES, ENGINES, FIELDS, NAME
+from stoker.revision_api import revision_paths
 from warm_pool.instance_logs import MAX_TAIL_LINES
 from warm_pool.policies import POLICIES
 
@@ -146,6 +147,17 @@ def _deploy_request() -> dict[str, Any]:
             },
             "engine": {"enum": list(ENGINES)},
             "policy": {"enum": list(POLICIES)},
+            "balance": {"enum": list(BALANCES)},
+            "auto_rollback": {
+                "type": "boolean",
+                "description": "a canary of it rolls itself back when it fails",
+            },
+            "canary_percent": {
+                "type": "integer",
+                "minimum": 1,
+                "maximum": 100,
+                "description": "an update takes only this share once warm (default: all of it)",
+            },
             **fields,
         },
     }
@@ -276,6 +288,7 @@ def openapi_schema() -> dict[str, Any]:
             },
             "/admin/v1/deployments/{name}/logs": _logs(name_param),
             **_cascade_paths(name_param),
+            **revision_paths(name_param),
             "/admin/v1/keys": {
                 "get": {
                     "summary": "Every API key: id, tenant, deployments, created (never the key)",

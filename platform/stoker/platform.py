@@ -14,7 +14,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
@@ -33,10 +33,13 @@ from snapshots import (
 from snapshots.remote import read_manifest
 from snapshots.s3 import RemoteConfig
 from stoker.cluster import GatewayLoad, RoutingTable
-from stoker.federate import EngineFederation, Target, revision_of
+from stoker.deployment import Deployment, Unit
+from stoker.federate import EngineFederation, Target
 from stoker.openai_errors import APIError, invalid
 from stoker.paths import snapshot_budget
 from stoker.registry import DeploymentSpec, Registry, not_found, validate
+from stoker.revisions import RevisionMetrics, RevisionStats
+from stoker.rollout import Rollout
 from warm_pool.backend import Backend, Running
 from warm_pool.errors import EngineUnavailable, PoolError
 from warm_pool.fleet import Devices, Fleet, Footprint, footprint
@@ -65,20 +68,6 @@ class VllmOptions:
         check_settings(self.args, self.cpu_kv_cache_gib)
 
 
-@dataclass
-class Deployment:
-    spec: DeploymentSpec
-    pool: Pool
-    activator: Activator | None  # None in a controller: the gateways hold the activators
-    loop: asyncio.Task
-    health: asyncio.Task | None  # the activator's probes of the instances' /health
-    demand: GatewayLoad | None = None  # a controller's: what the gateways report
-
-    async def serve(self, scope, receive, send, body: bytes, parsed: dict, stream: bool, owner: str) -> None:
-        """Answer one request whose body the gateway has read (`parsed`: its JSON), for `owner`."""
-        await self.activator.serve(scope, receive, send, body, stream, owner)
-
-
 class Platform:
     def __init__(
         self,
@@ -96,6 +85,7 @@ class Platform:
         instance_kv_bytes: int = 256 << 20,  # each instance's KV-cache budget, with shared devices
         controller: bool = False,  # the control plane only: gateways run the activators (`stoker.cluster`)
         gateway_stale_after_s: float = 5.0,
+        canary_check_s: float = 1.0,  # how often canaries that ask for it are judged
     ) -> None:
         self.data_dir = data_dir
         self.controller = controller
@@ -117,6 +107,11 @@ class Platform:
         self._activator_metrics = ActivatorMetrics(self.metrics_registry)
         self._pool_metrics = PoolMetrics(self.metrics_registry)
         self._federation = EngineFederation(self.metrics_registry)  # GET /metrics/engines
+        self.revision_metrics = RevisionMetrics(self.metrics_registry)
+        self.rollout = Rollout(self, check_interval_s=canary_check_s)
+        # Why a deployment may not take a name another kind of thing holds (None: it may); the
+        # gateway sets it to its cascade routes' check.
+        self.name_taken: Callable[[str], APIError | None] = lambda name: None
         self._activator_config = activator_config or ActivatorConfig()
         self._stable_window_s = stable_window_s
         self._clock = clock
@@ -134,6 +129,10 @@ class Platform:
     def clock(self) -> Callable[[], float]:
         return self._clock
 
+    @property
+    def hold_deadline_s(self) -> float:
+        return self._activator_config.hold_deadline_s
+
     # ---- lifecycle ---------------------------------------------------------------------------------
 
     async def start(self) -> None:
@@ -144,12 +143,14 @@ class Platform:
             connector=connector, timeout=aiohttp.ClientTimeout(total=None), auto_decompress=False
         )
         running = await self.backend.running()
-        for spec in self.registry.all():
+        latest = {spec.name: spec for spec in self.registry.all()}
+        for spec in self.registry.serving():
             source = self._source(spec.snapshot_id, spec.model)
             if source.remote is None and not source.is_local():
                 log.error(
-                    "deployment %s not restored: its snapshot %s is no longer in the store",
+                    "deployment %s revision %d not restored: its snapshot %s is no longer in the store",
                     spec.name,
+                    spec.revision,
                     spec.snapshot_id[:12],
                 )
                 continue
@@ -157,12 +158,23 @@ class Platform:
                 if spec.engine == "vllm":
                     await self._vllm_launch()
                 mine = [r for r in running if (r.deployment, r.snapshot_id) == (spec.name, spec.snapshot_id)]
-                self._run(spec, source, adopt=mine)
+                d = self._deployments.get(spec.name)
+                if d is None:
+                    d = self._deployment(latest[spec.name], {})
+                d.units[spec.revision] = self._unit(spec, adopt=mine)
+                d.traffic = self.registry.traffic(spec.name)
                 running = [r for r in running if r not in mine]
             except PoolError as exc:  # e.g. a policy this version no longer has
                 log.error("deployment %s not restored: %s", spec.name, exc)
             except APIError as exc:  # the vLLM it ran on is gone
                 log.error("deployment %s not restored: %s", spec.name, exc.message)
+        for name, d in list(self._deployments.items()):
+            if not d.units:  # none of its revisions could come back
+                del self._deployments[name]
+                continue
+            serving = {r: p for r, p in d.traffic.items() if r in d.units}
+            self.rollout.publish(d, serving if serving != d.traffic and serving else None)
+        self.rollout.start()
         await self._stop_unclaimed(running)
 
     async def _stop_unclaimed(self, running: list[Running]) -> None:
@@ -176,6 +188,7 @@ class Platform:
     async def shutdown(self, *, stop_instances: bool = True) -> None:
         """Drain every deployment's instances (each within its grace period) and stop them; or, for a
         controller that hands over to the next one, leave them running to be adopted."""
+        await self.rollout.stop()
         deployments = list(self._deployments.values())
         outcomes = await asyncio.gather(
             *(self._stop(d, stop_instances=stop_instances) for d in deployments), return_exceptions=True
@@ -203,9 +216,10 @@ class Platform:
         deployment, revision and key (`stoker.federate`): an asleep engine's `engine_sleep_state`
         and a draining one's last requests are what an operator looks for."""
         return [
-            Target(d.spec.name, revision_of(d.spec.snapshot_id), inst.id, inst.url, inst.auth_headers)
+            Target(d.name, str(unit.spec.revision), inst.id, inst.url, inst.auth_headers)
             for d in self.list()
-            for inst in d.pool.engines()
+            for unit in d.units.values()
+            for inst in unit.pool.engines()
         ]
 
     async def engine_metrics(self) -> bytes:
@@ -213,8 +227,19 @@ class Platform:
         return await self._federation.scrape(self.engine_targets())
 
     async def deploy(self, body: object) -> tuple[DeploymentSpec, bool]:
-        """Create or update a deployment; returns its spec and whether it was created."""
+        """Create a deployment, or update one: every deploy is a new revision. One that the running
+        instances can serve as they are (the same snapshot and engine) takes over at once; another
+        model or engine warms first and takes the traffic once it is READY (`stoker.rollout`).
+        Returns the new revision's spec and whether the deployment was created."""
         fields = validate(body)
+        if (taken := self.name_taken(fields["name"])) is not None:  # e.g. a cascade route's name
+            raise taken
+        canary = _canary_percent(body)
+        if canary is not None and fields["name"] not in self._deployments:
+            raise invalid(
+                f"'canary_percent' needs a deployment to split with; {fields['name']!r} is new.",
+                "canary_percent",
+            )
         if fields["engine"] == "vllm":
             await self._vllm_launch()
         async with self._lock:
@@ -223,31 +248,59 @@ class Platform:
                 await self._check_vllm_can_load(snapshot_id, fields["model"])
             spec = DeploymentSpec(snapshot_id=snapshot_id, **fields)
             current = self._deployments.get(spec.name)
-            if current is not None and (current.spec.snapshot_id, current.spec.engine) != (
-                spec.snapshot_id,
-                spec.engine,
-            ):
-                raise APIError(
-                    409,
-                    f"Deployment {spec.name!r} serves another model or engine; `stoker rm {spec.name}` first.",
-                    param="model",
-                    code="deployment_exists",
-                )
-            self.registry.put(spec)
             if current is None:
-                self._run(spec, self._source(snapshot_id, spec.model))
+                spec = self.registry.put(spec)
+                d = self._deployment(spec, {spec.revision: 100})
+                d.units[spec.revision] = self._unit(spec)
+                self.rollout.publish(d, d.traffic)
                 return spec, True
-            current.spec = spec
-            current.pool.reconfigure(self._scaling(spec), spec.policy)
-            current.pool.spec = replace(current.pool.spec, grace_period_s=spec.grace_period_s)
+            spec = self.registry.create_revision(spec)
+            current.latest = spec
+            self.rollout.switch_to(current, spec, canary or 100)
             return spec, False
 
-    async def remove(self, name: str) -> DeploymentSpec:
-        """Drain the deployment's instances, then forget it."""
+    async def set_traffic(self, name: str, split: object) -> Deployment:
+        """`stoker traffic`: split the traffic between revisions by percent (`stoker.rollout`)."""
         async with self._lock:
-            deployment = self._deployments.get(name)
-            if deployment is None:
-                raise not_found(name)
+            d = self._existing(name)
+            self.rollout.split(d, split, self.registry.revisions(name))
+            return d
+
+    async def rollback(self, name: str, to: int | None) -> DeploymentSpec:
+        """Back to revision `to` (default: the one before the primary), warm before the switch."""
+        async with self._lock:
+            d = self._existing(name)
+            target = self.rollout.rollback_target(d, to, self.registry.revisions(name))
+            self._check_snapshot(target)
+            self.rollout.switch_to(d, target)
+            return target
+
+    def revisions(self, name: str) -> list[dict]:
+        d = self._existing(name)
+        return d.revision_rows(self.registry.revisions(name))
+
+    def _existing(self, name: str) -> Deployment:
+        d = self._deployments.get(name)
+        if d is None:
+            raise not_found(name)
+        return d
+
+    def _check_snapshot(self, spec: DeploymentSpec) -> None:
+        source = self._source(spec.snapshot_id, spec.model)
+        if source.remote is None and not source.is_local():
+            raise APIError(
+                409,
+                f"Revision {spec.revision}'s snapshot {spec.snapshot_id[:12]} is no longer in the store; "
+                "import it again first.",
+                param="to",
+                code="snapshot_gone",
+            )
+
+    async def remove(self, name: str) -> DeploymentSpec:
+        """Drain every revision's instances, then forget the deployment and its revisions."""
+        async with self._lock:
+            deployment = self._existing(name)
+            await self.rollout.cancel(deployment)
             await self._stop(deployment)
             self.registry.delete(name)
             del self._deployments[name]
@@ -255,18 +308,32 @@ class Platform:
             self._pool_metrics.forget(name)
             return deployment.spec
 
-    def _run(self, spec: DeploymentSpec, snapshot: SnapshotSource, adopt: list[Running] = ()) -> Deployment:
+    def _deployment(self, latest: DeploymentSpec, traffic: dict[int, int]) -> Deployment:
+        d = Deployment(
+            latest.name,
+            latest,
+            {},
+            traffic,
+            RevisionStats(latest.name, self.revision_metrics, self._clock),
+            self._clock,
+        )
+        self._deployments[latest.name] = d
+        return d
+
+    def _unit(self, spec: DeploymentSpec, adopt: list[Running] = (), min_warm: int | None = None) -> Unit:
+        """A pool (and, in one process, an activator) for one revision; running at once."""
         pool = Pool(
             PoolSpec(
                 deployment=spec.name,
-                snapshot=snapshot,
+                snapshot=self._source(spec.snapshot_id, spec.model),
                 engine=spec.engine,
-                scaling=self._scaling(spec),
+                scaling=self.scaling(spec, min_warm),
                 policy=spec.policy,
                 grace_period_s=spec.grace_period_s,
                 vllm=self._vllm if spec.engine == "vllm" else None,
                 unavailable_after=self._unavailable_after,
                 footprint=self._footprint(spec) if self.fleet is not None else None,
+                revision=spec.revision,
             ),
             self.backend,
             self._pool_metrics,
@@ -274,12 +341,12 @@ class Platform:
             clock=self._clock,
             fleet=self.fleet,
         )
-        loop = asyncio.create_task(_adopt_then_run(pool, adopt), name=f"pool-{spec.name}")
+        loop = asyncio.create_task(_adopt_then_run(pool, adopt), name=f"pool-{pool.name}")
         if self.controller:
-            demand = GatewayLoad(spec.name, self.routes, self._clock)
+            demand = GatewayLoad(pool.name, self.routes, self._clock)
             demand.pool = pool
             pool.attach(demand)
-            deployment = Deployment(spec, pool, None, loop, None, demand)
+            unit = Unit(spec, pool, None, loop, None, demand)
         else:
             activator = Activator(
                 spec.name,
@@ -289,18 +356,27 @@ class Platform:
                 self._activator_metrics,
                 clock=self._clock,
             )
+            self.rollout.configure(activator, spec)
             pool.attach(activator)
-            health = asyncio.create_task(activator.watch_health(), name=f"health-{spec.name}")
-            deployment = Deployment(spec, pool, activator, loop, health)
-        self._deployments[spec.name] = deployment
+            health = asyncio.create_task(activator.watch_health(), name=f"health-{pool.name}")
+            unit = Unit(spec, pool, activator, loop, health)
         self.routes.bump()
-        return deployment
+        return unit
 
     async def _stop(self, deployment: Deployment, *, stop_instances: bool = True) -> None:
-        if deployment.health is not None:
-            deployment.health.cancel()
-        await deployment.pool.close(drain=True, stop_instances=stop_instances)
-        await deployment.loop
+        await asyncio.gather(
+            *(self.stop_unit(u, stop_instances=stop_instances) for u in deployment.units.values())
+        )
+
+    async def stop_unit(self, unit: Unit, *, stop_instances: bool = True) -> None:
+        if unit.health is not None:
+            unit.health.cancel()
+        await unit.pool.close(drain=True, stop_instances=stop_instances)
+        await unit.loop
+
+    def pool_gone(self, unit: Unit) -> None:
+        self._pool_metrics.pool_gone(unit.pool.name)
+        self.routes.bump()
 
     def _footprint(self, spec: DeploymentSpec) -> Footprint:
         """What one instance reserves on a shared device: the snapshot's weights and the KV budget."""
@@ -311,9 +387,10 @@ class Platform:
         weights = sum(f.size for f in files if f.path.endswith(".safetensors"))
         return footprint(weights, self._kv_bytes, spec.engine)
 
-    def _scaling(self, spec: DeploymentSpec) -> ScalingConfig:
+    def scaling(self, spec: DeploymentSpec, min_warm: int | None = None) -> ScalingConfig:
+        """A revision's scaling bounds; `min_warm` raised while it warms before a switch."""
         return ScalingConfig(
-            min_warm=spec.min_warm,
+            min_warm=spec.min_warm if min_warm is None else min(spec.max, max(spec.min_warm, min_warm)),
             max=spec.max,
             target_concurrency=spec.target_concurrency,
             idle_timeout_s=spec.idle_timeout_s,
@@ -404,6 +481,17 @@ class Platform:
             config = {"architectures": ["?"]} if "config.json" in files else None
         if (reason := loadable_reason(files, config)) is not None:
             raise invalid(f"vLLM cannot load snapshot {snapshot_id[:12]}: {reason}.", "model")
+
+
+def _canary_percent(body: object) -> int | None:
+    """A deploy's `canary_percent`: the share the new revision takes once warm (the rest stays
+    where it is); absent: all of it."""
+    value = body.get("canary_percent") if isinstance(body, dict) else None
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 100:
+        raise invalid(f"'canary_percent' must be a whole percent in 1..100, got {value!r}.", "canary_percent")
+    return value
 
 
 async def _adopt_then_run(pool: Pool, running: list[Running]) -> None:

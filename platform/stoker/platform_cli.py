@@ -20,6 +20,7 @@ import urllib.parse
 from pathlib import Path
 
 from snapshots.sizes import format_size
+from stoker import revision_cli
 from stoker.admin_client import add_url_option, call, stream
 from stoker.durations import duration, format_duration
 from stoker.errors import CLIError
@@ -47,6 +48,51 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     deploy.add_argument("--target-concurrency", type=int, default=4, help="in-flight requests per instance")
     deploy.add_argument(
         "--grace-period", type=duration, default="30s", help="how long draining requests may take to finish"
+    )
+    deploy.add_argument(
+        "--balance",
+        choices=["least-outstanding", "prefix"],
+        default="least-outstanding",
+        help="which READY instance takes a request: the least busy, or the one that served the same "
+        "prompt prefix (bounded by --affinity-bound)",
+    )
+    deploy.add_argument(
+        "--affinity-bound",
+        type=float,
+        default=1.25,
+        help="prefix mode: no instance above this × the mean load",
+    )
+    deploy.add_argument(
+        "--canary",
+        type=int,
+        metavar="PERCENT",
+        help="an update takes only this share of the traffic once warm; the rest stays where it is",
+    )
+    deploy.add_argument(
+        "--auto-rollback",
+        action="store_true",
+        help="as a canary, this revision rolls itself back when it fails (5xx or slow first bytes)",
+    )
+    deploy.add_argument(
+        "--rollback-error-rate",
+        type=float,
+        default=0.05,
+        help="the share of failed answers that fails a canary",
+    )
+    deploy.add_argument(
+        "--rollback-ttft",
+        type=duration,
+        default="0s",
+        help="a first byte later than this is a failed answer (0s: no such objective)",
+    )
+    deploy.add_argument(
+        "--rollback-window", type=duration, default="1m", help="the window a canary is judged over"
+    )
+    deploy.add_argument(
+        "--rollback-min-requests",
+        type=int,
+        default=10,
+        help="answers in the window before a canary is judged",
     )
     deploy.add_argument("--json", action="store_true", help="print the deployment as JSON")
     deploy.set_defaults(func=cmd_deploy)
@@ -107,6 +153,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     revoke.set_defaults(func=cmd_keys_revoke)
     for command in (deploy, ls, describe, logs, rm, create, keys_ls, revoke):
         add_url_option(command)
+    revision_cli.add_parsers(sub)
 
 
 def _lines(value: str) -> int:
@@ -133,15 +180,29 @@ def cmd_deploy(args: argparse.Namespace) -> int:
         "idle_timeout_s": args.idle_timeout,
         "target_concurrency": args.target_concurrency,
         "grace_period_s": args.grace_period,
+        "balance": args.balance,
+        "affinity_bound": args.affinity_bound,
+        "auto_rollback": args.auto_rollback,
+        "rollback_error_rate": args.rollback_error_rate,
+        "rollback_ttft_s": args.rollback_ttft,
+        "rollback_window_s": args.rollback_window,
+        "rollback_min_requests": args.rollback_min_requests,
     }
+    if args.canary is not None:
+        body["canary_percent"] = args.canary
     out = call(args, "POST", "/admin/v1/deployments", body)
     if args.json:
         print(json.dumps(out))
-    else:
-        print(
-            f"deployed {out['name']}: model {out['model']} (snapshot {out['snapshot_id'][:12]}), "
-            f"engine {out['engine']}, policy {out['policy']}"
-        )
+        return 0
+    new = out["deployed"]
+    state = new["state"]
+    if state == "warming":
+        share = f"{args.canary}% of the traffic" if args.canary is not None else "the traffic"
+        state += f"; {share} moves to it once it is READY (`stoker revisions {out['name']}`)"
+    print(
+        f"deployed {out['name']} revision {new['revision']}: model {new['model']} "
+        f"(snapshot {new['snapshot_id'][:12]}), engine {new['engine']}, policy {new['settings']['policy']}: {state}"
+    )
     return 0
 
 

@@ -27,6 +27,12 @@ CLIENT_COMMANDS = (
     ("keys", "create"),
     ("keys", "ls"),
     ("keys", "revoke"),
+    ("revisions",),
+    ("traffic",),
+    ("rollback",),
+    ("routes", "create"),
+    ("routes", "ls"),
+    ("routes", "rm"),
 )
 
 

@@ -30,6 +30,9 @@ class Pool:
 class Deployment:
     pool: Pool = field(default_factory=Pool)
 
+    def pools(self) -> list[Pool]:  # one per revision serving; here one
+        return [self.pool]
+
 
 @dataclass
 class Backend:

@@ -228,7 +228,7 @@ def test_the_gateway_federates_every_ready_instance(platform_factory, tiny_model
         described = httpx.get(f"{p.url}/admin/v1/deployments/{name}", headers=admin).json()
         (instance,) = [i for i in described["instance_list"] if i["state"] == "READY"]
         assert instance["url"].startswith("http://127.0.0.1:")  # the admin API lists where it is
-        expected[(name, instance["id"])] = described["snapshot_id"][:12]
+        expected[(name, instance["id"])] = str(described["revision"])  # the revision it serves
 
     assert httpx.get(f"{p.url}/metrics/engines").status_code == 401  # admin-only, as /metrics
     response = httpx.get(f"{p.url}/metrics/engines", headers=admin, timeout=30)

@@ -113,12 +113,13 @@ def test_policy_is_validated_persisted_and_defaults_for_old_rows(platform_factor
     assert again.deployments()["tiny"]["policy"] == "keepalive"
     assert again.stop() == 0
 
-    # A row written before deployments had a policy reads as the default.
+    # Rows written before deployments had a policy read as the default.
     db = sqlite3.connect(home / "stoker.db")
-    (spec,) = db.execute("SELECT spec FROM deployments WHERE name = 'tiny'").fetchone()
-    old = {k: v for k, v in json.loads(spec).items() if k != "policy"}
     with db:
-        db.execute("UPDATE deployments SET spec = ? WHERE name = 'tiny'", (json.dumps(old),))
+        for table in ("deployments", "revisions"):
+            for rowid, spec in db.execute(f"SELECT rowid, spec FROM {table} WHERE name = 'tiny'").fetchall():
+                old = {k: v for k, v in json.loads(spec).items() if k != "policy"}
+                db.execute(f"UPDATE {table} SET spec = ? WHERE rowid = ?", (json.dumps(old), rowid))  # noqa: S608
     db.close()
     registry = Registry(home / "stoker.db")
     assert registry.all()[0].policy == "predictive"
