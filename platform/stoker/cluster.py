@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import re
 import secrets
 import time
 from collections.abc import Callable, Mapping
@@ -35,6 +36,7 @@ from activator.source import Load
 from stoker.openai_errors import invalid
 from stoker.registry import NAME
 
+UNIT = re.compile(NAME.pattern + r"@[1-9][0-9]{0,8}")  # a deployment's revision, as reports name it
 MAX_REPORT_FINISHED = 10_000  # completions one report may carry (a second of a busy gateway's)
 MAX_REPORT_EVENTS = 1000  # failures, and unhealthy instances, one report may carry
 MAX_ID_LEN = 128
@@ -189,7 +191,8 @@ def parse_gateway_id(value: object) -> str:
 
 
 def parse_report(body: Mapping[str, Any]) -> tuple[str, dict[str, dict[str, Any]]]:
-    """`{"gateway": id, "deployments": {name: report}}`, every field checked (400 naming it)."""
+    """`{"gateway": id, "deployments": {"name@revision": report}}`, every field checked (400
+    naming it): one report per revision the gateway routes to."""
     gateway = parse_gateway_id(body.get("gateway"))
     deployments = body.get("deployments")
     if not isinstance(deployments, dict):
@@ -226,8 +229,8 @@ def _list(r: Mapping[str, Any], key: str, limit: int) -> list:
 
 
 def _parse_one(name: object, r: object) -> dict[str, Any]:
-    if not isinstance(name, str) or not NAME.fullmatch(name) or not isinstance(r, dict):
-        raise invalid("'deployments' maps deployment names to reports.", "deployments")
+    if not isinstance(name, str) or not UNIT.fullmatch(name) or not isinstance(r, dict):
+        raise invalid("'deployments' maps deployment@revision to reports.", "deployments")
     outstanding = r.get("outstanding", {})
     if not isinstance(outstanding, dict) or len(outstanding) > 10_000:
         raise invalid("'outstanding' must map instance ids to counts.", "outstanding")
@@ -242,6 +245,17 @@ def _parse_one(name: object, r: object) -> dict[str, Any]:
         if not isinstance(item, list) or len(item) != 2 or not isinstance(item[1], str):
             raise invalid("'unhealthy' holds [instance id, reason] pairs.", "unhealthy")
         unhealthy.append((_ident(item[0], "unhealthy"), item[1][:500]))
+    answers = []
+    for item in _list(r, "answers", MAX_REPORT_FINISHED):
+        if (
+            not isinstance(item, list)
+            or len(item) != 2
+            or not isinstance(item[0], int)
+            or isinstance(item[0], bool)
+            or not 100 <= item[0] <= 599
+        ):
+            raise invalid("'answers' holds [status, first_byte_s] pairs.", "answers")
+        answers.append((item[0], _seconds(item[1], "answers")))
     poke = r.get("poke", False)
     if not isinstance(poke, bool):
         raise invalid("'poke' must be a boolean.", "poke")
@@ -255,5 +269,6 @@ def _parse_one(name: object, r: object) -> dict[str, Any]:
         "finished": finished,
         "failures": [_ident(i, "failures") for i in _list(r, "failures", MAX_REPORT_EVENTS)],
         "unhealthy": unhealthy,
+        "answers": answers,
         "poke": poke,
     }

@@ -32,10 +32,12 @@ import aiohttp
 from prometheus_client import CollectorRegistry
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
 
-from activator import Activator, ActivatorConfig, ActivatorMetrics
+from activator import Activator, ActivatorConfig, ActivatorMetrics, Balance
 from stoker.cluster import MAX_REPORT_EVENTS, MAX_REPORT_FINISHED
+from stoker.deployment import answer_on
 from stoker.keys import KeyRecord, hash_key
 from stoker.limits import Limits
+from stoker.revisions import RevisionMetrics, RevisionStats, bucket_of, choose
 
 log = logging.getLogger("stoker.gateway")
 POLL_TIMEOUT_S = 20.0  # the controller holds a routes request this long when nothing changes
@@ -57,6 +59,7 @@ class RemoteEndpoint:
 class RemoteSpec:
     name: str
     snapshot_id: str
+    revision: int
 
 
 class RemoteSource:
@@ -70,6 +73,7 @@ class RemoteSource:
         self.finished: deque[list] = deque(maxlen=MAX_BUFFERED)
         self.failures: deque[str] = deque(maxlen=MAX_REPORTED)
         self.unhealthy: deque[list[str]] = deque(maxlen=MAX_REPORTED)
+        self.answers: deque[list] = deque(maxlen=MAX_BUFFERED)  # [status, first byte s]: canary checks
         self.poked = False
 
     def endpoints(self) -> Sequence[RemoteEndpoint]:
@@ -103,10 +107,11 @@ class RemoteSource:
             "finished": list(self.finished),
             "failures": list(self.failures),
             "unhealthy": list(self.unhealthy),
+            "answers": list(self.answers),
             "poke": self.poked,
         }
         self.arrivals, self.poked = 0, False
-        for buffer in (self.finished, self.failures, self.unhealthy):
+        for buffer in (self.finished, self.failures, self.unhealthy, self.answers):
             buffer.clear()
         return news
 
@@ -116,19 +121,60 @@ class RemoteSource:
         self.finished.extendleft(reversed(news["finished"]))
         self.failures.extendleft(reversed(news["failures"]))  # older than what came since: dropped first
         self.unhealthy.extendleft(reversed(news["unhealthy"]))
+        self.answers.extendleft(reversed(news["answers"]))
         self.poked = self.poked or news["poke"]
 
 
 @dataclass
-class RemoteDeployment:
+class RemoteUnit:
+    """One revision of a deployment, as a gateway routes to it."""
+
     spec: RemoteSpec
     activator: Activator
     source: RemoteSource
     health: asyncio.Task
 
+
+@dataclass
+class RemoteDeployment:
+    """A deployment in a gateway: an activator per revision, and the controller's traffic split."""
+
+    name: str
+    units: dict[int, RemoteUnit]
+    traffic: dict[int, int]
+    stats: RevisionStats
+    clock: Callable[[], float] = time.monotonic
+
+    @property
+    def spec(self) -> RemoteSpec:
+        """The primary revision's (most traffic): what `/v1/models` shows."""
+        revision = max(self.units, key=lambda r: (self.traffic.get(r, 0), r))
+        return self.units[revision].spec
+
     async def serve(self, scope, receive, send, body: bytes, parsed: dict, stream: bool, owner: str) -> None:
-        """Answer one request whose body the gateway has read (`parsed`: its JSON), for `owner`."""
-        await self.activator.serve(scope, receive, send, body, stream, owner)
+        """Answer one request on the revision the split gives it, as `Deployment.serve` does."""
+        revision = choose(self.traffic, bucket_of(parsed, scope.get("headers", [])))
+        unit = self.units.get(revision) or self.units[self.spec.revision]
+        status, ttft_s = await answer_on(
+            unit.activator,
+            unit.spec.revision,
+            self.stats,
+            self.clock,
+            scope,
+            receive,
+            send,
+            body,
+            parsed,
+            stream,
+            owner,
+        )
+        unit.source.answers.append([status, ttft_s])
+
+    def close(self, why: str) -> None:
+        for unit in self.units.values():
+            unit.health.cancel()
+            unit.source.set_endpoints([])
+            unit.activator.set_unavailable(why)
 
 
 class KeyTable:
@@ -179,6 +225,7 @@ class GatewayPlane:
     _control: aiohttp.ClientSession | None = None  # to the controller, with this gateway's key
     _passthrough: aiohttp.ClientSession | None = None  # to the controller, with the caller's key only
     metrics: ActivatorMetrics | None = None
+    revision_metrics: RevisionMetrics | None = None
     _tasks: list[asyncio.Task] = field(default_factory=list)
     _report_now: asyncio.Event = field(default_factory=asyncio.Event)
     _epoch: str | None = None
@@ -201,6 +248,7 @@ class GatewayPlane:
 
     async def start(self) -> None:
         self.metrics = ActivatorMetrics(self.metrics_registry)
+        self.revision_metrics = RevisionMetrics(self.metrics_registry)
         self._passthrough = aiohttp.ClientSession(auto_decompress=False)
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30)
         self._session = aiohttp.ClientSession(
@@ -218,7 +266,8 @@ class GatewayPlane:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for d in self._deployments.values():
-            d.health.cancel()
+            for unit in d.units.values():
+                unit.health.cancel()
         self._deployments.clear()
         for session in (self._session, self._control, self._passthrough):
             if session is not None:
@@ -263,34 +312,44 @@ class GatewayPlane:
         self.keys.replace(table["keys"], table["gateways"])
         wanted = table["deployments"]
         for name in [n for n in self._deployments if n not in wanted]:
-            gone = self._deployments.pop(name)
-            gone.health.cancel()
-            gone.source.set_endpoints([])
-            gone.activator.set_unavailable(f"deployment {name!r} was removed")
+            self._deployments.pop(name).close(f"deployment {name!r} was removed")
         for name, d in wanted.items():
             current = self._deployments.get(name)
-            if current is None or current.spec.snapshot_id != d["snapshot_id"]:
-                if current is not None:
-                    current.health.cancel()
-                current = self._deployments[name] = self._make(RemoteSpec(name, d["snapshot_id"]))
-            endpoints = [
-                RemoteEndpoint(
-                    e["id"], e["url"], e["max_concurrency"], {"authorization": f"Bearer {e['key']}"}
-                )
-                for e in d["endpoints"]
-            ]
-            current.source.set_endpoints(endpoints)
-            current.activator.set_unavailable(d["unavailable"])
-            current.activator.capacity_changed()
+            if current is None:
+                stats = RevisionStats(name, self.revision_metrics, self.clock)
+                current = self._deployments[name] = RemoteDeployment(name, {}, {}, stats, self.clock)
+            units = {int(r): u for r, u in d["units"].items()}
+            for revision in [r for r in current.units if r not in units]:  # retired at the controller
+                gone = current.units.pop(revision)
+                gone.health.cancel()
+                gone.source.set_endpoints([])
+                gone.activator.set_unavailable(f"revision {revision} of {name!r} was retired")
+            for revision, u in units.items():
+                unit = current.units.get(revision)
+                if unit is None or unit.spec.snapshot_id != u["snapshot_id"]:
+                    if unit is not None:
+                        unit.health.cancel()
+                    unit = current.units[revision] = self._make(RemoteSpec(name, u["snapshot_id"], revision))
+                endpoints = [
+                    RemoteEndpoint(
+                        e["id"], e["url"], e["max_concurrency"], {"authorization": f"Bearer {e['key']}"}
+                    )
+                    for e in u["endpoints"]
+                ]
+                unit.source.set_endpoints(endpoints)
+                unit.activator.set_balance(Balance(u["balance"], u["affinity_bound"]))
+                unit.activator.set_unavailable(u["unavailable"])
+                unit.activator.capacity_changed()
+            current.traffic = {int(r): p for r, p in d["traffic"].items() if int(r) in current.units}
         self.synced.set()
 
-    def _make(self, spec: RemoteSpec) -> RemoteDeployment:
+    def _make(self, spec: RemoteSpec) -> RemoteUnit:
         source = RemoteSource(self._report_now.set)
         activator = Activator(
             spec.name, source, self.activator_config, self._session, self.metrics, clock=self.clock
         )
-        health = asyncio.create_task(activator.watch_health(), name=f"health-{spec.name}")
-        return RemoteDeployment(spec, activator, source, health)
+        health = asyncio.create_task(activator.watch_health(), name=f"health-{spec.name}@{spec.revision}")
+        return RemoteUnit(spec, activator, source, health)
 
     # -- reports ----------------------------------------------------------------------------------------
 
@@ -306,16 +365,17 @@ class GatewayPlane:
 
     async def _report(self) -> None:
         now, taken, body = self.clock(), {}, {}
-        for name, d in self._deployments.items():
-            load = d.activator.load()
-            news = taken[name] = d.source.take()
+        units = {f"{u.spec.name}@{r}": u for d in self._deployments.values() for r, u in d.units.items()}
+        for key, unit in units.items():
+            load = unit.activator.load()
+            news = taken[key] = unit.source.take()
             since = None if load.last_arrival is None else max(0.0, now - load.last_arrival)
-            body[name] = {
+            body[key] = {
                 "in_flight": load.in_flight,
                 "queued": load.queued,
                 "since_arrival_s": since,
                 "outstanding": dict(load.outstanding),
-                "routing": [e.id for e in d.source.endpoints()],
+                "routing": [e.id for e in unit.source.endpoints()],
                 **news,
             }
         try:
@@ -328,6 +388,5 @@ class GatewayPlane:
                     raise aiohttp.ClientResponseError(r.request_info, (), status=r.status)
         except (aiohttp.ClientError, TimeoutError) as exc:
             log.debug("report not delivered: %s", exc)
-            for name, news in taken.items():
-                if (d := self._deployments.get(name)) is not None:
-                    d.source.give_back(news)
+            for key, news in taken.items():
+                units[key].source.give_back(news)

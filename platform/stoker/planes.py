@@ -22,7 +22,6 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from stoker.cluster import parse_gateway_id, parse_report, share
-from stoker.federate import revision_of
 from stoker.gateway import Access, admin_routes, common_routes, data_routes, middleware_for
 from stoker.gateway_plane import GatewayPlane
 from stoker.http import openai_exception_handlers, parse_json_object, read_body
@@ -38,28 +37,37 @@ _PASS_RESPONSE = ("content-type", "retry-after", "cache-control")
 
 
 def routing_table(platform: Platform, access: Access | None, gateway: str) -> dict[str, Any]:
-    """What one gateway routes by: every deployment's READY endpoints with their keys and this
-    gateway's share of each one's concurrency, why a deployment cannot start (if so), and the
-    tenant keys' hashes."""
+    """What one gateway routes by: every deployment's traffic split and, per revision, its READY
+    endpoints with their keys and this gateway's share of each one's concurrency, and why it
+    cannot start (if so); and the tenant keys' hashes."""
     gateways = platform.routes.live()
     if gateway not in gateways:
         gateways = sorted([*gateways, gateway])
     deployments = {}
     for d in platform.list():
-        endpoints = [
-            {
-                "id": inst.id,
-                "url": inst.url,
-                "key": inst.secret,
-                "max_concurrency": share(inst.max_concurrency, gateways, gateway),
+        units = {}
+        for revision, unit in d.units.items():
+            endpoints = [
+                {
+                    "id": inst.id,
+                    "url": inst.url,
+                    "key": inst.secret,
+                    "max_concurrency": share(inst.max_concurrency, gateways, gateway),
+                }
+                for inst in unit.pool.endpoints()
+            ]
+            units[str(revision)] = {
+                "snapshot_id": unit.spec.snapshot_id,
+                "unavailable": unit.demand.unavailable if unit.demand is not None else None,
+                "balance": unit.spec.balance,  # how the gateway picks among them (`activator.affinity`)
+                "affinity_bound": unit.spec.affinity_bound,
+                "endpoints": endpoints,
             }
-            for inst in d.pool.endpoints()
-        ]
-        deployments[d.spec.name] = {
+        deployments[d.name] = {
             "snapshot_id": d.spec.snapshot_id,
-            "revision": revision_of(d.spec.snapshot_id),
-            "unavailable": d.demand.unavailable if d.demand is not None else None,
-            "endpoints": endpoints,
+            "revision": d.spec.revision,
+            "traffic": {str(r): p for r, p in d.traffic.items()},
+            "units": units,  # one per revision that serves, warms or drains, with its READY endpoints
         }
     keys = access.keys.hashed() if access is not None else []
     return {
@@ -109,10 +117,14 @@ def build_controller(
         gateway, reports = parse_report(body)
         platform.routes.seen(gateway)
         now = platform.clock()
-        for name, report in reports.items():
+        for key, report in reports.items():
+            name, _, revision = key.rpartition("@")
             d = platform.get(name)
-            if d is not None and d.demand is not None:  # one removed meanwhile: its news is moot
-                d.demand.report(gateway, report, now)
+            unit = d.units.get(int(revision)) if d is not None else None
+            if unit is not None and unit.demand is not None:  # one gone meanwhile: its news is moot
+                unit.demand.report(gateway, report, now)
+                for status, ttft_s in report["answers"]:  # for the canary check; counted there
+                    d.stats.record(int(revision), status, ttft_s, count=False)
         return JSONResponse({"version": platform.routes.version})
 
     async def snapshots(request: Request) -> Response:

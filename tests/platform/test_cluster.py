@@ -62,8 +62,8 @@ class Pool:
 
 
 def report(**fields) -> dict:
-    _, parsed = parse_report({"gateway": "g", "deployments": {"m": fields}})
-    return parsed["m"]
+    _, parsed = parse_report({"gateway": "g", "deployments": {"m@1": fields}})
+    return parsed["m@1"]
 
 
 def test_gateways_reports_add_up_and_a_silent_gateway_stops_counting():
@@ -126,14 +126,19 @@ def test_a_reports_news_reaches_the_pool_once():
         ({"gateway": "../x", "deployments": {}}, "gateway"),
         ({"gateway": "g", "deployments": []}, "deployments"),
         ({"gateway": "g", "deployments": {"Bad Name": {}}}, "deployments"),
-        ({"gateway": "g", "deployments": {"m": {"in_flight": -1}}}, "in_flight"),
-        ({"gateway": "g", "deployments": {"m": {"queued": True}}}, "queued"),
-        ({"gateway": "g", "deployments": {"m": {"since_arrival_s": float("nan")}}}, "since_arrival_s"),
-        ({"gateway": "g", "deployments": {"m": {"finished": [[1.0]]}}}, "finished"),
-        ({"gateway": "g", "deployments": {"m": {"finished": [[0.1, None]] * 10_001}}}, "finished"),
-        ({"gateway": "g", "deployments": {"m": {"outstanding": {"i": "1"}}}}, "outstanding"),
-        ({"gateway": "g", "deployments": {"m": {"routing": ["x" * 200]}}}, "routing"),
-        ({"gateway": "g", "deployments": {"m": {"poke": "yes"}}}, "poke"),
+        ({"gateway": "g", "deployments": {"m": {}}}, "deployments"),  # no revision
+        ({"gateway": "g", "deployments": {"m@0": {}}}, "deployments"),
+        ({"gateway": "g", "deployments": {"m@1": {"answers": [[200]]}}}, "answers"),
+        ({"gateway": "g", "deployments": {"m@1": {"answers": [[99, 0.1]]}}}, "answers"),
+        ({"gateway": "g", "deployments": {"m@1": {"answers": [[200, -1]]}}}, "answers"),
+        ({"gateway": "g", "deployments": {"m@1": {"in_flight": -1}}}, "in_flight"),
+        ({"gateway": "g", "deployments": {"m@1": {"queued": True}}}, "queued"),
+        ({"gateway": "g", "deployments": {"m@1": {"since_arrival_s": float("nan")}}}, "since_arrival_s"),
+        ({"gateway": "g", "deployments": {"m@1": {"finished": [[1.0]]}}}, "finished"),
+        ({"gateway": "g", "deployments": {"m@1": {"finished": [[0.1, None]] * 10_001}}}, "finished"),
+        ({"gateway": "g", "deployments": {"m@1": {"outstanding": {"i": "1"}}}}, "outstanding"),
+        ({"gateway": "g", "deployments": {"m@1": {"routing": ["x" * 200]}}}, "routing"),
+        ({"gateway": "g", "deployments": {"m@1": {"poke": "yes"}}}, "poke"),
     ],
 )
 def test_a_bad_report_is_refused_naming_the_field(body, param):
@@ -184,4 +189,4 @@ def test_what_a_gateway_buffers_while_the_controller_is_away_is_bounded_and_alwa
     news = source.take()
     assert len(news["finished"]) == MAX_BUFFERED and news["finished"][-1] == [float(MAX_BUFFERED + 4), None]
     assert len(news["failures"]) == MAX_REPORTED and news["failures"][-1] == f"i{MAX_REPORTED + 4}"
-    parse_report({"gateway": "g", "deployments": {"m": news}})  # not refused: it would be kept for ever
+    parse_report({"gateway": "g", "deployments": {"m@1": news}})  # not refused: it would be kept for ever

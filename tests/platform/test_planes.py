@@ -94,7 +94,7 @@ def test_two_gateways_share_one_instance_and_survive_the_controller(planes, tiny
     assert starts(controller) == 1
 
     # Each live gateway routes at most its share of the instance (8 slots, two gateways).
-    [endpoint] = routes(controller, "gw-0")["deployments"]["m"]["endpoints"]
+    [endpoint] = routes(controller, "gw-0")["deployments"]["m"]["units"]["1"]["endpoints"]
     assert endpoint["max_concurrency"] == 4
     assert routes(controller, "gw-1")["gateways"] == 2
 
@@ -160,7 +160,7 @@ def test_a_gateway_killed_loses_only_its_own_requests(planes, tiny_model_dir: Pa
     assert outcome["b"] == 200  # the other gateway's request is untouched
     # The controller forgets the dead gateway: b gets the whole instance.
     controller.wait_for(
-        lambda: routes(controller, "gw-1")["deployments"]["m"]["endpoints"][0]["max_concurrency"] == 8,
+        lambda: routes(controller, "gw-1")["deployments"]["m"]["units"]["1"]["endpoints"][0]["max_concurrency"] == 8,
         what="b's share growing to the whole instance",
     )
     assert chat(b.url).status_code == 200
