@@ -39,7 +39,7 @@ from stoker.openai_errors import APIError, invalid
 from stoker.paths import snapshot_budget
 from stoker.registry import DeploymentSpec, Registry, not_found, validate
 from stoker.revisions import RevisionMetrics, RevisionStats
-from stoker.rollout import Rollout
+from stoker.rollout import Rollout, canary_percent
 from warm_pool.backend import Backend, Running
 from warm_pool.errors import EngineUnavailable, PoolError
 from warm_pool.fleet import Devices, Fleet, Footprint, footprint
@@ -234,7 +234,7 @@ class Platform:
         fields = validate(body)
         if (taken := self.name_taken(fields["name"])) is not None:  # e.g. a cascade route's name
             raise taken
-        canary = _canary_percent(body)
+        canary = canary_percent(body)
         if canary is not None and fields["name"] not in self._deployments:
             raise invalid(
                 f"'canary_percent' needs a deployment to split with; {fields['name']!r} is new.",
@@ -481,17 +481,6 @@ class Platform:
             config = {"architectures": ["?"]} if "config.json" in files else None
         if (reason := loadable_reason(files, config)) is not None:
             raise invalid(f"vLLM cannot load snapshot {snapshot_id[:12]}: {reason}.", "model")
-
-
-def _canary_percent(body: object) -> int | None:
-    """A deploy's `canary_percent`: the share the new revision takes once warm (the rest stays
-    where it is); absent: all of it."""
-    value = body.get("canary_percent") if isinstance(body, dict) else None
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 100:
-        raise invalid(f"'canary_percent' must be a whole percent in 1..100, got {value!r}.", "canary_percent")
-    return value
 
 
 async def _adopt_then_run(pool: Pool, running: list[Running]) -> None:

@@ -272,6 +272,17 @@ class Rollout:
         self._retire(d, canary)
 
 
+def canary_percent(body: object) -> int | None:
+    """A deploy's `canary_percent`: the share the new revision takes once warm (the rest stays
+    where it is); absent: all of it."""
+    value = body.get("canary_percent") if isinstance(body, dict) else None
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 100:
+        raise invalid(f"'canary_percent' must be a whole percent in 1..100, got {value!r}.", "canary_percent")
+    return value
+
+
 def balance_of(spec: DeploymentSpec) -> Balance:
     """How the revision's activator picks an instance (`activator.affinity`)."""
     return Balance(mode=spec.balance, bound=spec.affinity_bound)
