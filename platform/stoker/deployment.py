@@ -90,19 +90,8 @@ class Deployment:
         """Answer one request on the revision the split gives it, with `x-stoker-revision`."""
         revision = choose(self.traffic, bucket_of(parsed, scope.get("headers", [])))
         unit = self.units.get(revision) or self.primary  # a split names only revisions with units
-        await answer_on(
-            unit.activator,
-            unit.spec.revision,
-            self.stats,
-            self.clock,
-            scope,
-            receive,
-            send,
-            body,
-            parsed,
-            stream,
-            owner,
-        )
+        request = (scope, receive, send, body, parsed, stream, owner)
+        await answer_on(unit.activator, unit.spec.revision, self.stats, self.clock, *request)
 
     def revision_rows(self, history: list[tuple[DeploymentSpec, float]]) -> list[dict[str, Any]]:
         """Every revision with its traffic share and state, for `stoker revisions`."""

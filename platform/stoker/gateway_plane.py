@@ -155,19 +155,8 @@ class RemoteDeployment:
         """Answer one request on the revision the split gives it, as `Deployment.serve` does."""
         revision = choose(self.traffic, bucket_of(parsed, scope.get("headers", [])))
         unit = self.units.get(revision) or self.units[self.spec.revision]
-        status, ttft_s = await answer_on(
-            unit.activator,
-            unit.spec.revision,
-            self.stats,
-            self.clock,
-            scope,
-            receive,
-            send,
-            body,
-            parsed,
-            stream,
-            owner,
-        )
+        request = (scope, receive, send, body, parsed, stream, owner)
+        status, ttft_s = await answer_on(unit.activator, unit.spec.revision, self.stats, self.clock, *request)
         unit.source.answers.append([status, ttft_s])
 
     def close(self, why: str) -> None:
