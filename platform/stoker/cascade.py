@@ -2,14 +2,9 @@
 
 A route (`assist` → small `tiny`, large `big`) is called like a deployment (`"model": "assist"`).
 A plain (non-streaming) request goes to the small deployment first, with logprobs asked for, and
-its answer is kept back, not sent, while it is judged (at most `MAX_ANSWER_BYTES`):
-
-    small answers 200, its choices' mean token logprob ≥ min_mean_logprob ─▶ that answer  (small)
-    ... under min_mean_logprob                                            ─▶ large (escalated-unsure)
-    small answers 400 "context length exceeded" (both engines' wording),
-      or the prompt is clearly longer than its context (below)            ─▶ large (escalated-context)
-    small fails before answering (an activator error, or a 5xx)           ─▶ large (escalated-error)
-    anything else (another 4xx, an answer with no logprobs or too big)    ─▶ the small one's answer
+its answer is kept back, not sent, while it is judged (at most `MAX_ANSWER_BYTES`) by the rules of
+`stoker.cascade_rules`: sure enough stays, unsure, too long for the small one's context or failed
+goes to the large one.
 
 The client sees one answer; `x-stoker-cascade` says which way it went, and
 `x-stoker-cascade-logprob` the small answer's score when it was judged. Logprobs the client did
@@ -27,10 +22,9 @@ context-length 400 or a 5xx (those come before any stream byte); otherwise the s
 goes through as it comes, unjudged. A stream held at zero whose keep-alives already went out
 (`activator.proxy.Reply.keepalive`) has started its 200: it stays with the small one.
 
-"Clearly too long" is a cheap estimate, no tokenizer: the prompt's UTF-8 bytes / 8 (typical text
-is about 4 bytes a token, so this undercounts by half), plus `max_tokens` when given, above the
-small snapshot's `max_position_embeddings` (at most 4096 on the CPU engine, which caps it so). An estimate
-that is short only costs one refused call to the small one, whose 400 escalates the request then.
+Where the routes come from is a `RouteSource`: the SQLite table (`stoker.cascade_store`) in
+`stoker up` and in the controller, which publishes them in its routing table; a gateway of its own
+serves its synced copy of that, and never writes one.
 
 Who may call a route: the caller's key must list the route's name AND both deployments; any
 other caller gets the 404 a deployment that does not exist gets. So a route never lets a key reach
@@ -56,269 +50,56 @@ from __future__ import annotations
 
 import json
 import logging
-import math
-import sqlite3
 import time
 from collections import deque
 from collections.abc import Callable, MutableMapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from stoker.openai_errors import UNAVAILABLE, APIError, invalid
-from stoker.registry import NAME
+# The two `X as X` imports are re-exports: `stoker.openapi` takes them from here.
+from stoker.cascade_rules import DEFAULT_MIN_MEAN_LOGPROB as DEFAULT_MIN_MEAN_LOGPROB
+from stoker.cascade_rules import (
+    ESCALATED_CONTEXT,
+    ESCALATED_ERROR,
+    ESCALATED_UNSURE,
+    OUTCOMES,
+    SMALL,
+    CascadeRoute,
+    context_exceeded,
+    context_of,
+    mean_logprob,
+    prompt_tokens_at_least,
+    saving,
+    with_logprobs,
+    without_logprobs,
+)
+from stoker.cascade_rules import LOGPROB_FLOOR as LOGPROB_FLOOR
+from stoker.cascade_store import CascadeRoutes
+from stoker.openai_errors import UNAVAILABLE, APIError
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
 # The activator (aiohttp) and prometheus_client are imported where the serving side is built, not
-# here: `stoker routes` (the CLI) takes this module's names, and `stoker --help` stays quick.
+# here: `stoker routes` (the CLI) takes `stoker.cascade_rules`' names, and `stoker --help` stays quick.
 
 log = logging.getLogger("stoker.cascade")
 
 MAX_ANSWER_BYTES = 4 << 20  # a small answer kept back to be judged: the gateway's body bound
 MAX_ERROR_BYTES = 64 << 10  # a stream's error answer kept back to be read (as `activator.proxy`)
 LARGE_WINDOW = 32  # the large side's recent answers the saving is measured against
-LOGPROB_FLOOR = -9999.0  # what both engines write for -inf
-BYTES_PER_TOKEN = 8  # the context estimate's, a generous undercount (typical text: about 4)
-DEFAULT_MIN_MEAN_LOGPROB = -1.0  # a geometric-mean token probability of e^-1 ≈ 0.37
-
-SMALL = "small"
-ESCALATED_UNSURE = "escalated_unsure"
-ESCALATED_CONTEXT = "escalated_context"
-ESCALATED_ERROR = "escalated_error"
-OUTCOMES = (SMALL, ESCALATED_UNSURE, ESCALATED_CONTEXT, ESCALATED_ERROR)
 
 Send = Callable[[MutableMapping[str, Any]], Any]
 
 
-# ---- the route, validated, and its table -------------------------------------------------------
+class RouteSource(Protocol):
+    """Where `Cascades` reads routes: `stoker.cascade_store`'s SQLite table or a gateway's synced
+    copy of the controller's."""
 
+    def get(self, name: str) -> CascadeRoute | None: ...
 
-@dataclass(frozen=True)
-class CascadeRoute:
-    name: str
-    small: str  # a deployment's name
-    large: str
-    min_mean_logprob: float = DEFAULT_MIN_MEAN_LOGPROB  # escalate answers scoring under this
-    escalate_on_context: bool = True
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-FIELDS = ("name", "small", "large", "min_mean_logprob", "escalate_on_context")
-
-
-def validate_route(body: Any) -> CascadeRoute:
-    """A `POST /admin/v1/routes` body, or a 400 naming the field. Whether `small` and `large` are
-    deployed is the caller's to check (it knows the platform)."""
-    if not isinstance(body, dict):
-        raise invalid("The request body must be a JSON object.")
-    unknown = sorted(set(body) - set(FIELDS))
-    if unknown:
-        raise invalid(f"Unknown field(s) {unknown}; allowed: {', '.join(FIELDS)}.", unknown[0])
-    names = {}
-    for field in ("name", "small", "large"):
-        value = body.get(field)
-        if not isinstance(value, str) or not NAME.fullmatch(value):
-            what = "the route's name" if field == "name" else "a deployment's name"
-            raise invalid(
-                f"'{field}' must be {what}: 1-63 lowercase letters, digits, '.', '_' or '-', starting "
-                f"with a letter or digit; got {value!r}.",
-                field,
-            )
-        names[field] = value
-    if names["small"] == names["large"]:
-        raise invalid(f"'large' must be another deployment than 'small' ({names['small']!r}).", "large")
-    if names["name"] in (names["small"], names["large"]):
-        raise invalid(f"'name' must differ from the deployments it routes to, got {names['name']!r}.", "name")
-    threshold = body.get("min_mean_logprob", DEFAULT_MIN_MEAN_LOGPROB)
-    if threshold is None:
-        threshold = DEFAULT_MIN_MEAN_LOGPROB
-    if (
-        isinstance(threshold, bool)
-        or not isinstance(threshold, int | float)
-        or not math.isfinite(threshold)
-        or not LOGPROB_FLOOR <= threshold <= 0
-    ):
-        raise invalid(
-            f"'min_mean_logprob' must be a number in {LOGPROB_FLOOR:g}..0 (a mean token logprob), got {threshold!r}.",
-            "min_mean_logprob",
-        )
-    context = body.get("escalate_on_context", True)
-    if not isinstance(context, bool):
-        raise invalid(f"'escalate_on_context' must be true or false, got {context!r}.", "escalate_on_context")
-    return CascadeRoute(names["name"], names["small"], names["large"], float(threshold), context)
-
-
-def route_not_found(name: str) -> APIError:
-    return APIError(
-        404, f"No route named {name!r}.", type="not_found_error", param="name", code="route_not_found"
-    )
-
-
-class CascadeRoutes:
-    """Routes in SQLite (the registry's `stoker.db`, table `cascade_routes`, its own connection),
-    mirrored in memory so that the request path never touches the database."""
-
-    def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(path, isolation_level=None)  # autocommit; `with` for transactions
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute(
-            "CREATE TABLE IF NOT EXISTS cascade_routes ("
-            " name TEXT PRIMARY KEY, route TEXT NOT NULL, created_at REAL NOT NULL, updated_at REAL NOT NULL)"
-        )
-        rows = self._db.execute("SELECT route FROM cascade_routes ORDER BY created_at, name").fetchall()
-        self._routes = {r.name: r for r in (CascadeRoute(**json.loads(text)) for (text,) in rows)}
-
-    def put(self, route: CascadeRoute) -> bool:
-        """Create or replace `route`; whether it was created."""
-        now = time.time()
-        with self._db:
-            self._db.execute(
-                "INSERT INTO cascade_routes (name, route, created_at, updated_at) VALUES (?, ?, ?, ?)"
-                " ON CONFLICT(name) DO UPDATE SET route = excluded.route, updated_at = excluded.updated_at",
-                (route.name, json.dumps(route.to_dict()), now, now),
-            )
-        created = route.name not in self._routes
-        self._routes[route.name] = route
-        return created
-
-    def get(self, name: str) -> CascadeRoute | None:
-        return self._routes.get(name)
-
-    def delete(self, name: str) -> CascadeRoute:
-        route = self._routes.get(name)
-        if route is None:
-            raise route_not_found(name)
-        with self._db:
-            self._db.execute("DELETE FROM cascade_routes WHERE name = ?", (name,))
-        del self._routes[name]
-        return route
-
-    def all(self) -> list[CascadeRoute]:
-        return list(self._routes.values())
-
-    def close(self) -> None:
-        self._db.close()
-
-
-# ---- judging an answer, and the requests the two sides get (pure) ------------------------------
-
-
-def with_logprobs(parsed: dict, chat: bool) -> tuple[dict, bool]:
-    """The request asking for logprobs, and whether they were added (to be taken out again).
-    A request that asks for them already, or sets them in a way the engine must judge (a bad
-    value, chat's `top_logprobs` without `logprobs`), goes as it is."""
-    if chat:
-        if parsed.get("logprobs") in (None, False) and not parsed.get("top_logprobs"):
-            return {**parsed, "logprobs": True}, True
-        return parsed, False
-    if parsed.get("logprobs") is None:  # completions: an integer N; 0 gives the chosen token's only
-        return {**parsed, "logprobs": 0}, True
-    return parsed, False
-
-
-def mean_logprob(answer: Any, skip_prompt: bool = False) -> float | None:
-    """The lowest of the answer's choices' mean token logprobs (one unsure choice is enough to
-    escalate), or None when no choice carries any. Chat's `logprobs.content[].logprob` and the
-    legacy `logprobs.token_logprobs`; `skip_prompt` (a completion with `echo`) leaves out the
-    first `usage.prompt_tokens` entries, the prompt's."""
-    if not isinstance(answer, dict) or not isinstance(answer.get("choices"), list):
-        return None
-    prompt_tokens = (answer.get("usage") or {}).get("prompt_tokens") if skip_prompt else 0
-    means = []
-    for choice in answer["choices"]:
-        lp = choice.get("logprobs") if isinstance(choice, dict) else None
-        if not isinstance(lp, dict):
-            continue
-        if isinstance(lp.get("content"), list):
-            values = [e.get("logprob") for e in lp["content"] if isinstance(e, dict)]
-        elif isinstance(lp.get("token_logprobs"), list):
-            values = lp["token_logprobs"][prompt_tokens if isinstance(prompt_tokens, int) else 0 :]
-        else:
-            continue
-        numbers = [
-            max(float(v), LOGPROB_FLOOR)
-            for v in values
-            if isinstance(v, int | float) and not isinstance(v, bool) and not math.isnan(v)
-        ]
-        if numbers:
-            means.append(sum(numbers) / len(numbers))
-    return min(means) if means else None
-
-
-def without_logprobs(answer: dict) -> dict:
-    """The answer as a request that did not ask for logprobs gets it."""
-    for choice in answer.get("choices") or []:
-        if isinstance(choice, dict) and "logprobs" in choice:
-            choice["logprobs"] = None
-    return answer
-
-
-def context_exceeded(status: int, body: bytes) -> bool:
-    """Whether an answer is an engine's "the prompt does not fit the context" 400: the CPU engine's
-    (and OpenAI's) code `context_length_exceeded`; vLLM's messages "This model's maximum context
-    length is …" and "The decoder prompt (length N) is longer than the maximum model length of M"."""
-    if status != 400:
-        return False
-    try:
-        error = json.loads(body)
-    except ValueError:
-        return False
-    if isinstance(error, dict) and isinstance(error.get("error"), dict):
-        error = error["error"]  # OpenAI's shape; vLLM's older one is the object itself
-    if not isinstance(error, dict):
-        return False
-    message = error.get("message")
-    message = message if isinstance(message, str) else ""
-    return (
-        error.get("code") == "context_length_exceeded"
-        or "maximum context length" in message
-        or "longer than the maximum model length" in message
-    )
-
-
-def prompt_tokens_at_least(parsed: dict) -> int:
-    """A cheap estimate of the tokens a request needs, meant to undercount: the prompt's UTF-8 bytes
-    / `BYTES_PER_TOKEN` (token ids count one each) plus `max_tokens` when given."""
-    size = 0
-    if isinstance(messages := parsed.get("messages"), list):
-        for m in messages:
-            content = m.get("content") if isinstance(m, dict) else None
-            parts = content if isinstance(content, list) else [content]
-            for part in parts:
-                text = part.get("text") if isinstance(part, dict) else part
-                size += len(text.encode("utf-8", "replace")) if isinstance(text, str) else 0
-    tokens = size // BYTES_PER_TOKEN
-    prompt = parsed.get("prompt")
-    if isinstance(prompt, str):
-        tokens = len(prompt.encode("utf-8", "replace")) // BYTES_PER_TOKEN
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        tokens = len(prompt)
-    most = parsed.get("max_completion_tokens", parsed.get("max_tokens"))
-    if isinstance(most, int) and not isinstance(most, bool) and most > 0:
-        tokens += most
-    return tokens
-
-
-def context_of(snapshot_dir: Path, engine: str) -> int | None:
-    """A deployment's context, from its snapshot's `max_position_embeddings` (or its text
-    config's), capped at 4096 on the CPU engine as it caps it; None when config.json does not say."""
-    try:
-        config = json.loads((snapshot_dir / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(config, dict):
-        return None
-    value = config.get("max_position_embeddings")
-    if value is None and isinstance(config.get("text_config"), dict):
-        value = config["text_config"].get("max_position_embeddings")
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        return None
-    return min(value, 4096) if engine == "cpu" else value
+    def all(self) -> list[CascadeRoute]: ...
 
 
 # ---- metrics -----------------------------------------------------------------------------------
@@ -363,29 +144,32 @@ class CascadeMetrics:
         )
 
 
-def saving(small_s: float, recent_large_s: deque[float] | list[float]) -> float | None:
-    """Seconds an answer the small side gave in `small_s` saved against the large side's recent
-    mean (negative: it cost that much more); None with nothing to compare with.
-    E.g. large answers of 2.0, 3.0 and 4.0 s, a small answer in 0.5 s: 3.0 - 0.5 = 2.5 s saved."""
-    if not recent_large_s:
-        return None
-    return sum(recent_large_s) / len(recent_large_s) - small_s
-
-
 # ---- serving -----------------------------------------------------------------------------------
 
 
 class Cascades:
-    """The routes as the gateway serves them: the table (opened at first use, in the platform's
-    `stoker.db`), the lookup on the request path, each route's two-step serving, the metrics.
-    `platform` needs `get(name)` (a deployment with `spec` and `serve`) and `data_dir`; with a
-    `store` (a `SnapshotStore`) the context pre-check runs too."""
+    """The routes as a gateway serves them: the lookup on the request path, each route's two-step
+    serving, the metrics. `platform` needs `get(name)` (a deployment with `spec` and `serve`).
+
+    Where the routes come from: by default the table this process owns (opened at first use, in
+    the platform's `stoker.db`, so `platform` needs `data_dir`), and the small deployment's context
+    from its snapshot (with a `store`, a `SnapshotStore`; without one, no pre-check). A gateway of
+    its own passes `routes` (its synced copy; then `table` refuses: a gateway never writes routes)
+    and `contexts` (each route's small context, as the controller published it)."""
 
     def __init__(
-        self, platform: Any, registry: CollectorRegistry, clock: Callable[[], float] = time.monotonic
+        self,
+        platform: Any,
+        registry: CollectorRegistry,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        routes: RouteSource | None = None,
+        contexts: Callable[[CascadeRoute], int | None] | None = None,
     ) -> None:
         self._platform = platform
         self._table: CascadeRoutes | None = None
+        self._synced = routes
+        self._context_of = contexts if contexts is not None else self.small_context
         self.metrics = CascadeMetrics(registry)
         self._clock = clock
         self._large_s: dict[str, deque[float]] = {}  # route -> its last LARGE_WINDOW large answers
@@ -394,18 +178,42 @@ class Cascades:
 
     @property
     def table(self) -> CascadeRoutes:
+        """The routes this process owns, to read and write (the admin API's)."""
+        if self._synced is not None:
+            raise RuntimeError("this process serves a synced copy of the routes; the controller owns them")
         if self._table is None:
             self._table = CascadeRoutes(Path(self._platform.data_dir) / "stoker.db")
         return self._table
+
+    @property
+    def routes(self) -> RouteSource:
+        """The routes as served: the synced copy, or the table."""
+        return self._synced if self._synced is not None else self.table
 
     def close(self) -> None:
         if self._table is not None:
             self._table.close()
             self._table = None
 
+    def small_context(self, route: CascadeRoute) -> int | None:
+        """The route's small deployment's context, from its snapshot's config (cached by snapshot),
+        or None: not deployed, no store, the snapshot not here (in object storage only), or no
+        config that says. What the controller publishes to gateways as `small_context`."""
+        small = self._platform.get(route.small)
+        store = getattr(self._platform, "store", None)
+        if small is None or store is None:
+            return None
+        spec = small.spec
+        context = self._contexts.get(spec.snapshot_id)
+        if context is None:
+            context = context_of(store.path_of(spec.snapshot_id), spec.engine)
+            if context is not None:
+                self._contexts[spec.snapshot_id] = context
+        return context
+
     def conflict(self, name: str) -> APIError | None:
         """The 409 a deploy named like a route gets (`Platform.deploy`'s check), or None."""
-        if self.table.get(name) is None:
+        if self.routes.get(name) is None:
             return None
         return APIError(
             409,
@@ -418,7 +226,7 @@ class Cascades:
         """The route `name` as the request path calls it, or None when there is none or the caller
         may not call both its deployments (the caller's right to the route's own name is the
         gateway's check, as for a deployment)."""
-        route = self.table.get(name)
+        route = self.routes.get(name)
         if route is None or not (may_call(route.small) and may_call(route.large)):
             return None
         return RouteTarget(self, route)
@@ -447,7 +255,7 @@ class Cascades:
 
         small, large = self._deployments(route)
         receive = _Watched(receive)
-        if route.escalate_on_context and self._too_long(small, parsed):
+        if route.escalate_on_context and self._too_long(route, parsed):
             await self._escalate(
                 route, large, ESCALATED_CONTEXT, None, scope, receive, send, parsed, stream, owner
             )
@@ -553,20 +361,11 @@ class Cascades:
                 )
         return small, large
 
-    def _too_long(self, small: Any, parsed: dict) -> bool:
+    def _too_long(self, route: CascadeRoute, parsed: dict) -> bool:
         """Whether the request clearly does not fit the small deployment's context (the estimate
-        undercounts; see the module docstring)."""
-        store = getattr(self._platform, "store", None)
-        spec = small.spec
-        if store is None:
-            return False
-        context = self._contexts.get(spec.snapshot_id)
-        if context is None:
-            context = context_of(store.path_of(spec.snapshot_id), spec.engine)
-            if context is None:  # not here yet (in object storage only), or no config: no pre-check
-                return False
-            self._contexts[spec.snapshot_id] = context
-        return prompt_tokens_at_least(parsed) > context
+        undercounts; see `stoker.cascade_rules`). An unknown context: no pre-check."""
+        context = self._context_of(route)
+        return context is not None and prompt_tokens_at_least(parsed) > context
 
 
 @dataclass(frozen=True)

@@ -5,24 +5,36 @@ A POST creates a route (201) or replaces one of that name (200). Refused, in Ope
 a bad field (400 naming it; `small` and `large` must be deployed now), a name a deployment has
 (409 `name_taken`: clients send both as `model`, so one name means one thing). A route whose
 deployment is removed later stays, and answers 503 until it is deployed again.
+
+These routes run where the routes are owned: `stoker up`, or `stoker controller`, whose
+`on_change` bumps the routing table so that gateways learn of a change at once (a gateway passes
+these calls through to its controller).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from stoker.cascade import CascadeRoute, Cascades, route_not_found, validate_route
+from stoker.cascade import Cascades
+from stoker.cascade_rules import CascadeRoute, route_not_found, validate_route
 from stoker.http import parse_json_object, read_body
 from stoker.openai_errors import APIError, invalid
 
 MAX_BODY_BYTES = 64 << 10  # a route is five short fields
 
 
-def cascade_routes(platform: Any, cascades: Cascades) -> list[Route]:
+def cascade_routes(
+    platform: Any, cascades: Cascades, on_change: Callable[[], None] | None = None
+) -> list[Route]:
+    def changed() -> None:
+        if on_change is not None:
+            on_change()
+
     def describe(route: CascadeRoute) -> dict[str, Any]:
         counts = cascades.counts.get(route.name)  # since this process started
         missing = [n for n in (route.small, route.large) if platform.get(n) is None]
@@ -45,6 +57,7 @@ def cascade_routes(platform: Any, cascades: Cascades) -> list[Route]:
             if platform.get(getattr(route, field)) is None:
                 raise invalid(f"'{field}': no deployment named {getattr(route, field)!r}.", field)
         created = cascades.table.put(route)
+        changed()
         return JSONResponse(describe(route), status_code=201 if created else 200)
 
     async def get_route(request: Request) -> Response:
@@ -56,6 +69,7 @@ def cascade_routes(platform: Any, cascades: Cascades) -> list[Route]:
     async def delete_route(request: Request) -> Response:
         route = cascades.table.delete(request.path_params["name"])
         cascades.forget(route.name)
+        changed()
         return JSONResponse({"name": route.name, "deleted": True})
 
     return [

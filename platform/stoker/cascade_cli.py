@@ -10,7 +10,7 @@ import math
 import urllib.parse
 
 from stoker.admin_client import add_url_option, call
-from stoker.cascade import DEFAULT_MIN_MEAN_LOGPROB, LOGPROB_FLOOR, OUTCOMES
+from stoker.cascade_rules import DEFAULT_MIN_MEAN_LOGPROB, LOGPROB_FLOOR, OUTCOMES
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

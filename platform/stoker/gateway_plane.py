@@ -14,6 +14,8 @@ drops the oldest completions, which only feed the scaler's statistics).
 
 Tenant keys come with the table as SHA-256 hashes (`KeyTable`): a gateway never sees a key. Each
 key's limits are split between the live gateways, so the sum over gateways is the key's limit.
+Cascade routes come with it too (`stoker.cascade_store.SyncedRoutes`), each with its small
+deployment's context; the gateway serves that copy and never writes a route.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from prometheus_client import CollectorRegistry
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
 
 from activator import Activator, ActivatorConfig, ActivatorMetrics, Balance
+from stoker.cascade_store import SyncedRoutes
 from stoker.cluster import MAX_REPORT_EVENTS, MAX_REPORT_FINISHED
 from stoker.deployment import answer_on
 from stoker.keys import KeyRecord, hash_key
@@ -209,6 +212,7 @@ class GatewayPlane:
     report_interval_s: float = 1.0
     clock: Callable[[], float] = time.monotonic
     keys: KeyTable = field(default_factory=KeyTable)
+    cascade_routes: SyncedRoutes = field(default_factory=SyncedRoutes)  # the controller's, as last sent
     _deployments: dict[str, RemoteDeployment] = field(default_factory=dict)
     _session: aiohttp.ClientSession | None = None  # the proxy's, to the engines
     _control: aiohttp.ClientSession | None = None  # to the controller, with this gateway's key
@@ -299,6 +303,7 @@ class GatewayPlane:
     def _apply(self, table: dict[str, Any]) -> None:
         self._epoch, self._version = table["epoch"], table["version"]
         self.keys.replace(table["keys"], table["gateways"])
+        self.cascade_routes.replace(table.get("cascades", []))  # none from a controller before routes
         wanted = table["deployments"]
         for name in [n for n in self._deployments if n not in wanted]:
             self._deployments.pop(name).close(f"deployment {name!r} was removed")

@@ -21,6 +21,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from stoker.cascade import Cascades
+from stoker.cascade_api import cascade_routes
 from stoker.cluster import parse_gateway_id, parse_report, share
 from stoker.gateway import Access, admin_routes, common_routes, data_routes, middleware_for
 from stoker.gateway_plane import GatewayPlane
@@ -36,10 +38,13 @@ _PASS_REQUEST = ("authorization", "content-type", "origin", "accept")
 _PASS_RESPONSE = ("content-type", "retry-after", "cache-control")
 
 
-def routing_table(platform: Platform, access: Access | None, gateway: str) -> dict[str, Any]:
+def routing_table(
+    platform: Platform, access: Access | None, gateway: str, cascades: Cascades | None = None
+) -> dict[str, Any]:
     """What one gateway routes by: every deployment's traffic split and, per revision, its READY
     endpoints with their keys and this gateway's share of each one's concurrency, and why it
-    cannot start (if so); and the tenant keys' hashes."""
+    cannot start (if so); the tenant keys' hashes; and the cascade routes, each with its small
+    deployment's context for the gateway's pre-check (`stoker.cascade_store.SyncedRoutes`)."""
     gateways = platform.routes.live()
     if gateway not in gateways:
         gateways = sorted([*gateways, gateway])
@@ -70,12 +75,14 @@ def routing_table(platform: Platform, access: Access | None, gateway: str) -> di
             "units": units,  # one per revision that serves, warms or drains, with its READY endpoints
         }
     keys = access.keys.hashed() if access is not None else []
+    routes = cascades.table.all() if cascades is not None else []
     return {
         "epoch": platform.routes.epoch,
         "version": platform.routes.version,
         "gateways": len(gateways),
         "deployments": deployments,
         "keys": keys,
+        "cascades": [{**r.to_dict(), "small_context": cascades.small_context(r)} for r in routes],
     }
 
 
@@ -95,6 +102,9 @@ def build_controller(
     so the Service sends gateways to the leader only), and on losing it calls `on_lost_lease`
     (the process exits) leaving every instance to the next leader, whatever `leave_instances`."""
     limiter = Limiter(NO_LIMITS, registry=platform.metrics_registry)  # keys are revoked here too
+    # The cascade routes are owned here and served by the gateways, from the routing table.
+    cascades = Cascades(platform, platform.metrics_registry)
+    platform.name_taken = cascades.conflict
 
     async def routes(request: Request) -> Response:
         gateway = parse_gateway_id(request.query_params.get("gateway"))
@@ -110,7 +120,7 @@ def build_controller(
             if await platform.routes.wait(epoch, after, min(1.0, poll_timeout_s - waited)):
                 break
             waited += 1.0
-        return JSONResponse(routing_table(platform, access, gateway))
+        return JSONResponse(routing_table(platform, access, gateway, cascades))
 
     async def load(request: Request) -> Response:
         body = parse_json_object(await read_body(request.receive, request.scope, MAX_REPORT_BYTES))
@@ -176,6 +186,7 @@ def build_controller(
             yield
         finally:
             await platform.shutdown(stop_instances=not leave_instances and not lost)
+            cascades.close()
             if election is not None:
                 election.cancel()  # releases the lease: the next replica need not wait it out
                 await asyncio.gather(election, return_exceptions=True)
@@ -190,6 +201,7 @@ def build_controller(
             *own,
             *cluster,
             *admin_routes(platform, access, limiter),
+            *cascade_routes(platform, cascades, on_change=platform.routes.bump),
         ],
         exception_handlers=openai_exception_handlers(),
         middleware=middleware_for(access, "controller"),
@@ -203,6 +215,15 @@ def build_data_gateway(plane: GatewayPlane, *, access: Access | None = None) -> 
     limiter = Limiter(
         access.default_limits if access is not None else NO_LIMITS, registry=plane.metrics_registry
     )
+    # Cascade routes from the plane's copy of the controller's; never written here (the admin API's
+    # `/admin/v1/routes` goes to the controller, as the rest).
+    cascades = Cascades(
+        plane,
+        plane.metrics_registry,
+        routes=plane.cascade_routes,
+        contexts=plane.cascade_routes.small_context,
+    )
+    plane.cascade_routes.on_removed = cascades.forget
 
     async def admin(request: Request) -> Response:
         return await _pass_through(plane, request)
@@ -231,7 +252,7 @@ def build_data_gateway(plane: GatewayPlane, *, access: Access | None = None) -> 
         routes=[
             Route("/healthz", healthz, methods=["GET"]),
             *own,
-            *data_routes(plane, limiter),
+            *data_routes(plane, limiter, cascades),
             Route("/metrics/engines", admin, methods=["GET"]),
             Route("/admin/{rest:path}", admin, methods=["GET", "POST", "DELETE"]),
         ],

@@ -1,7 +1,8 @@
-"""Cascade routes' pure parts as tables (`stoker.cascade`): validation, the logprob request and its
-undoing, the score, the context signals and estimate, the saving; the table in SQLite; and the
-two-step serving against scripted deployments (ASGI messages in, ASGI messages out; the live
-platform is `test_cascade_live.py`)."""
+"""Cascade routes' pure parts as tables (`stoker.cascade_rules`): validation, the logprob request
+and its undoing, the score, the context signals and estimate, the saving; the table in SQLite and a
+gateway's synced copy (`stoker.cascade_store`); and the two-step serving (`stoker.cascade`) against
+scripted deployments (ASGI messages in, ASGI messages out; the live platform is
+`test_cascade_live.py`, the split planes `test_cascade_planes.py`)."""
 
 from __future__ import annotations
 
@@ -13,11 +14,10 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from activator import QueueFull
-from stoker.cascade import (
+from stoker.cascade import Cascades
+from stoker.cascade_rules import (
     DEFAULT_MIN_MEAN_LOGPROB,
     CascadeRoute,
-    CascadeRoutes,
-    Cascades,
     context_exceeded,
     context_of,
     mean_logprob,
@@ -27,6 +27,7 @@ from stoker.cascade import (
     with_logprobs,
     without_logprobs,
 )
+from stoker.cascade_store import CascadeRoutes, SyncedRoutes
 from stoker.openai_errors import APIError
 
 
@@ -209,6 +210,23 @@ def test_routes_survive_a_reopen(tmp_path: Path):
     assert [r.name for r in CascadeRoutes(db).all()] == ["assist"]
 
 
+def test_a_gateways_copy_is_replaced_whole_from_the_table():
+    removed: list[str] = []
+    synced = SyncedRoutes(on_removed=removed.append)
+    entry = {
+        "name": "assist",
+        "small": "s",
+        "large": "l",
+        "min_mean_logprob": -2.0,
+        "escalate_on_context": True,
+    }
+    synced.replace([{**entry, "small_context": 64}, {**entry, "name": "b", "small_context": None}])
+    assert synced.get("assist") == CascadeRoute("assist", "s", "l", -2.0, True)
+    assert [synced.small_context(r) for r in synced.all()] == [64, None]
+    synced.replace([{**entry, "name": "b", "small_context": 128}])
+    assert (synced.get("assist"), removed, synced.small_context(synced.get("b"))) == (None, ["assist"], 128)
+
+
 # ---- the two-step serving, against scripted deployments ---------------------------------------
 
 
@@ -383,6 +401,28 @@ async def test_a_clearly_too_long_prompt_skips_the_small_one(tmp_path: Path):
     assert (headers[b"x-stoker-cascade"], small.calls) == (b"escalated-context", [])
     _status, headers, _ = await _serve(cascades, route, {**long, "stream": True}, stream=True)
     assert (headers[b"x-stoker-cascade"], small.calls) == (b"escalated-context", [])
+
+
+async def test_a_gateway_serves_its_synced_copy_and_the_published_context():
+    small, large = Scripted("s"), Scripted("l", body=_answer("l", [-0.1]))
+    synced = SyncedRoutes()
+    entry = {
+        "name": "assist",
+        "small": "s",
+        "large": "l",
+        "min_mean_logprob": -1.0,
+        "escalate_on_context": True,
+    }
+    synced.replace([{**entry, "small_context": 16}])
+    platform = SimpleNamespace(get={"s": small, "l": large}.get)  # no data_dir, no store
+    cascades = Cascades(platform, CollectorRegistry(), routes=synced, contexts=synced.small_context)
+    target = cascades.lookup("assist", lambda name: True)
+    assert target is not None and cascades.conflict("assist").status == 409
+    long = {**CHAT, "messages": [{"role": "user", "content": "word " * 100}]}
+    _status, headers, _ = await _serve(cascades, target.route, long)
+    assert (headers[b"x-stoker-cascade"], small.calls) == (b"escalated-context", [])
+    with pytest.raises(RuntimeError):
+        cascades.table  # noqa: B018 -- a gateway never writes routes
 
 
 async def test_a_missing_deployment_is_a_503():
