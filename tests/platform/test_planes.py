@@ -160,7 +160,10 @@ def test_a_gateway_killed_loses_only_its_own_requests(planes, tiny_model_dir: Pa
     assert outcome["b"] == 200  # the other gateway's request is untouched
     # The controller forgets the dead gateway: b gets the whole instance.
     controller.wait_for(
-        lambda: routes(controller, "gw-1")["deployments"]["m"]["units"]["1"]["endpoints"][0]["max_concurrency"] == 8,
+        lambda: (
+            routes(controller, "gw-1")["deployments"]["m"]["units"]["1"]["endpoints"][0]["max_concurrency"]
+            == 8
+        ),
         what="b's share growing to the whole instance",
     )
     assert chat(b.url).status_code == 200

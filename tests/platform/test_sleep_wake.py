@@ -119,7 +119,7 @@ def test_policy_is_validated_persisted_and_defaults_for_old_rows(platform_factor
         for table in ("deployments", "revisions"):
             for rowid, spec in db.execute(f"SELECT rowid, spec FROM {table} WHERE name = 'tiny'").fetchall():
                 old = {k: v for k, v in json.loads(spec).items() if k != "policy"}
-                db.execute(f"UPDATE {table} SET spec = ? WHERE rowid = ?", (json.dumps(old), rowid))  # noqa: S608
+                db.execute(f"UPDATE {table} SET spec = ? WHERE rowid = ?", (json.dumps(old), rowid))
     db.close()
     registry = Registry(home / "stoker.db")
     assert registry.all()[0].policy == "predictive"
