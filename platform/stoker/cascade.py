@@ -57,8 +57,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-# The two `X as X` imports are re-exports: `stoker.openapi` takes them from here.
-from stoker.cascade_rules import DEFAULT_MIN_MEAN_LOGPROB as DEFAULT_MIN_MEAN_LOGPROB
 from stoker.cascade_rules import (
     ESCALATED_CONTEXT,
     ESCALATED_ERROR,
@@ -74,7 +72,6 @@ from stoker.cascade_rules import (
     with_logprobs,
     without_logprobs,
 )
-from stoker.cascade_rules import LOGPROB_FLOOR as LOGPROB_FLOOR
 from stoker.cascade_store import CascadeRoutes
 from stoker.openai_errors import UNAVAILABLE, APIError
 

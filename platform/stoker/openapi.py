@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from stoker.cascade import DEFAULT_MIN_MEAN_LOGPROB, LOGPROB_FLOOR
+from stoker.cascade_rules import DEFAULT_MIN_MEAN_LOGPROB, LOGPROB_FLOOR
 from stoker.engine.protocol import MAX_STOP_SEQUENCES
 from stoker.log_api import DEFAULT_TAIL
 from stoker.registry import BALANCES, ENGINES, FIELDS, NAME
