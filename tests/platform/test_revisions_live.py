@@ -143,6 +143,16 @@ def test_updates_canaries_and_rollbacks_move_traffic_without_an_error(
     assert r[2]["traffic_percent"] == 100 and "first byte later than" in r[canary]["state"]
     assert p.metric("stoker_revision_rollbacks_total", deployment="chat") == 1
 
+    # 6. A restart brings back what served, and the whole history.
+    history = {rev: (row["snapshot_id"], row["traffic_percent"]) for rev, row in revisions(p).items()}
+    assert p.stop() == 0
+    again = platform_factory("--stable-window", "2", home=p.home)
+    assert {
+        rev: (row["snapshot_id"], row["traffic_percent"]) for rev, row in revisions(again).items()
+    } == history
+    with httpx.Client(timeout=WITHIN_S) as client:
+        assert ask(client, again.url).headers["x-stoker-revision"] == "2"
+
 
 def test_revision_requests_are_validated(shared_platform) -> None:
     p = shared_platform
