@@ -292,6 +292,9 @@ def estimate_tokens(body: dict[str, Any], size: int) -> tuple[int, int]:
 
 # `"usage": {...}` in a completion or in a stream's last event: flat, numbers only in the fields read.
 _USAGE = re.compile(rb'"usage"\s*:\s*\{[^{}]*?"total_tokens"\s*:\s*(\d+)')
+# The flat fields of that `usage` object, each request's tokens in and out (`stoker.cost`).
+_USAGE_OBJECT = re.compile(rb'"usage"\s*:\s*\{([^{}]*)')
+_USAGE_FIELD = re.compile(rb'"(prompt_tokens|completion_tokens)"\s*:\s*(\d+)')
 TAIL = 8192  # bytes of each of the last two chunks searched for `usage`
 
 
@@ -302,11 +305,12 @@ class UsageTap:
     but for `[DONE]`), and a stream's events are counted, for a stream that reports no usage. Per
     chunk that is a reference kept and one `bytes.count`: this runs for every chunk of a stream."""
 
-    __slots__ = ("_last", "_prev", "_send", "events", "status", "ticket")
+    __slots__ = ("_last", "_prev", "_send", "events", "prompt_estimate", "status", "ticket")
 
-    def __init__(self, send: Callable, ticket: Ticket) -> None:
+    def __init__(self, send: Callable, ticket: Ticket | None, prompt_estimate: int = 0) -> None:
         self._send = send
-        self.ticket = ticket
+        self.ticket = ticket  # None: a tap that only reads (`stoker.cost`), adds no headers
+        self.prompt_estimate = ticket.prompt_estimate if ticket is not None else prompt_estimate
         self._prev = self._last = b""
         self.events = 0
         self.status = 0
@@ -314,7 +318,8 @@ class UsageTap:
     async def __call__(self, message: dict[str, Any]) -> None:
         if message["type"] == "http.response.start":
             self.status = message["status"]
-            message = {**message, "headers": [*message.get("headers", ()), *self.ticket.headers]}
+            if self.ticket is not None:
+                message = {**message, "headers": [*message.get("headers", ()), *self.ticket.headers]}
         elif chunk := message.get("body"):
             self.events += chunk.count(b"data: ")
             self._prev, self._last = self._last, chunk
@@ -329,5 +334,18 @@ class UsageTap:
         if reported:
             return int(reported[-1])
         if self.events:  # minus the [DONE] marker; keep-alive comments are not events
-            return self.ticket.prompt_estimate + self.events - 1
+            return self.prompt_estimate + self.events - 1
+        return None
+
+    def tokens(self) -> tuple[int, int] | None:
+        """(prompt, completion) tokens of a 200 answer: what its `usage` reports; for a stream
+        without usage, the prompt's estimate and one token per event, as `used` counts them. None:
+        no answer (refused, an error), or a 200 that says nothing."""
+        if self.status != 200:
+            return None
+        if found := _USAGE_OBJECT.findall(self._prev[-TAIL:] + self._last[-TAIL:]):
+            fields = {k: int(v) for k, v in _USAGE_FIELD.findall(found[-1])}
+            return fields.get(b"prompt_tokens", 0), fields.get(b"completion_tokens", 0)
+        if self.events:
+            return self.prompt_estimate, self.events - 1
         return None

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from stoker.cascade_rules import DEFAULT_MIN_MEAN_LOGPROB, LOGPROB_FLOOR
+from stoker.cost_api import cost_paths
 from stoker.engine.protocol import MAX_STOP_SEQUENCES
 from stoker.log_api import DEFAULT_TAIL
 from stoker.registry import BALANCES, ENGINES, FIELDS, NAME
@@ -289,6 +290,7 @@ def openapi_schema() -> dict[str, Any]:
             "/admin/v1/deployments/{name}/logs": _logs(name_param),
             **_cascade_paths(name_param),
             **revision_paths(name_param),
+            **cost_paths(),
             "/admin/v1/keys": {
                 "get": {
                     "summary": "Every API key: id, tenant, deployments, created (never the key)",

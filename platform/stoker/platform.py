@@ -33,10 +33,12 @@ from snapshots import (
 from snapshots.remote import read_manifest
 from snapshots.s3 import RemoteConfig
 from stoker.cluster import GatewayLoad, RoutingTable
+from stoker.cost import CostMeter
 from stoker.deployment import Deployment, Unit
 from stoker.federate import EngineFederation, Target
 from stoker.openai_errors import APIError, invalid
 from stoker.paths import snapshot_budget
+from stoker.prices import PriceTable
 from stoker.registry import DeploymentSpec, Registry, not_found, validate
 from stoker.revisions import RevisionMetrics, RevisionStats
 from stoker.rollout import Rollout, canary_percent
@@ -86,6 +88,7 @@ class Platform:
         controller: bool = False,  # the control plane only: gateways run the activators (`stoker.cluster`)
         gateway_stale_after_s: float = 5.0,
         canary_check_s: float = 1.0,  # how often canaries that ask for it are judged
+        prices: PriceTable | None = None,  # `stoker up --prices` (`stoker.cost`); None: list prices
     ) -> None:
         self.data_dir = data_dir
         self.controller = controller
@@ -108,6 +111,8 @@ class Platform:
         self._pool_metrics = PoolMetrics(self.metrics_registry)
         self._federation = EngineFederation(self.metrics_registry)  # GET /metrics/engines
         self.revision_metrics = RevisionMetrics(self.metrics_registry)
+        # Instance-seconds priced per revision, tokens, idle share, the arrival log (`stoker.cost`).
+        self.cost = CostMeter.of_platform(prices, self.metrics_registry, clock, self.store, data_dir)
         self.rollout = Rollout(self, check_interval_s=canary_check_s)
         # Why a deployment may not take a name another kind of thing holds (None: it may); the
         # gateway sets it to its cascade routes' check.
@@ -336,7 +341,7 @@ class Platform:
                 revision=spec.revision,
             ),
             self.backend,
-            self._pool_metrics,
+            self.cost.pool_metrics(self._pool_metrics, spec),
             gpus=self.gpus,
             clock=self._clock,
             fleet=self.fleet,

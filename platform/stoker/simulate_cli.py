@@ -19,7 +19,7 @@ import json
 import math
 from pathlib import Path
 
-from stoker import fleet_cli
+from stoker import fleet_cli, whatif
 from stoker.durations import duration
 from stoker.errors import CLIError
 
@@ -45,6 +45,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--trace", type=Path, help="CSV with TIMESTAMP, ContextTokens, GeneratedTokens (or --fleet FILE)"
     )
     fleet_cli.add_arguments(p)
+    whatif.add_arguments(p)
     p.add_argument(
         "--policy",
         action="append",
@@ -133,38 +134,45 @@ def instance_model(args: argparse.Namespace):
     return dataclasses.replace(model, **changes)
 
 
-def cmd_simulate(args: argparse.Namespace) -> int:
-    from warm_pool.errors import PoolError
+def setup(args: argparse.Namespace):
+    """(instance model, scaling, the policies) the flags ask for; `PoolError` or `CLIError`."""
     from warm_pool.policies import make_policy
     from warm_pool.policies.base import ScalingConfig
     from warm_pool.policies.settings import bind_policy
+
+    names = args.policy or list(DEFAULT_POLICIES)
+    model = instance_model(args)
+    as_deployed = args.idle_timeout is not None or args.stable_window is not None
+    idle = args.idle_timeout if args.idle_timeout is not None else 300.0
+    window = args.stable_window if args.stable_window is not None else 60.0
+    scaling = ScalingConfig(
+        min_warm=args.min_warm,
+        max=args.max,
+        target_concurrency=args.target_concurrency or model.concurrency,
+        idle_timeout_s=idle,
+        stable_window_s=min(window, idle),
+    )
+    for price in (args.gpu_price, args.sleep_price):
+        if not (math.isfinite(price) and price >= 0):
+            raise CLIError(f"prices must be numbers ≥ 0, got {price}")
+    if as_deployed:  # exactly as the live pool binds a deployment's policy
+        return model, scaling, [bind_policy(name, scaling) for name in names]
+    return model, scaling, [make_policy(name, scaling) for name in names]
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from warm_pool.errors import PoolError
     from warm_pool.simulate import Prices, simulate
     from warm_pool.trace import load_trace
 
+    if args.from_log is not None:  # a what-if over the platform's own arrivals (`stoker.whatif`)
+        return whatif.cmd_from_log(args)
     if args.fleet is not None or args.trace is None or args.baseline is not None:
         return fleet_cli.cmd_fleet(args)
-    names = args.policy or list(DEFAULT_POLICIES)
     try:
         if args.plot is not None:
             _check_plot_target(args.plot)
-        model = instance_model(args)
-        as_deployed = args.idle_timeout is not None or args.stable_window is not None
-        idle = args.idle_timeout if args.idle_timeout is not None else 300.0
-        window = args.stable_window if args.stable_window is not None else 60.0
-        scaling = ScalingConfig(
-            min_warm=args.min_warm,
-            max=args.max,
-            target_concurrency=args.target_concurrency or model.concurrency,
-            idle_timeout_s=idle,
-            stable_window_s=min(window, idle),
-        )
-        for price in (args.gpu_price, args.sleep_price):
-            if not (math.isfinite(price) and price >= 0):
-                raise CLIError(f"prices must be numbers ≥ 0, got {price}")
-        if as_deployed:  # exactly as the live pool binds a deployment's policy
-            policies = [bind_policy(name, scaling) for name in names]
-        else:
-            policies = [make_policy(name, scaling) for name in names]
+        model, scaling, policies = setup(args)
         trace = load_trace(args.trace, thin=args.thin, time_scale=args.time_scale)
         prices = Prices(args.gpu_price, args.sleep_price)
         reports = [
@@ -191,9 +199,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
-def format_table(rows: list[dict]) -> str:
-    cells = [[fmt.format(row[key]) for key, _, fmt in COLUMNS] for row in rows]
-    heads = [head for _, head, _ in COLUMNS]
+def format_table(rows: list[dict], columns=COLUMNS) -> str:
+    cells = [[fmt.format(row[key]) for key, _, fmt in columns] for row in rows]
+    heads = [head for _, head, _ in columns]
     widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(heads)]
     lines = [
         "  ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w) in enumerate(zip(heads, widths, strict=True)))
