@@ -19,6 +19,7 @@ from typing import Any
 
 from activator import Activator, ActivatorError, UpstreamError
 from stoker.cluster import GatewayLoad
+from stoker.openai_errors import invalid
 from stoker.registry import DeploymentSpec
 from stoker.revisions import Recorder, RevisionStats, bucket_of, choose
 from warm_pool.pool import Pool
@@ -87,8 +88,18 @@ class Deployment:
         return [u.pool for u in self.units.values()]
 
     async def serve(self, scope, receive, send, body: bytes, parsed: dict, stream: bool, owner: str) -> None:
-        """Answer one request on the revision the split gives it, with `x-stoker-revision`."""
-        revision = choose(self.traffic, bucket_of(parsed, scope.get("headers", [])))
+        """Answer one request on the revision the split gives it (or the one the admin pinned:
+        `pin_revision`), with `x-stoker-revision`."""
+        if (pinned := scope.get(PINNED)) is not None:
+            if pinned not in self.units:
+                have = ", ".join(str(r) for r in sorted(self.units))
+                raise invalid(
+                    f"Revision {pinned} of {self.name!r} has no instances to answer with; these do: {have}.",
+                    "x-stoker-revision",
+                )
+            revision = pinned
+        else:
+            revision = choose(self.traffic, bucket_of(parsed, scope.get("headers", [])))
         unit = self.units.get(revision) or self.primary  # a split names only revisions with units
         request = (scope, receive, send, body, parsed, stream, owner)
         await answer_on(unit.activator, unit.spec.revision, self.stats, self.clock, *request)
@@ -125,6 +136,24 @@ class Deployment:
                 }
             )
         return rows
+
+
+PINNED = "stoker.pinned_revision"  # the scope's key for a revision the admin asked for
+
+
+def pin_revision(scope) -> None:
+    """Read a request's `x-stoker-revision: N` into the scope, for `Deployment.serve` to route by
+    (the gateway calls this for the admin's requests only: `stoker eval --revision`). A value that
+    is no revision number is a 400 naming the header."""
+    for name, value in scope.get("headers", ()):
+        if name == b"x-stoker-revision":
+            if not (value.isdigit() and len(value) <= 10 and 1 <= int(value) <= 1_000_000_000):
+                shown = value.decode("latin-1")
+                raise invalid(
+                    f"'x-stoker-revision' must be a revision number (1, 2, ...), got {shown!r}.",
+                    "x-stoker-revision",
+                )
+            scope[PINNED] = int(value)
 
 
 async def answer_on(

@@ -49,6 +49,10 @@ class DeploymentSpec:
     rollback_ttft_s: float = 0.0
     rollback_window_s: float = 60.0
     rollback_min_requests: int = 10
+    # The request log (`stoker.request_log`): this deployment's requests, de-identified; with
+    # `log_content` also their prompts and answers, credentials masked.
+    log_requests: bool = False
+    log_content: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -73,6 +77,7 @@ FIELDS: dict[str, tuple[type, float, float, Any]] = {
     "rollback_min_requests": (int, 1, 1_000_000, 10),
 }
 BALANCES = ("least-outstanding", "prefix")
+LOG_FLAGS = ("log_requests", "log_content")  # true or false, default false
 
 
 def validate(body: Any) -> dict[str, Any]:
@@ -81,11 +86,12 @@ def validate(body: Any) -> dict[str, Any]:
         raise invalid("The request body must be a JSON object.")
     # `canary_percent` is the deploy's, not the revision's: the platform reads it (`stoker.rollout`).
     allowed = {"name", "model", "engine", "policy", "balance", "auto_rollback", "canary_percent", *FIELDS}
+    allowed |= set(LOG_FLAGS)
     unknown = sorted(set(body) - allowed)
     if unknown:
         raise invalid(
             f"Unknown field(s) {unknown}; allowed: name, model, engine, policy, balance, auto_rollback, "
-            f"canary_percent, {', '.join(FIELDS)}.",
+            f"canary_percent, {', '.join(LOG_FLAGS)}, {', '.join(FIELDS)}.",
             unknown[0],
         )
     name = body.get("name")
@@ -120,6 +126,11 @@ def validate(body: Any) -> dict[str, Any]:
         "balance": balance,
         "auto_rollback": auto_rollback,
     }
+    for flag in LOG_FLAGS:
+        value = body.get(flag, False)
+        if not isinstance(value, bool):
+            raise invalid(f"'{flag}' must be true or false, got {value!r}.", flag)
+        out[flag] = value
     for field, (kind, low, high, default) in FIELDS.items():
         value = body.get(field, default)
         if value is None:
