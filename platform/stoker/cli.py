@@ -82,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     from stoker import (
         cascade_cli,
         engine_cli,
+        eval_cli,
         node_cli,
         planes_cli,
         platform_cli,
@@ -101,6 +102,13 @@ def build_parser() -> argparse.ArgumentParser:
     planes_cli.add_parsers(sub)
     node_cli.add_parser(sub)
     simulate_cli.add_parser(sub)
+    eval_cli.add_parser(sub)
+    from stoker import bench_cli  # capacity planning: `stoker bench`, `stoker plan`
+
+    bench_cli.add_parsers(sub)
+    from stoker import cost_cli  # live cost: `stoker cost`
+
+    cost_cli.add_parser(sub)
     return parser
 
 

@@ -30,6 +30,11 @@ from starlette.types import Receive, Scope, Send
 from activator import ActivatorError, DeadlineExceeded, QueueFull, Unavailable, UpstreamError
 from stoker.cascade import Cascades
 from stoker.cascade_api import cascade_routes
+from stoker.cost_api import cost_routes
+from stoker.dashboard import dashboard_routes
+from stoker.deployment import pin_revision
+from stoker.gpu_metrics import register_gpu_metrics
+from stoker.history import HistoryConfig, HistorySampler
 from stoker.http import (
     AdminGuard,
     ClientGone,
@@ -51,6 +56,7 @@ from stoker.openai_errors import (
 from stoker.openapi import openapi_schema
 from stoker.platform import Platform
 from stoker.registry import not_found
+from stoker.request_log import Observer
 from stoker.revision_api import revision_routes
 
 log = logging.getLogger("stoker.gateway")
@@ -80,13 +86,21 @@ class InferenceEndpoint:
     the caller's limits (`limits.Limiter`): a limited key's answer goes out through a `UsageTap`,
     which adds its x-ratelimit-* headers and settles its token charge."""
 
-    def __init__(self, platform: Router, limiter: Limiter, cascades: Cascades | None = None) -> None:
+    def __init__(
+        self,
+        platform: Router,
+        limiter: Limiter,
+        cascades: Cascades | None = None,
+        observer: Observer | None = None,
+    ) -> None:
         self.platform = platform
         self.limiter = limiter
         self.cascades = cascades  # routes by name (`stoker.cascade`); None: deployments only
+        self.observer = observer  # request log, drift, traces (`stoker.request_log`); None: off
+        self.meter = getattr(platform, "cost", None)  # tokens, idle share, arrival log (`stoker.cost`)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        ticket = tap = None
+        ticket = tap = observed = metered = None
         try:
             body = await read_body(receive, scope, MAX_BODY_BYTES)
             parsed, name, stream = _route_fields(body)
@@ -100,6 +114,14 @@ class InferenceEndpoint:
                 raise APIError(
                     404, f"The model `{name}` does not exist.", param="model", code="model_not_found"
                 )
+            if self.meter is not None:  # counted for cost: tokens, requests, in flight (`stoker.cost`)
+                metered = self.meter.tap(send, name, estimate_tokens(parsed, len(body))[0])
+                send = metered or send
+            if self.observer is not None:  # measured for the request log and traces, 429s included
+                observed = self.observer.tap(send, name, deployment, principal.key_id, parsed, stream)
+                send = observed or send
+            if principal.admin:  # `x-stoker-revision: N` from the admin: that revision answers
+                pin_revision(scope)
             if not principal.admin:  # the admin's key is never limited
                 estimate = estimate_tokens(parsed, len(body))
                 ticket = self.limiter.admit(
@@ -122,6 +144,10 @@ class InferenceEndpoint:
                 if tap is not None and (used := tap.used()) is not None:
                     ticket.settle(used)
                 ticket.close()
+            if observed is not None:
+                self.observer.done(observed, scope)
+            if metered is not None:
+                self.meter.done(metered, scope)
 
 
 def _route_fields(body: bytes) -> tuple[dict, str, bool]:
@@ -155,7 +181,9 @@ class Router(Protocol):
     def list(self) -> list[Any]: ...
 
 
-def data_routes(platform: Router, limiter: Limiter, cascades: Cascades | None = None) -> list[Route]:
+def data_routes(
+    platform: Router, limiter: Limiter, cascades: Cascades | None = None, observer: Observer | None = None
+) -> list[Route]:
     """OpenAI's routes."""
 
     async def models(request: Request) -> Response:
@@ -185,7 +213,7 @@ def data_routes(platform: Router, limiter: Limiter, cascades: Cascades | None = 
         card = {"id": d.spec.name, "object": "model", "created": 0, "owned_by": "stoker"}
         return JSONResponse({**card, "root": d.spec.snapshot_id})
 
-    inference = InferenceEndpoint(platform, limiter, cascades)
+    inference = InferenceEndpoint(platform, limiter, cascades, observer)
     return [
         Route("/v1/chat/completions", inference, methods=["POST"]),
         Route("/v1/completions", inference, methods=["POST"]),
@@ -337,6 +365,7 @@ def build_gateway(
     *,
     access: Access | None = None,  # None: no keys at all, everyone is the admin (benchmarks)
     on_shutdown: Callable[[], object] | None = None,
+    observer: Observer | None = None,  # the request log, drift and traces (`stoker.request_log`)
 ) -> Starlette:
     """Both planes in one process (`stoker up`): OpenAI's routes, the admin API, the pools."""
     limiter = Limiter(
@@ -344,22 +373,32 @@ def build_gateway(
     )
     cascades = Cascades(platform, platform.metrics_registry)  # cascade routes (`stoker.cascade`)
     platform.name_taken = cascades.conflict
+    # The last hour for /dashboard (`stoker.history`); the GPUs' own figures where NVML sees any.
+    sampler = HistorySampler(platform.metrics_registry, HistoryConfig.from_env())
+    register_gpu_metrics(platform.metrics_registry)
     routes = [
-        *data_routes(platform, limiter, cascades),
+        *data_routes(platform, limiter, cascades, observer),
         *common_routes(platform, platform.metrics_registry),
         *admin_routes(platform, access, limiter),
         *cascade_routes(platform, cascades),
+        *cost_routes(platform),
+        *dashboard_routes(sampler.history),
+        *(observer.routes(platform) if observer is not None else []),
     ]
     middleware = middleware_for(access, "gateway")
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         await platform.start()
+        sampler.start()
         try:
             yield
         finally:
+            await sampler.stop()
             await platform.shutdown()
             cascades.close()
+            if observer is not None:
+                observer.close()
             if access is not None:
                 access.keys.close()
 

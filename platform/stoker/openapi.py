@@ -13,6 +13,8 @@ from typing import Any
 
 from stoker.cascade_rules import DEFAULT_MIN_MEAN_LOGPROB, LOGPROB_FLOOR
 from stoker.cost_api import cost_paths
+from stoker.dashboard import dashboard_paths
+from stoker.drift import drift_paths
 from stoker.engine.protocol import MAX_STOP_SEQUENCES
 from stoker.log_api import DEFAULT_TAIL
 from stoker.registry import BALANCES, ENGINES, FIELDS, NAME
@@ -153,6 +155,11 @@ def _deploy_request() -> dict[str, Any]:
                 "type": "boolean",
                 "description": "a canary of it rolls itself back when it fails",
             },
+            "log_requests": {
+                "type": "boolean",
+                "description": "its requests in the request log (no content)",
+            },
+            "log_content": {"type": "boolean", "description": "prompts and answers too, secrets masked"},
             "canary_percent": {
                 "type": "integer",
                 "minimum": 1,
@@ -291,6 +298,8 @@ def openapi_schema() -> dict[str, Any]:
             **_cascade_paths(name_param),
             **revision_paths(name_param),
             **cost_paths(),
+            **dashboard_paths(),
+            **drift_paths(name_param),
             "/admin/v1/keys": {
                 "get": {
                     "summary": "Every API key: id, tenant, deployments, created (never the key)",

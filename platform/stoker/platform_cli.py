@@ -94,6 +94,14 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         default=10,
         help="answers in the window before a canary is judged",
     )
+    deploy.add_argument(
+        "--log-requests", action="store_true", help="this revision's requests in the request log (no content)"
+    )
+    deploy.add_argument(
+        "--log-content",
+        action="store_true",
+        help="prompts and answers in the request log too, secrets masked",
+    )
     deploy.add_argument("--json", action="store_true", help="print the deployment as JSON")
     deploy.set_defaults(func=cmd_deploy)
 
@@ -187,6 +195,8 @@ def cmd_deploy(args: argparse.Namespace) -> int:
         "rollback_ttft_s": args.rollback_ttft,
         "rollback_window_s": args.rollback_window,
         "rollback_min_requests": args.rollback_min_requests,
+        "log_requests": args.log_requests,
+        "log_content": args.log_content,
     }
     if args.canary is not None:
         body["canary_percent"] = args.canary

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+from pathlib import Path
 
 from stoker.durations import duration
 from stoker.errors import CLIError
@@ -18,7 +19,7 @@ from stoker.paths import add_store_option
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     up = sub.add_parser("up", help="run the platform (gateway, activators, warm pools) in the foreground")
-    for add in (add_serve_args, add_activator_args, add_pool_args, add_limit_args):
+    for add in (add_serve_args, add_activator_args, add_pool_args, add_limit_args, add_request_log_args):
         add(up)
     add_store_option(up)
     up.set_defaults(func=cmd_up)
@@ -132,6 +133,14 @@ def add_pool_args(p: argparse.ArgumentParser) -> None:
         help="extra arguments for every vLLM instance, e.g. '--enforce-eager' (one quoted string; default none)",
     )
     p.add_argument(
+        "--prices",
+        type=Path,
+        metavar="FILE",
+        help="the price table, YAML or JSON, that `stoker cost` and stoker_cost_usd_total use: $ per device-hour "
+        "READY and starting (by engine), per sleeping hour, per GB-month of snapshot (default: $3.00 per "
+        "device-hour, $0.08 asleep; README: Cost)",
+    )
+    p.add_argument(
         "--vllm-cpu-kv-cache",
         metavar="GIB",
         type=float,
@@ -150,6 +159,63 @@ def add_limit_args(p: argparse.ArgumentParser) -> None:
     limits.add_argument(
         "--key-max-concurrent", type=int, metavar="N", help="requests held + in flight at once per key"
     )
+
+
+def add_request_log_args(p: argparse.ArgumentParser) -> None:
+    """The request log and drift (`stoker.request_log`, `stoker.drift`)."""
+    group = p.add_argument_group("request log and drift")
+    group.add_argument(
+        "--request-log",
+        action="store_true",
+        help="log every deployment's requests, de-identified, to $STOKER_HOME/request-log/requests.jsonl "
+        "(default: only deployments deployed with log_requests or log_content)",
+    )
+    group.add_argument(
+        "--request-log-size", metavar="SIZE", default="64MiB", help="the log's size before it is rotated"
+    )
+    group.add_argument(
+        "--request-log-files", type=int, default=4, metavar="N", help="rotated log files kept (1..100)"
+    )
+    group.add_argument(
+        "--drift-window", type=duration, default="5m", help="the window drift statistics are compared over"
+    )
+    group.add_argument(
+        "--drift-min-requests",
+        type=int,
+        default=20,
+        metavar="N",
+        help="answers a window needs to be scored or to be the reference",
+    )
+
+
+def request_observer(args: argparse.Namespace):
+    """The gateway's request log, drift and traces (`stoker.request_log.Observer`); its gauges are
+    registered with `Observer.register`."""
+    from snapshots.sizes import parse_size
+    from stoker import otel  # imports no OpenTelemetry package unless an endpoint is set
+    from stoker.drift import Drift
+    from stoker.paths import data_dir
+    from stoker.request_log import LOG_DIR, Observer, RequestLogFile
+
+    try:
+        size = parse_size(args.request_log_size)
+    except ValueError as exc:
+        raise CLIError(f"--request-log-size: {exc}") from None
+    try:
+        file = RequestLogFile(data_dir() / LOG_DIR, size, args.request_log_files)
+    except ValueError as exc:
+        raise CLIError(f"--request-log-size/--request-log-files: {exc}") from None
+    try:
+        drift = Drift(args.drift_window, args.drift_min_requests)
+    except ValueError as exc:
+        raise CLIError(f"--drift-window/--drift-min-requests: {exc}") from None
+    tracing = None
+    if otel.wanted():
+        try:
+            tracing = otel.tracing_from_env()
+        except otel.TracingUnavailable as exc:
+            raise CLIError(str(exc)) from None
+    return Observer(file, drift, log_all=args.request_log, tracing=tracing)
 
 
 def duration_or_off(value: str) -> float | None:
@@ -238,6 +304,7 @@ def build_platform(args: argparse.Namespace, **extra):
         raise CLIError(f"--device-memory/--instance-kv: {exc}") from None
     return Platform(
         data_dir(),
+        prices=prices_of(args),
         store_dir=snapshot_store_dir(),
         stable_window_s=args.stable_window,
         vllm=vllm,
@@ -246,6 +313,18 @@ def build_platform(args: argparse.Namespace, **extra):
         instance_kv_bytes=kv,
         **extra,
     )
+
+
+def prices_of(args: argparse.Namespace):
+    """The --prices table, or None (list prices); a bad file is one line naming the field."""
+    from stoker.prices import PriceError, load_prices
+
+    if getattr(args, "prices", None) is None:
+        return None
+    try:
+        return load_prices(args.prices)
+    except PriceError as exc:
+        raise CLIError(f"--prices {exc}") from None
 
 
 def gpu_devices():
@@ -310,6 +389,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     admin_key = admin_key_of(args)
     log_setup(args)
     holding, limits = activator_config(args), default_limits(args)
+    observer = request_observer(args)
     platform = build_platform(args, activator_config=holding)
-    app = build_gateway(platform, access=access_of(args, admin_key, limits))
+    observer.register(platform.metrics_registry)
+    app = build_gateway(platform, access=access_of(args, admin_key, limits), observer=observer)
     return serve(app, args, platform)

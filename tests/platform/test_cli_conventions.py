@@ -33,6 +33,9 @@ CLIENT_COMMANDS = (
     ("routes", "create"),
     ("routes", "ls"),
     ("routes", "rm"),
+    ("cost",),
+    ("eval",),
+    ("bench",),
 )
 
 

@@ -20,7 +20,9 @@ from types import SimpleNamespace
 import httpx
 from prometheus_client import CollectorRegistry
 
+from stoker.drift import Drift
 from stoker.gateway import build_gateway
+from stoker.request_log import Observer
 
 ST = Path(sys.executable).with_name("st")
 
@@ -29,7 +31,9 @@ def test_the_served_schema_is_openapi_and_names_every_route(shared_platform):
     schema = httpx.get(f"{shared_platform.url}/openapi.json").json()
     assert schema["openapi"].startswith("3.1")
     # Every route the gateway serves is described, and nothing else (`{model:path}` is `{model}`).
-    app = build_gateway(SimpleNamespace(metrics_registry=CollectorRegistry()))
+    # With the request observer `stoker up` always builds (its drift routes).
+    observer = Observer(None, Drift(300, 20))
+    app = build_gateway(SimpleNamespace(metrics_registry=CollectorRegistry()), observer=observer)
     served = {re.sub(r"\{(\w+):\w+\}", r"{\1}", route.path) for route in app.routes}
     assert set(schema["paths"]) == served - {"/openapi.json"}
     assert "/v1/models/{model}" in served and "/admin/v1/deployments/{name}/logs" in served
