@@ -139,6 +139,12 @@ class PoolMetrics:
             ["deployment", "state"],
             registry=registry,
         )
+        self.arrivals = Counter(
+            "stoker_scaler_arrivals",
+            "Requests the scaler heard of on arrival (from the gateways, held ones included): what it forecasts.",
+            ["deployment"],
+            registry=registry,
+        )
         self.forecast = Gauge(
             "stoker_scaler_forecast_requests_per_second",
             "The arrival rate the scaling policy last planned for (policies that forecast).",
@@ -182,6 +188,9 @@ class PoolMetrics:
         if tier not in TIERS:
             raise ValueError(f"tier must be one of {TIERS}, got {tier!r}")
         self.startup.labels(deployment, tier).observe(max(0.0, seconds))
+
+    def arrived(self, deployment: str) -> None:
+        self.arrivals.labels(deployment).inc()
 
     def cold_request(self, deployment: str, tier: str) -> None:
         if tier not in TIERS:

@@ -175,6 +175,7 @@ class Pool(Lifecycle, FleetSeat):
 
     def request_arrived(self) -> None:
         self._tracker.arrived(self._clock())
+        self._metrics.arrived(self.spec.deployment)
 
     def request_finished(self, service_s: float | None, cold_on: str | None) -> None:
         self._tracker.finished(self._clock(), service_s)
