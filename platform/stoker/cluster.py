@@ -256,6 +256,13 @@ def _parse_one(name: object, r: object) -> dict[str, Any]:
         ):
             raise invalid("'answers' holds [status, first_byte_s] pairs.", "answers")
         answers.append((item[0], _seconds(item[1], "answers")))
+    usage = []
+    for item in _list(r, "usage", MAX_REPORT_FINISHED):
+        whole = isinstance(item, list) and len(item) == 4 and item[0] is not None
+        whole = whole and all(isinstance(v, int) and not isinstance(v, bool) for v in item[1:])
+        if not whole or not (0 <= min(item[1:3]) and max(item[1:3]) <= 10_000_000 and 100 <= item[3] <= 599):
+            raise invalid("'usage' holds [wall, tokens_in, tokens_out, status] answers.", "usage")
+        usage.append((_seconds(item[0], "usage"), item[1], item[2], item[3]))
     poke = r.get("poke", False)
     if not isinstance(poke, bool):
         raise invalid("'poke' must be a boolean.", "poke")
@@ -270,5 +277,6 @@ def _parse_one(name: object, r: object) -> dict[str, Any]:
         "failures": [_ident(i, "failures") for i in _list(r, "failures", MAX_REPORT_EVENTS)],
         "unhealthy": unhealthy,
         "answers": answers,
+        "usage": usage,  # answers' tokens for the cost meter (`stoker.plane_metering`)
         "poke": poke,
     }

@@ -5,6 +5,7 @@ and requests the gateway answers; the share of instance-seconds spent idle.
                                      └────────▶ CostMeter ledgers   (stoker_cost_usd_total)
     gateway ─▶ CostMeter.tap(...) ─▶ MeterTap (a `limits.UsageTap`) ─▶ deployment.serve
     finally ─▶ CostMeter.done(tap) ─▶ tokens, requests, the arrival log (`stoker.arrival_log`)
+    gateways of their own ─▶ reports ─▶ CostMeter.record / .remote_in_flight (`stoker.plane_metering`)
 
 **Cost.** Every instance-second a pool reports (`PoolMetrics.add_instance_seconds`, on each
 transition and each tick) is priced at once by the revision's engine and the state it was spent
@@ -89,16 +90,18 @@ class Ledger:
 class _Load:
     """A deployment's busy-second integral: requests in flight (n) and READY instances (R)."""
 
-    __slots__ = ("at", "in_flight", "ready")
+    __slots__ = ("at", "in_flight", "ready", "remote")
 
     def __init__(self, now: float) -> None:
-        self.in_flight = 0
+        self.in_flight = 0  # this process's gateway's
+        self.remote: dict[str, int] = {}  # each gateway of its own's, as last reported
         self.ready: dict[str, int] = {}  # pool key -> READY
         self.at = now
 
     def advance(self, now: float) -> float:
         """Busy instance-seconds since the last change: min(n, R) × elapsed."""
-        busy = min(self.in_flight, sum(self.ready.values())) * max(0.0, now - self.at)
+        n = self.in_flight + sum(self.remote.values())
+        busy = min(n, sum(self.ready.values())) * max(0.0, now - self.at)
         self.at = max(self.at, now)
         return busy
 
@@ -225,6 +228,14 @@ class CostMeter:
         if not isinstance(revision, int):
             return  # refused before a revision took it
         tokens_in, tokens_out = tap.tokens() or (0, 0)
+        self.record(name, revision, tap.wall, tokens_in, tokens_out, tap.status or 499)
+
+    def record(
+        self, name: str, revision: int, wall: float, tokens_in: int, tokens_out: int, status: int
+    ) -> None:
+        """One answer of `revision`: its tokens, a request, a line of the arrival log. From `done`
+        in one process; from the gateways' reports when they are processes of their own
+        (`stoker.plane_metering`)."""
         self._ledger(name, revision).add(
             self._clock(), {"requests": 1, "tokens_in": tokens_in, "tokens_out": tokens_out}
         )
@@ -232,7 +243,18 @@ class CostMeter:
             if n:
                 self._tokens.labels(name, str(revision), direction).inc(n)
         if self.arrivals is not None:
-            self.arrivals.write(tap.wall, name, revision, tokens_in, tokens_out, tap.status or 499)
+            self.arrivals.write(wall, name, revision, tokens_in, tokens_out, status)
+
+    def remote_in_flight(self, name: str, gateway: str, n: int, live: frozenset[str]) -> None:
+        """Gateway `gateway`'s requests to deployment `name` between arrival and the end of their
+        answers, as it last reported; the gateways not `live` any more count none."""
+        load = self._loads.get(name)
+        if load is None:
+            return
+        self._settle(name, load)
+        load.remote[gateway] = n
+        for gone in [g for g in load.remote if g not in live]:
+            del load.remote[gone]
 
     # ---- reading -------------------------------------------------------------------------------------
 

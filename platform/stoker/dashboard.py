@@ -43,7 +43,9 @@ def _static(name: str) -> bytes:
     return resources.files("stoker").joinpath("static", name).read_bytes()
 
 
-def dashboard_routes(history: History) -> list[Route]:
+def dashboard_routes(history: History | None) -> list[Route]:
+    """The page and its script; with a `history`, its route too (None: a gateway of its own, which
+    serves the page and passes its admin calls, history included, to the controller)."""
     page, script = _static("dashboard.html"), _static("dashboard.js")
 
     async def dashboard(request: Request) -> Response:
@@ -61,11 +63,11 @@ def dashboard_routes(history: History) -> list[Route]:
             raise invalid(f"'since' must be epoch seconds, got {since!r}.", param="since") from None
         return JSONResponse(history.snapshot(after))
 
-    return [
+    pages = [
         Route("/dashboard", dashboard, methods=["GET"]),
         Route("/dashboard/app.js", app_js, methods=["GET"]),
-        Route("/admin/v1/history", get_history, methods=["GET"]),
     ]
+    return pages if history is None else [*pages, Route("/admin/v1/history", get_history, methods=["GET"])]
 
 
 def dashboard_paths() -> dict[str, Any]:

@@ -40,6 +40,7 @@ from stoker.cluster import MAX_REPORT_EVENTS, MAX_REPORT_FINISHED
 from stoker.deployment import answer_on
 from stoker.keys import KeyRecord, hash_key
 from stoker.limits import Limits
+from stoker.plane_metering import GatewayMeter, changed_samples
 from stoker.revisions import RevisionMetrics, RevisionStats, bucket_of, choose
 
 log = logging.getLogger("stoker.gateway")
@@ -63,6 +64,8 @@ class RemoteSpec:
     name: str
     snapshot_id: str
     revision: int
+    log_requests: bool = False  # the request log's (`stoker.request_log.Observer`)
+    log_content: bool = False
 
 
 class RemoteSource:
@@ -77,6 +80,9 @@ class RemoteSource:
         self.failures: deque[str] = deque(maxlen=MAX_REPORTED)
         self.unhealthy: deque[list[str]] = deque(maxlen=MAX_REPORTED)
         self.answers: deque[list] = deque(maxlen=MAX_BUFFERED)  # [status, first byte s]: canary checks
+        self.usage: deque[list] = deque(
+            maxlen=MAX_BUFFERED
+        )  # [wall, in, out, status]: cost (`plane_metering`)
         self.poked = False
 
     def endpoints(self) -> Sequence[RemoteEndpoint]:
@@ -111,10 +117,11 @@ class RemoteSource:
             "failures": list(self.failures),
             "unhealthy": list(self.unhealthy),
             "answers": list(self.answers),
+            "usage": list(self.usage),
             "poke": self.poked,
         }
         self.arrivals, self.poked = 0, False
-        for buffer in (self.finished, self.failures, self.unhealthy, self.answers):
+        for buffer in (self.finished, self.failures, self.unhealthy, self.answers, self.usage):
             buffer.clear()
         return news
 
@@ -125,6 +132,7 @@ class RemoteSource:
         self.failures.extendleft(reversed(news["failures"]))  # older than what came since: dropped first
         self.unhealthy.extendleft(reversed(news["unhealthy"]))
         self.answers.extendleft(reversed(news["answers"]))
+        self.usage.extendleft(reversed(news["usage"]))
         self.poked = self.poked or news["poke"]
 
 
@@ -225,6 +233,11 @@ class GatewayPlane:
     _version: int = -1
     synced: asyncio.Event = field(default_factory=asyncio.Event)  # a first table arrived
     controller_reachable: bool = False
+    cost: GatewayMeter | None = None  # answers' tokens, reported (`stoker.plane_metering`)
+    _sent: dict = field(default_factory=dict)  # the dashboard's series as the controller has them
+
+    def __post_init__(self) -> None:
+        self.cost = GatewayMeter(self, self.clock)
 
     # -- what the data routes need (as `Platform` gives them in one process) -----------------------
 
@@ -301,6 +314,8 @@ class GatewayPlane:
             return json.loads(body)
 
     def _apply(self, table: dict[str, Any]) -> None:
+        if table["epoch"] != self._epoch:  # a controller (re)started: it has none of our series
+            self._sent.clear()
         self._epoch, self._version = table["epoch"], table["version"]
         self.keys.replace(table["keys"], table["gateways"])
         self.cascade_routes.replace(table.get("cascades", []))  # none from a controller before routes
@@ -320,10 +335,17 @@ class GatewayPlane:
                 gone.activator.set_unavailable(f"revision {revision} of {name!r} was retired")
             for revision, u in units.items():
                 unit = current.units.get(revision)
-                if unit is None or unit.spec.snapshot_id != u["snapshot_id"]:
+                spec = RemoteSpec(
+                    name,
+                    u["snapshot_id"],
+                    revision,
+                    bool(u.get("log_requests", False)),  # absent from a controller before the log
+                    bool(u.get("log_content", False)),
+                )
+                if unit is None or unit.spec != spec:
                     if unit is not None:
                         unit.health.cancel()
-                    unit = current.units[revision] = self._make(RemoteSpec(name, u["snapshot_id"], revision))
+                    unit = current.units[revision] = self._make(spec)
                 endpoints = [
                     RemoteEndpoint(
                         e["id"], e["url"], e["max_concurrency"], {"authorization": f"Bearer {e['key']}"}
@@ -372,14 +394,16 @@ class GatewayPlane:
                 "routing": [e.id for e in unit.source.endpoints()],
                 **news,
             }
+        series = changed_samples(self.metrics_registry, self._sent)  # for the dashboard
         try:
             async with self._control.post(
                 self.controller + "/cluster/v1/load",
-                json={"gateway": self.gateway_id, "deployments": body},
+                json={"gateway": self.gateway_id, "deployments": body, "series": series},
                 timeout=aiohttp.ClientTimeout(total=5),
             ) as r:
                 if r.status != 200:
                     raise aiohttp.ClientResponseError(r.request_info, (), status=r.status)
+            self._sent.update({(name, tuple(sorted(labels.items()))): v for name, labels, v in series})
         except (aiohttp.ClientError, TimeoutError) as exc:
             log.debug("report not delivered: %s", exc)
             for key, news in taken.items():

@@ -1,13 +1,17 @@
 """The last hour of every deployment, in memory: what `GET /admin/v1/history` and the web dashboard plot.
 
 Every `interval_s` the sampler reads the platform's own metrics registry (the numbers `/metrics`
-shows, so the page and Prometheus never disagree) and keeps one point: per deployment, the request
-and 5xx rates over the interval, the forecast the scaler planned for, requests held now, instances by
+shows, so the page and Prometheus never disagree) and keeps one point: per deployment, the answer
+and 5xx rates over the interval, the arrival rate (`stoker_scaler_arrivals_total`: what the scaler
+heard of, held requests included) and the forecast it planned for, requests held now, instances by
 state, and what happened in the interval: cold-start requests by tier, the mean start-up seconds of
 the starts that finished (by tier), the mean time held of the requests whose hold ended, instance-
 seconds by state, and cost (USD) where `stoker_cost_usd_total` is registered. Rates and means are
 deltas of counters and histogram sums between two readings, e.g. `stoker_requests_total` at 120 then
 135 over 5 s → 3.0 requests/s; 2 holds ending with `stoker_queue_wait_seconds_sum` up by 7.0 → 3.5 s.
+
+A controller with gateways of their own (`stoker controller`) reads the requests' figures from
+them (`extra`: `stoker.plane_metering.GatewaySeries`), added to its own registry's.
 
 Bounded: `window_s / interval_s` points (3600 / 5 = 720), the oldest dropped. The point-making is a
 pure function of two readings and the seconds between them; the loop only reads, calls it, sleeps.
@@ -107,6 +111,7 @@ def point(before: Reading, now: Reading, dt: float) -> dict[str, dict[str, Any]]
         return _delta(_by(now, name, key, **prefix), _by(before, name, key, **prefix))
 
     requests, errors = delta("stoker_requests_total"), delta("stoker_requests_total", code="5")
+    arrivals = delta("stoker_scaler_arrivals_total")
     cold = delta("stoker_cold_start_requests_total", "tier")
     start_sum = delta("stoker_instance_startup_seconds_sum", "tier")
     start_n = delta("stoker_instance_startup_seconds_count", "tier")
@@ -123,6 +128,7 @@ def point(before: Reading, now: Reading, dt: float) -> dict[str, dict[str, Any]]
     for name in names:
         out[name] = {
             "requests_per_s": round(requests.get((name, ""), 0.0) / dt, 4),
+            "arrivals_per_s": round(arrivals.get((name, ""), 0.0) / dt, 4),
             "errors_per_s": round(errors.get((name, ""), 0.0) / dt, 4),
             "forecast_per_s": forecast.get((name, "")),
             "queued": int(queued.get((name, ""), 0)),
@@ -177,15 +183,20 @@ class HistorySampler:
         *,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
+        extra: Callable[[], Reading] | None = None,
     ) -> None:
         self.history = History(config)
         self._registry = registry
+        self._extra = extra  # samples from elsewhere: the gateways' (`stoker.plane_metering`)
         self._clock = clock
         self._wall = wall
         self._task: asyncio.Task | None = None
 
     def sample(self) -> None:
-        self.history.record(read_registry(self._registry), self._clock(), self._wall())
+        reading = read_registry(self._registry)
+        if self._extra is not None:
+            reading.update(self._extra())
+        self.history.record(reading, self._clock(), self._wall())
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="stoker-history")

@@ -24,12 +24,17 @@ from starlette.routing import Route
 from stoker.cascade import Cascades
 from stoker.cascade_api import cascade_routes
 from stoker.cluster import parse_gateway_id, parse_report, share
+from stoker.cost_api import cost_routes
+from stoker.dashboard import dashboard_routes
 from stoker.gateway import Access, admin_routes, common_routes, data_routes, middleware_for
 from stoker.gateway_plane import GatewayPlane
+from stoker.history import HistoryConfig, HistorySampler
 from stoker.http import openai_exception_handlers, parse_json_object, read_body
 from stoker.limits import NO_LIMITS, Limiter
 from stoker.openai_errors import APIError, invalid
+from stoker.plane_metering import GatewaySeries, parse_series
 from stoker.platform import Platform
+from stoker.request_log import Observer
 
 log = logging.getLogger("stoker.planes")
 MAX_REPORT_BYTES = 8 << 20
@@ -66,6 +71,8 @@ def routing_table(
                 "unavailable": unit.demand.unavailable if unit.demand is not None else None,
                 "balance": unit.spec.balance,  # how the gateway picks among them (`activator.affinity`)
                 "affinity_bound": unit.spec.affinity_bound,
+                "log_requests": unit.spec.log_requests,  # the gateway's request log
+                "log_content": unit.spec.log_content,
                 "endpoints": endpoints,
             }
         deployments[d.name] = {
@@ -105,6 +112,13 @@ def build_controller(
     # The cascade routes are owned here and served by the gateways, from the routing table.
     cascades = Cascades(platform, platform.metrics_registry)
     platform.name_taken = cascades.conflict
+    # The dashboard's last hour: the pools' figures from here, the requests' from the gateways.
+    gateway_series = GatewaySeries()
+    sampler = HistorySampler(
+        platform.metrics_registry,
+        HistoryConfig.from_env(),
+        extra=lambda: gateway_series.reading(platform.routes.live()),
+    )
 
     async def routes(request: Request) -> Response:
         gateway = parse_gateway_id(request.query_params.get("gateway"))
@@ -125,8 +139,9 @@ def build_controller(
     async def load(request: Request) -> Response:
         body = parse_json_object(await read_body(request.receive, request.scope, MAX_REPORT_BYTES))
         gateway, reports = parse_report(body)
+        series = parse_series(body.get("series"))
         platform.routes.seen(gateway)
-        now = platform.clock()
+        now, live, busy = platform.clock(), frozenset(platform.routes.live()), {}
         for key, report in reports.items():
             name, _, revision = key.rpartition("@")
             d = platform.get(name)
@@ -135,6 +150,12 @@ def build_controller(
                 unit.demand.report(gateway, report, now)
                 for status, ttft_s in report["answers"]:  # for the canary check; counted there
                     d.stats.record(int(revision), status, ttft_s, count=False)
+                for wall, tokens_in, tokens_out, status in report["usage"]:  # `stoker.plane_metering`
+                    platform.cost.record(name, int(revision), wall, tokens_in, tokens_out, status)
+                busy[name] = busy.get(name, 0) + report["in_flight"] + report["queued"]
+        for name, n in busy.items():
+            platform.cost.remote_in_flight(name, gateway, n, live)
+        gateway_series.update(gateway, series)
         return JSONResponse({"version": platform.routes.version})
 
     async def snapshots(request: Request) -> Response:
@@ -182,9 +203,11 @@ def build_controller(
                 await asyncio.sleep(0.1)
             log.info("leading (lease %s)", leader.name)
         await platform.start()
+        sampler.start()
         try:
             yield
         finally:
+            await sampler.stop()
             await platform.shutdown(stop_instances=not leave_instances and not lost)
             cascades.close()
             if election is not None:
@@ -202,6 +225,8 @@ def build_controller(
             *cluster,
             *admin_routes(platform, access, limiter),
             *cascade_routes(platform, cascades, on_change=platform.routes.bump),
+            *cost_routes(platform),
+            *dashboard_routes(sampler.history),
         ],
         exception_handlers=openai_exception_handlers(),
         middleware=middleware_for(access, "controller"),
@@ -209,9 +234,12 @@ def build_controller(
     )
 
 
-def build_data_gateway(plane: GatewayPlane, *, access: Access | None = None) -> Starlette:
+def build_data_gateway(
+    plane: GatewayPlane, *, access: Access | None = None, observer: Observer | None = None
+) -> Starlette:
     """The data plane's app: OpenAI's routes through the plane's activators; the admin API passed
-    through to the controller."""
+    through to the controller, but for this gateway's own drift (`observer`: its request log,
+    drift and traces, `stoker.request_log`) and the dashboard's page (its data is the controller's)."""
     limiter = Limiter(
         access.default_limits if access is not None else NO_LIMITS, registry=plane.metrics_registry
     )
@@ -247,12 +275,16 @@ def build_data_gateway(plane: GatewayPlane, *, access: Access | None = None) -> 
             yield
         finally:
             await plane.shutdown()
+            if observer is not None:
+                observer.close()
 
     return Starlette(
         routes=[
             Route("/healthz", healthz, methods=["GET"]),
             *own,
-            *data_routes(plane, limiter, cascades),
+            *data_routes(plane, limiter, cascades, observer),
+            *(observer.routes(plane) if observer is not None else []),
+            *dashboard_routes(None),
             Route("/metrics/engines", admin, methods=["GET"]),
             Route("/admin/{rest:path}", admin, methods=["GET", "POST", "DELETE"]),
         ],

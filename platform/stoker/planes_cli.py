@@ -18,11 +18,13 @@ from stoker.serve_cli import (
     add_activator_args,
     add_limit_args,
     add_pool_args,
+    add_request_log_args,
     add_serve_args,
     admin_key_of,
     build_platform,
     default_limits,
     log_setup,
+    request_observer,
     serve,
 )
 
@@ -87,7 +89,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     gateway = sub.add_parser(
         "gateway", help="run a data-plane gateway: OpenAI's API, held requests, the proxy"
     )
-    for add in (add_serve_args, add_activator_args, add_limit_args):
+    for add in (add_serve_args, add_activator_args, add_limit_args, add_request_log_args):
         add(gateway)
     gateway.add_argument("--controller", required=True, metavar="URL", help="the controller's base URL")
     gateway.add_argument(
@@ -96,6 +98,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     )
     gateway.add_argument(
         "--report-interval", type=duration, default="1s", help="time between load reports to the controller"
+    )
+    gateway.add_argument(
+        "--data-dir",
+        metavar="DIR",
+        help="this gateway's request log (default: $STOKER_HOME, else ~/.stoker)",
     )
     gateway.set_defaults(func=cmd_gateway)
 
@@ -172,9 +179,12 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     from stoker.http import own_origins
     from stoker.planes import build_data_gateway
 
+    if args.data_dir:
+        os.environ["STOKER_HOME"] = args.data_dir
     admin_key = admin_key_of(args)
     controller = _controller_url(args.controller)
     log_setup(args)
+    observer = request_observer(args)  # this gateway's request log, drift and traces
     holding, limits = activator_config(args), default_limits(args)
     gateway_id = args.gateway_id or f"{socket.gethostname()}-{os.getpid()}"
     plane = GatewayPlane(
@@ -185,8 +195,9 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         CollectorRegistry(),
         report_interval_s=args.report_interval,
     )
+    observer.register(plane.metrics_registry)
     access = Access(admin_key, plane.keys, own_origins(args.host, args.port), limits)
-    return serve(build_data_gateway(plane, access=access), args)
+    return serve(build_data_gateway(plane, access=access, observer=observer), args)
 
 
 def _controller_url(url: str) -> str:

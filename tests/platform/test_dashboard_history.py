@@ -31,6 +31,7 @@ BEFORE = r(
     stoker_queue_wait_seconds_sum={CHAT: 10.0},
     stoker_queue_wait_seconds_count={CHAT: 1.0},
     stoker_instance_seconds_total={L(deployment="chat", state="READY"): 50.0},
+    stoker_scaler_arrivals_total={CHAT: 90.0},
 )
 NOW = r(
     stoker_requests_total={
@@ -57,6 +58,7 @@ NOW = r(
         L(deployment="chat", state="SLEEPING"): 5.0,
     },
     stoker_scaler_forecast_requests_per_second={CHAT: 2.5},
+    stoker_scaler_arrivals_total={CHAT: 106.0},
     stoker_queue_length={CHAT: 1.0},
     stoker_instances={
         L(deployment="chat", state="READY"): 2.0,
@@ -70,7 +72,8 @@ NOW = r(
 def test_a_point_is_the_deltas_over_the_interval():
     p = point(BEFORE, NOW, 5.0)
     assert p["chat"] == {
-        "requests_per_s": 3.0,  # (113 + 4) - (100 + 2) = 15 over 5 s
+        "requests_per_s": 3.0,  # answered: (113 + 4) - (100 + 2) = 15 over 5 s
+        "arrivals_per_s": 3.2,  # heard of by the scaler, held ones too: 106 - 90 = 16 over 5 s
         "errors_per_s": 0.4,  # 2 more 503s
         "forecast_per_s": 2.5,
         "queued": 1,

@@ -176,8 +176,9 @@
     const points = history.points;
     const times = points.map((p) => p.t);
     const requests = [
-      { name: "requests/s", color: "#0969da", values: windowed(points, (p) => scaled(pick(p, "requests_per_s"), p.dt)) },
+      { name: "arrivals/s", color: "#0969da", values: windowed(points, (p) => scaled(pick(p, "arrivals_per_s"), p.dt)) },
       { name: "forecast", color: "#8250df", dashed: true, values: points.map((p) => pick(p, "forecast_per_s")) },
+      { name: "answers/s", color: "#1a7f37", values: windowed(points, (p) => scaled(pick(p, "requests_per_s"), p.dt)) },
       { name: "5xx/s", color: "#cf222e", values: windowed(points, (p) => scaled(pick(p, "errors_per_s"), p.dt)) },
       { name: "held now", color: "#d4a72c", values: points.map((p) => pick(p, "queued")) },
     ];
