@@ -53,7 +53,20 @@ Each call:
      shared rules' down delay, one disk start, the ski-rental break-even against the start a stop
      would cost), then asleep. Not the longest gap seen × 1.1: early gaps of 4–5 minutes held a
      GPU idle that long to spare a 1 s wake;
-   - stopped once idle for `sleep_keepalive_s` (30 min).
+   - stopped once idle for `sleep_keepalive_s` (30 min; a deployment's idle timeout);
+   - READY only within the first `ready_share` (half) of `sleep_keepalive_s`, whatever the
+     fallback or the histogram say: both READY windows end at min(their end, T × 0.5), T the idle
+     timeout, so every idle timeout leaves the instance asleep for at least its second half
+     before the stop. Without the cap a short idle timeout turned the sleeping tier off: bound
+     from a deployment (`settings.bind_policy`) the fallback is the stable window, which the
+     platform caps at T, so with `--idle-timeout 20` READY ended at 20 s, the very second the
+     instance was stopped. Worked example, T = 20 s, window 60 s (capped to 20): READY 0–10 s,
+     asleep 10–20 s, stopped at 20 s; T = 300 s, window 60 s: READY 0–60 s, asleep 60–300 s
+     (unchanged: 60 < 150); T = 300 s, gaps of ~200 s (keep_until 1.1 × tail ≈ 230 s): the
+     pre-warm at ~177 s lies past 150 s, so the instance sleeps through, a wake (~1 s) away. Why
+     a half: the idle timeout keeps its meaning (the last instance goes at T), and neither tier
+     is squeezed to nothing by the other, however short T is (the platform's floor is 2 s, two
+     loop ticks: `settings.MIN_SLEEPING_IDLE_S`).
 4. The sleeping tier for the rest: instances the load needed in the last `sleep_keepalive_s` and
    that are not READY now are put to sleep instead of stopped (the highest READY count of that
    window, minus READY now), so the next burst wakes them in a second instead of starting them.
@@ -90,6 +103,8 @@ from warm_pool.policies.forecast import Forecast, ForecastConfig
 from warm_pool.policies.idle_histogram import HistogramConfig, IdleHistogram
 from warm_pool.policies.windows import Peak, instances_for, peak, push_peak, push_seconds
 
+READY_SHARE = 0.5  # an idle instance is READY at most this share of the idle timeout (step 3)
+
 
 @dataclass(frozen=True)
 class PredictiveConfig:
@@ -104,6 +119,7 @@ class PredictiveConfig:
     wake_margin_s: float = 2.0
     sleep_keepalive_s: float = 1800.0
     stable_window_s: float = 60.0  # kpa's: the window for W = L / λ and the READY budget per hit
+    ready_share: float = READY_SHARE  # of sleep_keepalive_s, the most an idle instance stays READY
     forecast: ForecastConfig = field(default_factory=ForecastConfig)
     histogram: HistogramConfig = field(default_factory=lambda: HistogramConfig(tail_pct=90.0))
 
@@ -116,6 +132,8 @@ class PredictiveConfig:
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise InvalidConfig(name, f"{name} must be a finite number > 0, got {value}")
+        if not 0 < self.ready_share < 1:
+            raise InvalidConfig("ready_share", f"ready_share must be in (0, 1), got {self.ready_share}")
         for name in ("sparse_concurrency", "band", "min_sleep_s", "wake_margin_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
@@ -213,13 +231,15 @@ def _last_instance(
     """(READY, put the last one to sleep?, reason) for a deployment idle for `idle_for` seconds."""
     if idle_for >= c.sleep_keepalive_s:
         return 0, False, f"idle {idle_for:.0f}s ≥ {c.sleep_keepalive_s:g}s: stop"
+    limit = c.sleep_keepalive_s * c.ready_share  # READY only this far into the idle timeout
     windows = hist.windows(c.histogram)
     if windows is None:
-        keep = c.fallback_ready_s
+        keep = min(c.fallback_ready_s, limit)
         if idle_for < keep:
-            return 1, False, f"histogram not representative ({hist.total:.0f} gaps): ready {keep:.0f}s"
-        return 0, True, f"histogram not representative: asleep after {keep:.0f}s idle"
+            return 1, False, f"histogram not representative ({hist.total:.0f} gaps): ready {keep:g}s"
+        return 0, True, f"histogram not representative: asleep after {keep:g}s idle"
     prewarm, keep_until = windows
+    keep_until = min(keep_until, limit)
     has_instance = o.ready + o.starting + o.waking + o.sleeping > 0
     lead = o.startup.wake + c.wake_margin_s if has_instance else o.startup.of(o.start_tier)
     wake_at = prewarm - lead
