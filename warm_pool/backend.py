@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from warm_pool.launch import LaunchSpec
+from warm_pool.policies.base import Tier
 from warm_pool.snapshot import Acquired, SnapshotSource
 
 
@@ -99,3 +100,28 @@ class Backend(Protocol):
         """The last `max_bytes` of the instance's engine log; None if there is none to read. (vLLM
         says how its start went only there: `warm_pool.vllm.startup_phases`.)"""
         ...
+
+
+def start_tier(snapshot_tier: Tier, from_runtime: bool) -> Tier:
+    """The tier a start came from: `RUNTIME` when a warm runtime took it and the snapshot was on
+    this machine already (page cache or disk); otherwise the snapshot's tier (a download dwarfs the
+    imports a runtime saves, and a fresh process is no runtime). Pure.
+
+    | snapshot tier | from a runtime | start tier |
+    |---|---|---|
+    | page_cache | yes | runtime |
+    | disk | yes | runtime |
+    | object_storage | yes | object_storage |
+    | page_cache | no | page_cache |
+    """
+    if from_runtime and snapshot_tier in (Tier.PAGE_CACHE, Tier.DISK):
+        return Tier.RUNTIME
+    return snapshot_tier
+
+
+def runtime_ready(backend: Backend, engine: str) -> bool:
+    """Whether `backend` holds a warm runtime that a start of `engine` would take now. Only the local
+    backend keeps runtimes (its `runtimes`, a `warm_pool.runtimes.RuntimeKeeper`); on any other
+    every start is a fresh process."""
+    keeper = getattr(backend, "runtimes", None)
+    return keeper is not None and keeper.ready(engine) > 0

@@ -21,6 +21,10 @@ goes through the fleet arbiter (`warm_pool.arbiter.arbitrate`) before the apply 
    `plan` wakes), fresh starts on the grant's `start_on` devices, else on any device with room. What
    does not fit waits for a later tick, its requests held. So no device's memory is ever exceeded.
 
+Warm runtimes (`InstanceModel.warm_runtimes`, each deployment its own here) hold `runtime_bytes` each
+on their group's first device while ready (a GPU runtime's CUDA context): members of no deployment,
+which the arbiter counts as held, as the live fleet counts the keeper's (`warm_pool.runtimes`).
+
 Modes: `shared` puts every deployment on the same devices; `dedicated` gives each deployment one
 device of its own (a fleet of one per deployment, still one clock, so the runs end together).
 
@@ -170,6 +174,7 @@ class _Deployment(sim.Simulation):
             sim._DEADLINE: self._on_deadline,
             sim._WARMED: self._on_warmed,
             sim._TICK: self._on_tick,
+            sim._RUNTIME: self._on_runtime,
         }
 
     def begin(self) -> None:
@@ -269,6 +274,7 @@ class FleetSimulation:
         seed: int = 0,
         tick_s: float = 1.0,
         record: bool = False,
+        runtime_bytes: int = 0,  # what each ready warm runtime holds on its group's first device
     ) -> None:
         if mode not in MODES:
             raise InvalidConfig("mode", f"mode must be one of {', '.join(MODES)}, got {mode!r}")
@@ -287,6 +293,7 @@ class FleetSimulation:
                     f"deployment {d.name}: its awake footprint must fit one device ({device_memory} bytes)",
                 )
         self.mode, self.memory, self.record = mode, device_memory, record
+        self.runtime_bytes = runtime_bytes
         all_devices = [Device(f"gpu{i}", device_memory) for i in range(devices)]
         self._heap: list[tuple[float, int, int, _Deployment, object]] = []
         self._seq = itertools.count()
@@ -327,6 +334,9 @@ class FleetSimulation:
                 members.append(
                     Member(f"{dep.name}/{inst.id}", dep.name, device, inst.state != "sleeping", inst.busy > 0)
                 )
+        held = sum(dep._runtimes for dep in group.deployments) * self.runtime_bytes
+        if held:  # the warm runtimes' memory, held by no deployment
+            members.append(Member("runtimes", "(warm runtimes)", group.devices[0].id, False, holds=held))
         devices = [Device(d.id, d.memory - draining.get(d.id, 0)) for d in group.devices]
         wishes = [dep.wish for dep in group.deployments if dep.wish is not None]
         grants = arbitrate(wishes, members, devices)
@@ -344,6 +354,9 @@ class FleetSimulation:
         """Bytes reserved on each device now: awake footprints, and residuals of the asleep."""
         used = dict.fromkeys((d.id for d in devices or self.devices), 0)
         for dep in self.deployments:
+            first = self._group[dep.name].devices[0].id
+            if first in used:
+                used[first] += dep._runtimes * self.runtime_bytes
             for inst in dep._instances.values():
                 device = dep.device_of[inst.id]
                 if device in used:

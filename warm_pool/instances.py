@@ -57,6 +57,7 @@ class Launch:
     process_s: float = 0.0  # from the spawn to READY
     phases: dict[str, float] | None = None
     capabilities: EngineCapabilities | None = None
+    from_runtime: bool = False  # a warm runtime took the start (`warm_pool.runtimes`)
 
 
 class InstanceOps:
@@ -123,6 +124,7 @@ class InstanceOps:
         )
         handle = await self.backend.start(placement, spec)
         self._handles[inst.id] = handle
+        launch.from_runtime = getattr(handle, "from_runtime", False)
         t1, launch.stage = clock(), "wait_ready"
         inst.address = await self.backend.wait_ready(handle, s.start_timeout_s, health_path=spec.health_path)
         launch.process_s = clock() - t1

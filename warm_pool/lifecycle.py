@@ -10,7 +10,7 @@ import logging
 import time
 
 from snapshots import SnapshotError
-from warm_pool.backend import Running
+from warm_pool.backend import Running, start_tier
 from warm_pool.backoff import restart_delay
 from warm_pool.errors import PoolError, SnapshotCorrupt, StartFailed
 from warm_pool.failures import record_of
@@ -110,7 +110,7 @@ class Lifecycle:
         self._failures = 0
         if self._start_failures.started() and self._corrupt is None:
             self._demand.set_unavailable(None)
-        self._became_ready(inst, launch.acquired.tier, inst.created_at)
+        self._became_ready(inst, start_tier(launch.acquired.tier, launch.from_runtime), inst.created_at)
         log.info(
             "instance %s ready at %s after %.2fs (%s)",
             inst.id,

@@ -11,6 +11,12 @@ dir) in its environment. A restarted controller's `running()` reads the records 
 process that still runs (same PID, same start time) is handed over for adoption, with the key that
 reaches it; a dead one's record is dropped; an engine that says it is ours but was never recorded
 (the run died between spawning and recording it) cannot be reached and is stopped.
+
+With a `RuntimeKeeper` (`warm_pool.runtimes`), a start first asks it for a warm runtime that can run
+the launch: one is handed the launch and becomes the engine (its PID, its process group; the handle
+says `from_runtime`), and only without one is a fresh process spawned. The keeper starts keeping
+runtimes at `running()` (the platform's first call, once the previous run's processes are sorted
+out) and stops them at `aclose()`.
 """
 
 from __future__ import annotations
@@ -30,10 +36,12 @@ import aiohttp
 
 from warm_pool.backend import Placement, Running
 from warm_pool.errors import StartFailed
+from warm_pool.handoff import HandoffError
 from warm_pool.launch import LaunchSpec
 from warm_pool.log_text import FAILURE_LOG_LINES, meaningful_lines
 from warm_pool.procs import OWNER_ENV, ProcessHandle, killpg, read_start_ticks
 from warm_pool.records import InstanceRecord, InstanceRecords, marked
+from warm_pool.runtimes import RuntimeKeeper
 from warm_pool.snapshot import Acquired, SnapshotSource
 
 log = logging.getLogger("warm_pool.local")
@@ -89,6 +97,7 @@ class LocalBackend:
         clock: Callable[[], float] = time.monotonic,
         owner: str | None = None,
         records: InstanceRecords | None = None,
+        runtimes: RuntimeKeeper | None = None,
     ) -> None:
         """`owner`, when given, goes into every engine's environment as `OWNER_ENV`, so a later run
         finds the engines of this one even where no record was written. Without `records` nothing
@@ -98,6 +107,7 @@ class LocalBackend:
         self._owner_name = owner
         self._owner = {OWNER_ENV: owner} if owner else {}
         self._records = records
+        self.runtimes = runtimes  # warm runtimes a start takes first (`warm_pool.runtimes`), if any
         self._children: dict[ProcessHandle, _Child] = {}  # processes this backend started and has not reaped
         self._urls: dict[ProcessHandle, str] = {}  # where each engine it started or adopted answers
 
@@ -118,19 +128,21 @@ class LocalBackend:
             raise ValueError(f"instance id must be a plain file name, got {instance_id!r}")
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_path(instance_id)
-        with log_path.open("ab") as out:
-            process = await asyncio.create_subprocess_exec(
-                *spec.argv,
-                env=os.environ | dict(spec.env) | self._owner,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=out,
-                stderr=asyncio.subprocess.STDOUT,
-                start_new_session=True,
-                cwd=spec.cwd,
-            )
-        ticks = read_start_ticks(process.pid)
-        # start_new_session makes the child a session and group leader: its pgid is its pid.
-        handle = ProcessHandle(process.pid, process.pid, -1 if ticks is None else ticks, instance_id)
+        handle, process = await self._from_runtime(spec, log_path, instance_id)
+        if process is None:
+            with log_path.open("ab") as out:
+                process = await asyncio.create_subprocess_exec(
+                    *spec.argv,
+                    env=os.environ | dict(spec.env) | self._owner,
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=asyncio.subprocess.STDOUT,
+                    start_new_session=True,
+                    cwd=spec.cwd,
+                )
+            ticks = read_start_ticks(process.pid)
+            # start_new_session makes the child a session and group leader: its pgid is its pid.
+            handle = ProcessHandle(process.pid, process.pid, -1 if ticks is None else ticks, instance_id)
         host = f"[{placement.host}]" if ":" in placement.host else placement.host
         url = f"http://{host}:{placement.port}"
         self._children[handle] = _Child(process, log_path, url)
@@ -139,9 +151,38 @@ class LocalBackend:
             self._records.put(InstanceRecord.of(placement, handle, url, time.time()))
         return handle
 
+    async def _from_runtime(
+        self, spec: LaunchSpec, log_path: Path, instance_id: str
+    ) -> tuple[ProcessHandle | None, asyncio.subprocess.Process | None]:
+        """The handle and process of a warm runtime that took `spec`, or (None, None)."""
+        rt = self.runtimes.take(spec) if self.runtimes is not None else None
+        if rt is None:
+            return None, None
+        try:
+            handle = await self.runtimes.hand_off(rt, spec, log_path)
+        except (HandoffError, OSError) as exc:
+            log.warning(
+                "instance %s: runtime %s did not take the start (%s); starting afresh",
+                instance_id,
+                rt.id,
+                exc,
+            )
+            return None, None
+        return ProcessHandle(
+            handle.pid, handle.pgid, handle.start_ticks, instance_id, from_runtime=True
+        ), rt.process
+
     async def running(self) -> list[Running]:
         """The recorded engines of a previous run that still run, for adoption; dead ones' records
-        are dropped, and engines marked as ours that no record names are stopped."""
+        are dropped, and engines marked as ours that no record names are stopped (a previous run's
+        warm runtimes among them). Then this run's warm runtimes start."""
+        try:
+            return await self._running()
+        finally:
+            if self.runtimes is not None:
+                self.runtimes.start()
+
+    async def _running(self) -> list[Running]:
         if self._records is None:
             return []
         found, recorded = [], set()
@@ -166,8 +207,9 @@ class LocalBackend:
                 )
             )
         if self._owner_name is not None:
+            mine = self.runtimes.pgids() if self.runtimes is not None else set()
             for handle in marked(self._owner_name):
-                if handle.pgid not in recorded and self.is_alive(handle):
+                if handle.pgid not in recorded | mine and self.is_alive(handle):
                     log.warning(
                         "stopping process %d left by a previous run, which never recorded it", handle.pid
                     )
@@ -175,7 +217,9 @@ class LocalBackend:
         return found
 
     async def aclose(self) -> None:
-        """Nothing held but the children, which `stop` reaps; those still running run on."""
+        """The warm runtimes are stopped; the engines, which `stop` reaps, run on."""
+        if self.runtimes is not None:
+            await self.runtimes.aclose()
 
     async def read_log(self, instance_id: str, max_bytes: int) -> str | None:
         return await asyncio.to_thread(_read_tail, self.log_path(instance_id), max_bytes)

@@ -34,7 +34,7 @@ COLD_START_PHASES = (
 )
 COLD_START_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 START_OUTCOMES = ("ready", "failed")
-TIERS = ("wake", "page_cache", "disk", "object_storage")  # warm_pool.policies.base.Tier's values
+TIERS = ("wake", "runtime", "page_cache", "disk", "object_storage")  # warm_pool.policies.base.Tier's values
 SLEEP_ACTIONS = ("sleep", "wake")
 CORRECTED_BELIEFS = ("READY", "SLEEPING")
 CORRECTED_OBSERVATIONS = ("asleep", "awake", "unauthorized")  # warm_pool.reconcile.Observed's, less unknown

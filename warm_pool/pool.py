@@ -51,7 +51,7 @@ from cachetools import LRUCache
 from snapshots import WarmReport
 from warm_pool import plan
 from warm_pool.arbiter import Wish
-from warm_pool.backend import Backend
+from warm_pool.backend import Backend, runtime_ready, start_tier
 from warm_pool.engine_calls import HttpEngines
 from warm_pool.engine_signals import EngineScraper, EngineTotals, engine_totals
 from warm_pool.errors import PoolError
@@ -324,7 +324,8 @@ class Pool(Lifecycle, FleetSeat):
             starting=len(census.coming),
             sleeping=census.sleeping,
             waking=len(census.waking),
-            cached_tier=self._page.tier(now),
+            # A warm runtime ready for this engine makes the next start a runtime start.
+            cached_tier=start_tier(self._page.tier(now), runtime_ready(self._ops.backend, self.spec.engine)),
             snapshot_id=self.spec.snapshot.snapshot_id,
             can_sleep=self.can_sleep,
             engine_waiting=engines.waiting,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 OWNER_ENV = "STOKER_ENGINE_OF"  # in every engine's environment: whose it is (see `records.marked`)
@@ -17,6 +17,9 @@ class ProcessHandle:
     pgid: int
     start_ticks: int  # -1 if the process was gone before it could be read
     instance_id: str = ""  # the instance it runs, where known (its record's name)
+    # A warm runtime (`warm_pool.runtimes`) became this engine: the start skipped the imports. Not
+    # part of its identity (a handle read back from a record is the same process).
+    from_runtime: bool = field(default=False, compare=False)
 
     @property
     def name(self) -> str:

@@ -28,6 +28,8 @@ class InstanceModel:
     max_queue: int = 100
     deadline_s: float = 120.0
     can_sleep: bool = True
+    warm_runtimes: int = 0  # runtimes kept ahead of need (`warm_pool.runtimes`): starts of tier runtime
+    runtime_refill_s: float | None = None  # a taken runtime's replacement is ready after; None: page_cache
 
     def __post_init__(self) -> None:
         for name in ("prefill_tps", "decode_tps", "deadline_s", "page_cache_ttl_s"):
@@ -37,6 +39,8 @@ class InstanceModel:
         for tier in Tier:
             if not (math.isfinite(self.startup.of(tier)) and self.startup.of(tier) >= 0):
                 raise InvalidConfig(tier.value, f"start-up time of {tier.value} must be ≥ 0 s")
+        if self.warm_runtimes < 0 or (self.runtime_refill_s is not None and not self.runtime_refill_s >= 0):
+            raise InvalidConfig("warm_runtimes", "need warm_runtimes ≥ 0 and runtime_refill_s ≥ 0")
         if self.concurrency < 1 or self.max_queue < 0:
             raise InvalidConfig("concurrency", "need concurrency ≥ 1 and max_queue ≥ 0")
         if not 0 <= self.jitter <= 2:

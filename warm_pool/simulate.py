@@ -13,6 +13,9 @@ The instance model (`InstanceModel`; two presets, `GPU` the default and `CPU`):
   cache while any instance of the deployment exists or for `page_cache_ttl_s` after the last one
   stopped or the snapshot was warmed, else local disk (or object storage, until the first start or
   warm has fetched it); a wake takes `startup.wake`;
+- with `warm_runtimes` N, N runtimes are ready at t=0; a start from the page cache or local disk
+  takes a ready one and lasts `startup.runtime` (tier runtime), and the runtime taken is replaced
+  `runtime_refill_s` later (a fresh process's imports; by default the page-cache start time);
 - a request holds one of `concurrency` slots for context / prefill_tps + generated / decode_tps
   seconds (decode_tps per stream), times a log-normal jitter (σ = `jitter`) drawn per request
   from the seed before the run, so every policy sees the same service times; TTFT = wait + prefill;
@@ -85,6 +88,7 @@ class Report:
     duration_s: float
     timeline: tuple[tuple[float, int, float, int, int, int, int], ...] = field(default=(), repr=False)
     # (t, arrivals in the tick before t, forecast req/s or NaN, ready, starting, waking, sleeping)
+    runtime_starts: int = 0  # of `starts`, those a warm runtime took
 
     def summary(self) -> dict[str, object]:
         """The report without the timeline, rounded for JSON and tables."""
@@ -108,7 +112,7 @@ class _Instance:
         self.asleep_since = 0.0  # when it last fell asleep: the longest asleep are stopped first
 
 
-_READY_EVENT, _DONE, _ARRIVAL, _DEADLINE, _WARMED, _TICK = range(6)
+_READY_EVENT, _DONE, _ARRIVAL, _DEADLINE, _WARMED, _TICK, _RUNTIME = range(7)
 
 
 class Simulation:
@@ -147,6 +151,8 @@ class Simulation:
         self._on_disk = model.initial_tier != Tier.OBJECT_STORAGE
         self._cache_until = model.page_cache_ttl_s if model.initial_tier == Tier.PAGE_CACHE else -math.inf
         self._warming = False
+        self._runtimes = model.warm_runtimes  # ready warm runtimes (refills are events)
+        self._runtime_starts = 0
         self.outcomes: list[str | None] = [None] * len(trace)  # "served" or "rejected", set once
         self._waits: list[float] = []
         self._ttfts: list[float] = []
@@ -167,6 +173,7 @@ class Simulation:
             _DEADLINE: self._on_deadline,
             _WARMED: self._on_warmed,
             _TICK: self._on_tick,
+            _RUNTIME: self._on_runtime,
         }
         while self._events and self._done < len(self.trace):
             t, kind, _, data = heapq.heappop(self._events)
@@ -270,8 +277,23 @@ class Simulation:
             return Tier.PAGE_CACHE
         return Tier.DISK if self._on_disk else Tier.OBJECT_STORAGE
 
-    def _start(self) -> None:
+    def _start_tier(self) -> Tier:
+        """Where a start would come from now: a warm runtime if one is ready and the snapshot is here."""
         tier = self._cached_tier()
+        return Tier.RUNTIME if self._runtimes > 0 and tier in (Tier.PAGE_CACHE, Tier.DISK) else tier
+
+    def _on_runtime(self, _: object) -> None:
+        self._runtimes += 1
+
+    def _start(self) -> None:
+        tier = self._start_tier()
+        if tier == Tier.RUNTIME:
+            self._runtimes -= 1
+            self._runtime_starts += 1
+            refill = self.model.runtime_refill_s
+            self._push(
+                self._now + (self.model.startup.page_cache if refill is None else refill), _RUNTIME, None
+            )
         inst = _Instance(next(self._ids), "starting", tier, self._now)
         self._instances[inst.id] = inst
         self._starts += 1
@@ -331,7 +353,7 @@ class Simulation:
             starting=counts["starting"],
             sleeping=counts["sleeping"] + counts["to_sleep"],
             waking=counts["waking"],
-            cached_tier=self._cached_tier(),
+            cached_tier=self._start_tier(),
             snapshot_id=SNAPSHOT_ID,
             can_sleep=self.model.can_sleep,
         )
@@ -420,6 +442,7 @@ class Simulation:
             cost_per_1k_requests=cost / n * 1000,
             duration_s=self._now,
             timeline=tuple(self._timeline),
+            runtime_starts=self._runtime_starts,
         )
 
 

@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     snapshot_cli.add_parser(sub)
     engine_cli.add_parser(sub)
+    from stoker.engine import runtime  # `stoker runtime`: the warm-runtime tier's process
+
+    runtime.add_parser(sub)
     serve_cli.add_parser(sub)
     platform_cli.add_parsers(sub)
     cascade_cli.add_parser(sub)

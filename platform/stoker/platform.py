@@ -51,6 +51,7 @@ from warm_pool.metrics import PoolMetrics
 from warm_pool.policies.base import ScalingConfig
 from warm_pool.pool import Pool, PoolSpec
 from warm_pool.records import InstanceRecords
+from warm_pool.runtimes import cpu_keeper
 from warm_pool.snapshot import SnapshotSource
 from warm_pool.vllm import VllmLaunch, check_settings, loadable_reason, probe_vllm, read_config, vllm_command
 
@@ -89,6 +90,7 @@ class Platform:
         gateway_stale_after_s: float = 5.0,
         canary_check_s: float = 1.0,  # how often canaries that ask for it are judged
         prices: PriceTable | None = None,  # `stoker up --prices` (`stoker.cost`); None: list prices
+        warm_runtimes: int = 0,  # CPU-engine runtimes kept ahead of need (`stoker up --warm-runtimes`)
     ) -> None:
         self.data_dir = data_dir
         self.controller = controller
@@ -99,13 +101,15 @@ class Platform:
         self.records = InstanceRecords(data_dir / "instances")
         # Marks its engines, so the next run on this data dir finds even those it never recorded.
         owner = str(data_dir.resolve())
-        # Where instances run: engine processes here unless given another (Kubernetes pods).
-        self.backend: Backend = backend or LocalBackend(
-            data_dir / "logs", clock=clock, owner=owner, records=self.records
-        )
-        self.gpus = gpus or GpuInventory.from_env()
         self.metrics_registry = CollectorRegistry()
         self.fleet = Fleet(devices, self.metrics_registry) if devices is not None else None
+        # Where instances run: engine processes here, warm runtimes first (`warm_pool.runtimes`), unless given another (pods).
+        count = 0 if backend else warm_runtimes
+        keeper = cpu_keeper(count, data_dir / "logs", owner, self.metrics_registry, self.fleet)
+        self.backend: Backend = backend or LocalBackend(
+            data_dir / "logs", clock=clock, owner=owner, records=self.records, runtimes=keeper
+        )
+        self.gpus = gpus or GpuInventory.from_env()
         self._kv_bytes = instance_kv_bytes
         self._activator_metrics = ActivatorMetrics(self.metrics_registry)
         self._pool_metrics = PoolMetrics(self.metrics_registry)

@@ -114,6 +114,14 @@ def add_pool_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--stable-window", type=duration, default="60s", help="how long a scale-down waits")
     p.add_argument(
+        "--warm-runtimes",
+        type=int,
+        default=1,
+        metavar="N",
+        help="CPU-engine processes kept started ahead of need, imports done and no model: a start takes "
+        "one and loads only the weights (0: off)",
+    )
+    p.add_argument(
         "--unavailable-after",
         type=int,
         default=3,
@@ -311,8 +319,16 @@ def build_platform(args: argparse.Namespace, **extra):
         unavailable_after=args.unavailable_after,
         devices=devices,
         instance_kv_bytes=kv,
+        warm_runtimes=warm_runtimes_of(args),
         **extra,
     )
+
+
+def warm_runtimes_of(args: argparse.Namespace) -> int:
+    n = getattr(args, "warm_runtimes", 0)
+    if n < 0:
+        raise CLIError(f"--warm-runtimes must be 0 (off) or more, got {n}")
+    return n
 
 
 def prices_of(args: argparse.Namespace):

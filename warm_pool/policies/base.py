@@ -53,6 +53,7 @@ class Tier(StrEnum):
     """Where a new READY instance would come from, fastest first (ARCHITECTURE.md, "Tiers")."""
 
     WAKE = "wake"  # a SLEEPING instance: weights in host RAM
+    RUNTIME = "runtime"  # a warm runtime (imports done, no model) takes the start: weights only
     PAGE_CACHE = "page_cache"  # a fresh process, snapshot files in the OS page cache
     DISK = "disk"  # a fresh process, snapshot on local NVMe
     OBJECT_STORAGE = "object_storage"  # download first, then as DISK
@@ -67,12 +68,19 @@ class TierTimes:
     cache, ~1 s; a fresh vLLM process spends ~20 s in imports, CUDA init and graph capture with the
     weights already in RAM; local NVMe adds 16 GB at ~2 GB/s = 8 s; object storage adds a download at
     ~0.5 GB/s = 32 s. The CPU engine's measured figures are far smaller (README, "Benchmarks").
+    A start through a warm runtime (`warm_pool.runtimes`) skips the process's imports (and on a GPU
+    its CUDA context); without a figure of its own it counts as a page-cache start.
     """
 
     wake: float = 1.0
     page_cache: float = 20.0
     disk: float = 28.0
     object_storage: float = 60.0
+    runtime: float = None  # type: ignore[assignment]  # None given: the page-cache figure
+
+    def __post_init__(self) -> None:
+        if self.runtime is None:
+            object.__setattr__(self, "runtime", self.page_cache)
 
     def of(self, tier: Tier | str) -> float:
         return float(getattr(self, Tier(tier).value))

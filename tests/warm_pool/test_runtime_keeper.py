@@ -1,0 +1,250 @@
+"""The warm-runtime keeper (`warm_pool.runtimes`) on real processes of a minimal runtime kind, its
+pure decisions as tables, the tier a start is counted in, the arbiter counting runtimes' memory,
+and the simulator's warm runtimes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from tests.warm_pool.rig import at
+from warm_pool.arbiter import Device, Member, Wish, arbitrate
+from warm_pool.backend import runtime_ready, start_tier
+from warm_pool.launch import LaunchSpec
+from warm_pool.local import LocalBackend
+from warm_pool.policies.base import ScalingConfig, Tier, TierTimes
+from warm_pool.policies.settings import bind_policy
+from warm_pool.procs import ProcessHandle
+from warm_pool.profiles import InstanceModel
+from warm_pool.runtimes import Runtime, RuntimeKeeper, RuntimeKind, RuntimeMetrics, memory_of, to_start
+from warm_pool.simulate import simulate
+from warm_pool.trace import TraceRequest
+
+from .support import pid_gone, wait_gone
+
+if sys.platform != "linux":  # pragma: no cover
+    pytest.skip("runtimes need Linux's /proc", allow_module_level=True)
+
+# A runtime as small as one can be (the keeper appends `--socket-dir DIR`): it serves one handoff
+# with the shared protocol and exits 0.
+RUNTIME = """
+import os, sys
+from pathlib import Path
+from warm_pool.handoff import TOKEN_ENV, HandoffError, listen, serve_one, take_over
+listener = listen(Path(sys.argv[-1]))
+try:
+    handoff, conn, log_fd = serve_one(listener, os.environ.pop(TOKEN_ENV))
+except HandoffError as exc:
+    sys.exit(2)
+take_over(handoff, conn, log_fd, listener)
+print("became", " ".join(handoff.argv), flush=True)
+"""
+ENGINE_SPEC = LaunchSpec(("stoker", "engine", "--port", "1"), env={"STOKER_ENGINE_API_KEY": "k"})
+
+
+def kind(count: int, command: tuple[str, ...] = (sys.executable, "-c", RUNTIME)) -> RuntimeKind:
+    return RuntimeKind("cpu", command, count)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def until(condition, within_s: float = 120.0, what: str = "condition") -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within_s
+    while not condition():
+        assert loop.time() < deadline, f"{what} not reached in {within_s}s"
+        await asyncio.sleep(0.02)
+
+
+def gauge(registry: CollectorRegistry, name: str, **labels: str) -> float | None:
+    return registry.get_sample_value(name, labels)
+
+
+async def test_the_keeper_keeps_its_runtimes_refills_after_a_take_and_stops_them_all(tmp_path):
+    registry = CollectorRegistry()
+    keeper = RuntimeKeeper(
+        [kind(2)], tmp_path / "logs", metrics=RuntimeMetrics(registry), interval_s=0.05, memory_interval_s=0.0
+    )
+    keeper.start()
+    try:
+        await until(lambda: keeper.ready("cpu") == 2, what="two runtimes ready")
+        first = {r["pid"] for r in keeper.status()}
+        await until(lambda: all(r["pss_bytes"] > 0 for r in keeper.status()), what="memory measured")
+        assert gauge(registry, "stoker_warm_runtimes", engine="cpu") == 2
+        assert gauge(registry, "stoker_warm_runtime_memory_bytes", engine="cpu", kind="rss") > 0
+        assert keeper.take(LaunchSpec(("vllm", "serve", "m"), program="vllm")) is None  # not its kind
+        rt = keeper.take(ENGINE_SPEC)
+        assert rt is not None and rt.handle.pid in first and rt.handle.from_runtime
+        handle = await keeper.hand_off(rt, ENGINE_SPEC, tmp_path / "engine.log")
+        assert handle.pid == rt.handle.pid
+        assert await rt.process.wait() == 0
+        assert (tmp_path / "engine.log").read_text() == "became engine --port 1\n"
+        await until(lambda: keeper.ready("cpu") == 2, what="the taken runtime replaced")
+        now = {r["pid"] for r in keeper.status()}
+        assert len(now - first) == 1 and rt.handle.pid not in now
+        dirs = [Path(r.directory) for r in keeper._runtimes.values()]
+    finally:
+        await keeper.aclose()
+    for pid in now:
+        assert await wait_gone(pid), f"runtime {pid} still runs after aclose"
+    assert not any(d.exists() for d in dirs)
+    assert gauge(registry, "stoker_warm_runtimes", engine="cpu") == 0
+
+
+async def test_a_runtime_that_dies_is_replaced_after_the_backoff(tmp_path):
+    clock = Clock()
+    keeper = RuntimeKeeper([kind(1)], tmp_path / "logs", clock=clock, interval_s=0.05)
+    keeper.start()
+    try:
+        await until(lambda: keeper.ready("cpu") == 1, what="a runtime ready")
+        [victim] = [r["pid"] for r in keeper.status()]
+        os.kill(victim, signal.SIGKILL)
+        await until(lambda: victim not in {r["pid"] for r in keeper.status()}, what="the dead one dropped")
+        for _ in range(10):  # the clock stands still: the backoff (1 s) is not over
+            await asyncio.sleep(0.05)
+            assert keeper.status() == []
+        clock.now = 1.0
+        await until(lambda: keeper.ready("cpu") == 1, what="its replacement ready")
+    finally:
+        await keeper.aclose()
+
+
+async def test_a_runtime_that_cannot_start_backs_off_longer_each_time(tmp_path):
+    clock = Clock()
+    broken = kind(1, (sys.executable, "-c", "import sys; sys.exit(3)"))
+    logs = tmp_path / "logs"
+    keeper = RuntimeKeeper([broken], logs, clock=clock, interval_s=0.02)
+    keeper.start()
+    try:
+        # (spawn number, when it is spawned, when the next may be): backoffs of 1, 2, 4 s.
+        for spawned, at_s, next_s in ((1, 0.0, 1.0), (2, 1.0, 3.0), (3, 3.0, 7.0)):
+            clock.now = at_s
+            await until(lambda n=spawned: len(list(logs.glob("*.log"))) == n, what=f"spawn {spawned}")
+            await until(lambda: keeper.status() == [], what="its failure seen")
+            clock.now = next_s - 0.01
+            for _ in range(5):
+                await asyncio.sleep(0.05)
+                assert len(list(logs.glob("*.log"))) == spawned, "spawned again before its backoff ended"
+    finally:
+        await keeper.aclose()
+
+
+async def test_the_local_backend_starts_an_instance_in_a_runtime(tmp_path):
+    keeper = RuntimeKeeper([kind(1)], tmp_path / "runtimes", interval_s=0.05)
+    backend = LocalBackend(tmp_path / "logs", runtimes=keeper)
+    assert await backend.running() == []  # also starts the keeper
+    try:
+        await until(lambda: runtime_ready(backend, "cpu"), what="a runtime ready")
+        [pid] = [r["pid"] for r in keeper.status()]
+        handle = await backend.start(at("tiny-0a1b2c3d", 1), ENGINE_SPEC)
+        assert handle.pid == handle.pgid == pid and handle.from_runtime
+        assert handle.instance_id == "tiny-0a1b2c3d"
+        await until(lambda: not backend.is_alive(handle), what="its 'engine' done")
+        assert "became engine --port 1" in backend.log_path("tiny-0a1b2c3d").read_text()
+        assert await backend.stop(handle, term_timeout_s=10) == 0  # its exit status: reaped as a child
+        assert not runtime_ready(backend, "vllm")
+    finally:
+        await backend.aclose()
+    assert all(pid_gone(r["pid"]) for r in keeper.status())
+    assert keeper.status() == []
+
+
+@pytest.mark.parametrize(
+    ("count", "live", "now", "not_before", "spawn"),
+    [
+        (1, 0, 0.0, 0.0, 1),
+        (2, 1, 5.0, 0.0, 1),
+        (2, 2, 5.0, 0.0, 0),
+        (1, 3, 5.0, 0.0, 0),  # more than asked (a count lowered): none now, none stopped
+        (1, 0, 5.0, 6.0, 0),  # backing off
+        (0, 0, 5.0, 0.0, 0),  # the tier off
+    ],
+)
+def test_how_many_runtimes_to_start(count, live, now, not_before, spawn):
+    assert to_start(count, live, now, not_before) == spawn
+
+
+@pytest.mark.parametrize(
+    ("snapshot", "from_runtime", "tier"),
+    [
+        (Tier.PAGE_CACHE, True, Tier.RUNTIME),
+        (Tier.DISK, True, Tier.RUNTIME),
+        (Tier.OBJECT_STORAGE, True, Tier.OBJECT_STORAGE),
+        (Tier.PAGE_CACHE, False, Tier.PAGE_CACHE),
+        (Tier.DISK, False, Tier.DISK),
+    ],
+)
+def test_the_tier_of_a_start(snapshot, from_runtime, tier):
+    assert start_tier(snapshot, from_runtime) is tier
+
+
+def test_memory_is_read_from_smaps_rollup(tmp_path):
+    (tmp_path / "42").mkdir()
+    (tmp_path / "42" / "smaps_rollup").write_text(
+        "00400000-7ffd r--p 00000000 00:00 0 [rollup]\nRss:  402312 kB\nPss:  265000 kB\nShared_Clean: 1 kB\n"
+    )
+    assert memory_of(42, proc=tmp_path) == (402312 * 1024, 265000 * 1024)
+    assert memory_of(43, proc=tmp_path) is None
+    rss, pss = memory_of(os.getpid())
+    assert rss >= pss > 0
+
+
+def test_a_start_without_a_figure_of_its_own_counts_as_a_page_cache_start():
+    assert TierTimes(page_cache=7.0).runtime == 7.0
+    assert TierTimes(page_cache=7.0, runtime=1.5).of("runtime") == 1.5
+
+
+def test_the_arbiter_counts_what_runtimes_hold_on_a_device():
+    wish = Wish("chat", ready=1, sleeping=0, awake_bytes=600, asleep_bytes=100, rate=1.0, held=1)
+    devices = [Device("cpu0", 1000)]
+    assert arbitrate([wish], [], devices)["chat"].ready == 1
+    runtime = Member("cpu-1a2b", "(warm runtimes)", "cpu0", False, holds=500)
+    grant = arbitrate([wish], [runtime], devices)["chat"]
+    assert grant.ready == 0 and grant.denied == 1  # 600 more do not fit beside the runtime's 500
+
+
+def test_the_keeper_shows_its_runtimes_to_the_fleet(tmp_path):
+    gpu = RuntimeKind("vllm", ("true",), 1, program="vllm", device="gpu0", device_bytes=768 << 20)
+    keeper = RuntimeKeeper([kind(1), gpu], tmp_path)
+    assert keeper.fleet_wish() is None and keeper.fleet_members() == []
+    keeper.host_device = "cpu0"
+
+    for ident, k, pss in (("cpu-1", kind(1), 300 << 20), ("vllm-1", gpu, 200 << 20)):
+        handle = ProcessHandle(1, 1, 1, from_runtime=True)
+        keeper._runtimes[ident] = Runtime(
+            ident, k, None, handle, tmp_path, "t", {}, tmp_path / "x", 0.0, pss=pss
+        )
+    holds = {(m.id, m.device): m.holds for m in keeper.fleet_members()}
+    assert holds == {
+        ("cpu-1", "cpu0"): 300 << 20,
+        ("vllm-1", "gpu0"): 768 << 20,
+        ("vllm-1", "cpu0"): 200 << 20,
+    }
+
+
+def test_the_simulator_starts_from_a_warm_runtime_and_refills_it():
+    trace = tuple(TraceRequest(t, 10, 10) for t in (0.0, 30.0, 31.0, 200.0))
+    scaling = ScalingConfig(max=2, idle_timeout_s=10.0, stable_window_s=5.0)
+    times = TierTimes(wake=1.0, page_cache=8.0, disk=9.0, object_storage=20.0, runtime=2.0)
+
+    def run(runtimes: int):
+        model = InstanceModel(
+            startup=times, warm_runtimes=runtimes, jitter=0.0, can_sleep=False, runtime_refill_s=6.0
+        )
+        return simulate(trace, bind_policy("reactive", scaling), scaling=scaling, model=model)
+
+    without, with_one = run(0), run(1)
+    assert without.runtime_starts == 0 and with_one.runtime_starts >= 2  # refilled between starts
+    assert with_one.p99_wait_s < without.p99_wait_s

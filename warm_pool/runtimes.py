@@ -1,0 +1,395 @@
+"""The warm-runtime keeper: engine processes started ahead of need, one tier above the page cache.
+
+ARCHITECTURE.md's tier table: "an engine process with its imports done (and on a GPU its CUDA
+context), no model | host RAM | weight load only". The keeper holds `count` runtimes of each engine
+kind (`RuntimeKind`; `stoker up --warm-runtimes N`, 1 by default for the CPU engine, 0 turns the
+tier off). The local backend (`warm_pool.local`) asks it for one at every start (`take`): a ready
+runtime whose kind runs that launch is handed the launch over its socket (`warm_pool.handoff`) and
+becomes the instance's engine, same PID; with none ready the start spawns a fresh process as before.
+A runtime taken is replaced in the background.
+
+Its loop, every `interval_s` and at once after a take: a runtime whose socket has appeared is ready;
+one that died, or was not ready within `ready_timeout_s`, is dropped and counts as a failure, and the
+next start of its kind waits `restart_delay(failures)` (1 s, 2 s, 4 s … 60 s; a ready one resets it);
+then `to_start` says how many to spawn. Each runtime's memory is read from /proc every
+`memory_interval_s` (RSS and PSS; PSS splits the pages shared with other processes, such as the
+torch libraries every engine maps, so summed PSS is what the runtimes cost the machine): gauges
+`stoker_warm_runtimes{engine}` (ready ones) and `stoker_warm_runtime_memory_bytes{engine, kind}`
+(kind rss or pss), `status()` for operators, and `fleet_members()` for the arbiter.
+
+Runtimes run in process groups of their own and carry the owner mark of the backend's engines, so
+`aclose` stops each whole group and a run that died leaves none the next run does not stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import shutil
+import signal
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry, Gauge
+
+from warm_pool.arbiter import Member
+from warm_pool.backoff import restart_delay
+from warm_pool.fleet import CPU_DEVICE, Fleet
+from warm_pool.handoff import SOCKET_NAME, TOKEN_ENV, Handoff, HandoffError, fits, hand_off, private_dir
+from warm_pool.launch import LaunchSpec, default_stoker_command
+from warm_pool.procs import OWNER_ENV, ProcessHandle, killpg, read_start_ticks
+
+log = logging.getLogger("warm_pool.runtimes")
+RUNTIMES_MEMBER = "(warm runtimes)"  # their name among the fleet's members: no deployment has it
+
+
+@dataclass(frozen=True)
+class RuntimeKind:
+    """One engine kind's runtimes: how to start one, how many to keep, which launches it takes.
+
+    `engine` is the pool's engine name ("cpu", "vllm"); `command` starts a runtime (the keeper adds
+    `--socket-dir DIR`); a launch is taken when its `program` is `program` and its arguments begin
+    with `first_args`. `device_bytes` is device memory a runtime holds on `device` (a GPU runtime's
+    CUDA context, a configured figure); a CPU runtime's host memory is measured instead."""
+
+    engine: str
+    command: tuple[str, ...]
+    count: int = 1
+    program: str = "stoker"
+    first_args: tuple[str, ...] = ("engine",)
+    device: str | None = None
+    device_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if self.count < 0:
+            raise ValueError(f"warm runtimes of {self.engine} must be 0 or more, got {self.count}")
+
+    def takes(self, spec: LaunchSpec) -> bool:
+        return spec.program == self.program and spec.args[: len(self.first_args)] == self.first_args
+
+
+@dataclass
+class Runtime:
+    id: str
+    kind: RuntimeKind
+    process: asyncio.subprocess.Process
+    handle: ProcessHandle
+    directory: Path
+    token: str = field(repr=False)
+    env: Mapping[str, str] = field(repr=False)
+    log_path: Path
+    started_at: float
+    ready_at: float | None = None
+    rss: int = 0
+    pss: int = 0
+
+    @property
+    def socket(self) -> Path:
+        return self.directory / SOCKET_NAME
+
+
+def to_start(count: int, live: int, now: float, not_before: float) -> int:
+    """How many runtimes to spawn now: the shortfall of `live` (starting or ready) against `count`,
+    none before `not_before` (the backoff after a failure). Pure.
+
+    >>> to_start(2, 0, now=10.0, not_before=0.0), to_start(2, 0, now=10.0, not_before=12.0)
+    (2, 0)
+    """
+    if now < not_before:
+        return 0
+    return max(0, count - live)
+
+
+def memory_of(pid: int, proc: Path = Path("/proc")) -> tuple[int, int] | None:
+    """(RSS, PSS) bytes of a process from `smaps_rollup`; None if it cannot be read.
+
+    `Rss:  402312 kB` → 411,967,488 bytes."""
+    try:
+        text = (proc / str(pid) / "smaps_rollup").read_text()
+    except OSError:
+        return None
+    found = {}
+    for line in text.splitlines():
+        key, _, rest = line.partition(":")
+        if key in ("Rss", "Pss"):
+            found[key] = int(rest.split()[0]) * 1024
+    return (found["Rss"], found["Pss"]) if len(found) == 2 else None
+
+
+class RuntimeMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.ready = Gauge(
+            "stoker_warm_runtimes",
+            "Warm runtimes ready to take a start (imports done, no model), by engine.",
+            ["engine"],
+            registry=registry,
+        )
+        self.memory = Gauge(
+            "stoker_warm_runtime_memory_bytes",
+            "Memory the warm runtimes hold, by engine: kind rss (resident) or pss (shared pages split).",
+            ["engine", "kind"],
+            registry=registry,
+        )
+
+
+class RuntimeKeeper:
+    def __init__(
+        self,
+        kinds: Sequence[RuntimeKind],
+        log_dir: Path,
+        *,
+        env: Mapping[str, str] | None = None,  # added to every runtime's environment (the owner mark)
+        metrics: RuntimeMetrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        interval_s: float = 0.2,
+        ready_timeout_s: float = 600.0,
+        memory_interval_s: float = 5.0,
+    ) -> None:
+        if len({k.engine for k in kinds}) != len(kinds):
+            raise ValueError("one runtime kind per engine")
+        self.kinds = {k.engine: k for k in kinds}
+        self.log_dir = log_dir
+        self._env = dict(env or {})
+        self._metrics = metrics
+        self._clock = clock
+        self._interval_s = interval_s
+        self._ready_timeout_s = ready_timeout_s
+        self._memory_interval_s = memory_interval_s
+        self._runtimes: dict[str, Runtime] = {}
+        self._failures = dict.fromkeys(self.kinds, 0)
+        self._not_before = dict.fromkeys(self.kinds, 0.0)
+        self._measured_at = -float("inf")
+        self._root: Path | None = None  # a private directory for the sockets, short (a socket path
+        self._task: asyncio.Task | None = None  # must fit in 108 bytes)
+        self._poke = asyncio.Event()
+        self._closing = False
+        self.host_device: str | None = None  # the fleet's CPU budget, where runtimes' RAM counts
+
+    # ---- what the backend and operators ask -----------------------------------------------------------
+
+    def ready(self, engine: str) -> int:
+        return sum(1 for r in self._runtimes.values() if r.kind.engine == engine and r.ready_at is not None)
+
+    def take(self, spec: LaunchSpec) -> Runtime | None:
+        """A ready runtime that can run `spec`, now the caller's (the keeper replaces it), or None."""
+        for rt in sorted(self._runtimes.values(), key=lambda r: r.started_at):
+            if rt.ready_at is None or not rt.kind.takes(spec) or rt.process.returncode is not None:
+                continue
+            if (why := fits(spec.env, rt.env)) is not None:
+                log.info("runtime %s cannot take this start: %s", rt.id, why)
+                continue
+            del self._runtimes[rt.id]
+            self._poke.set()
+            self._gauges()
+            return rt
+        return None
+
+    async def hand_off(self, rt: Runtime, spec: LaunchSpec, log_path: Path) -> ProcessHandle:
+        """Hand `spec` to `rt`, its output going to `log_path` (appended, opened without following a
+        link); the engine's handle (the runtime's). On `HandoffError` the runtime is stopped."""
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(log_path, flags, 0o600)
+        handoff = Handoff(spec.args, dict(spec.env), str(spec.cwd) if spec.cwd is not None else None)
+        try:
+            await asyncio.to_thread(
+                hand_off, rt.socket, handoff, rt.token, expect_pid=rt.handle.pid, log_fd=fd
+            )
+        except HandoffError:
+            await self._stop(rt)
+            raise
+        finally:
+            os.close(fd)
+        self._discard(rt, keep_log=False)
+        return rt.handle
+
+    def status(self) -> list[dict]:
+        """Each runtime as an operator sees it."""
+        return [
+            {
+                "id": rt.id,
+                "engine": rt.kind.engine,
+                "pid": rt.handle.pid,
+                "state": "ready" if rt.ready_at is not None else "starting",
+                "rss_bytes": rt.rss,
+                "pss_bytes": rt.pss,
+                "log": str(rt.log_path),
+            }
+            for rt in sorted(self._runtimes.values(), key=lambda r: r.started_at)
+        ]
+
+    def pgids(self) -> set[int]:
+        return {rt.handle.pgid for rt in self._runtimes.values()}
+
+    # ---- the fleet's view (a `warm_pool.fleet.FleetMember` that wishes nothing) -------------------------
+
+    name = RUNTIMES_MEMBER
+
+    def fleet_wish(self) -> None:
+        return None
+
+    def poke(self) -> None:
+        """The fleet's nudge: nothing to decide here."""
+
+    def fleet_members(self) -> list[Member]:
+        """Memory the runtimes hold, as members of no deployment (the arbiter counts them as held):
+        a kind's configured `device_bytes` on its device, and, on `host_device` (a CPU budget the
+        composition root names), each runtime's measured PSS."""
+        members, host_device = [], self.host_device
+        for rt in self._runtimes.values():
+            if rt.kind.device is not None and rt.kind.device_bytes > 0:
+                members.append(
+                    Member(rt.id, RUNTIMES_MEMBER, rt.kind.device, False, holds=rt.kind.device_bytes)
+                )
+            if host_device is not None and rt.pss > 0:
+                members.append(Member(rt.id, RUNTIMES_MEMBER, host_device, False, holds=rt.pss))
+        return members
+
+    # ---- the loop --------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start keeping runtimes (in the background); safe to repeat."""
+        if self._task is None and not self._closing and any(k.count for k in self.kinds.values()):
+            self._root = Path(tempfile.mkdtemp(prefix="stoker-rt-"))  # 0700, short
+            self._task = asyncio.create_task(self._run(), name="warm-runtimes")
+
+    async def aclose(self) -> None:
+        """Stop every runtime (each whole process group) and the loop."""
+        self._closing = True
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await asyncio.gather(
+            *(self._stop(rt) for rt in list(self._runtimes.values())), return_exceptions=True
+        )
+        if self._root is not None:
+            shutil.rmtree(self._root, ignore_errors=True)
+        self._gauges()
+
+    async def _run(self) -> None:
+        while not self._closing:
+            try:
+                await self._step()
+            except Exception:  # one bad step must not end the tier
+                log.exception("warm runtimes: step failed")
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self._interval_s):
+                    await self._poke.wait()
+            self._poke.clear()
+
+    async def _step(self) -> None:
+        now = self._clock()
+        for rt in list(self._runtimes.values()):
+            if rt.process.returncode is not None:
+                self._failed(rt, f"exited with status {rt.process.returncode}", now)
+                self._discard(rt, keep_log=True)
+            elif rt.ready_at is None and rt.socket.exists():
+                rt.ready_at = now
+                self._failures[rt.kind.engine] = 0
+                log.info("runtime %s (pid %d) ready after %.2fs", rt.id, rt.handle.pid, now - rt.started_at)
+            elif rt.ready_at is None and now - rt.started_at > self._ready_timeout_s:
+                self._failed(rt, f"not ready after {self._ready_timeout_s:g}s", now)
+                await self._stop(rt, keep_log=True)
+        for kind in self.kinds.values():
+            live = sum(1 for r in self._runtimes.values() if r.kind.engine == kind.engine)
+            for _ in range(to_start(kind.count, live, now, self._not_before[kind.engine])):
+                await self._spawn(kind, now)
+        if now - self._measured_at >= self._memory_interval_s:
+            self._measured_at = now
+            for rt in self._runtimes.values():
+                rt.rss, rt.pss = memory_of(rt.handle.pid) or (rt.rss, rt.pss)
+        self._gauges()
+
+    def _failed(self, rt: Runtime, why: str, now: float) -> None:
+        engine = rt.kind.engine
+        delay = restart_delay(self._failures[engine])
+        self._failures[engine] += 1
+        self._not_before[engine] = now + delay
+        log.warning(
+            "runtime %s (pid %d) %s (log %s); next in %gs", rt.id, rt.handle.pid, why, rt.log_path, delay
+        )
+
+    async def _spawn(self, kind: RuntimeKind, now: float) -> None:
+        ident = f"{kind.engine}-{secrets.token_hex(4)}"
+        directory = private_dir(self._root / ident)
+        token = secrets.token_urlsafe(32)
+        env = os.environ | self._env
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self.log_dir / f"{ident}.log"
+        try:
+            with log_path.open("ab") as out:
+                process = await asyncio.create_subprocess_exec(
+                    *kind.command,
+                    "--socket-dir",
+                    str(directory),
+                    env={**env, TOKEN_ENV: token},
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=asyncio.subprocess.STDOUT,
+                    start_new_session=True,
+                )
+        except OSError as exc:
+            self._not_before[kind.engine] = now + restart_delay(self._failures[kind.engine])
+            self._failures[kind.engine] += 1
+            log.error("cannot start a %s runtime: %s", kind.engine, exc)
+            return
+        ticks = read_start_ticks(process.pid)
+        handle = ProcessHandle(process.pid, process.pid, -1 if ticks is None else ticks, from_runtime=True)
+        self._runtimes[ident] = Runtime(ident, kind, process, handle, directory, token, env, log_path, now)
+
+    async def _stop(self, rt: Runtime, *, keep_log: bool = False, term_timeout_s: float = 5.0) -> None:
+        """SIGTERM its group, SIGKILL after `term_timeout_s`, then whatever the group left."""
+        if rt.process.returncode is None:
+            killpg(rt.handle.pgid, signal.SIGTERM)
+            try:
+                await asyncio.wait_for(rt.process.wait(), term_timeout_s)
+            except TimeoutError:
+                killpg(rt.handle.pgid, signal.SIGKILL)
+                await rt.process.wait()
+        killpg(rt.handle.pgid, signal.SIGKILL)
+        self._discard(rt, keep_log=keep_log)
+
+    def _discard(self, rt: Runtime, *, keep_log: bool) -> None:
+        self._runtimes.pop(rt.id, None)
+        shutil.rmtree(rt.directory, ignore_errors=True)
+        if not keep_log:
+            with contextlib.suppress(OSError):
+                rt.log_path.unlink()
+        self._gauges()
+
+    def _gauges(self) -> None:
+        if self._metrics is None:
+            return
+        for engine in self.kinds:
+            mine = [r for r in self._runtimes.values() if r.kind.engine == engine]
+            self._metrics.ready.labels(engine).set(self.ready(engine))
+            self._metrics.memory.labels(engine, "rss").set(sum(r.rss for r in mine))
+            self._metrics.memory.labels(engine, "pss").set(sum(r.pss for r in mine))
+
+
+def cpu_keeper(
+    count: int, log_dir: Path, owner: str | None, registry: CollectorRegistry, fleet: Fleet | None = None
+) -> RuntimeKeeper | None:
+    """The composition root's keeper of `count` CPU-engine runtimes (`stoker runtime`), logging
+    under `log_dir/runtimes`, marked as `owner`'s like its engines, and registered with the `fleet`
+    (if any) so their memory counts there (on a CPU budget, their measured PSS); None for 0: the
+    tier is off."""
+    if count < 0:
+        raise ValueError(f"--warm-runtimes must be 0 (off) or more, got {count}")
+    if count == 0:
+        return None
+    kind = RuntimeKind("cpu", (*default_stoker_command(), "runtime"), count)
+    env = {OWNER_ENV: owner} if owner else {}
+    keeper = RuntimeKeeper([kind], log_dir / "runtimes", env=env, metrics=RuntimeMetrics(registry))
+    if fleet is not None:
+        cpu = any(d.id == CPU_DEVICE for d in fleet.devices.devices)
+        keeper.host_device = CPU_DEVICE if cpu else None
+        fleet.register(keeper)
+    return keeper
