@@ -39,6 +39,7 @@ from starlette.routing import Route
 from snapshots import SnapshotError, SnapshotStore, pagecache
 from snapshots.remote import RemoteConfig, pull
 from snapshots.s3 import S3Uri
+from stoker.gpu_metrics import register_gpu_metrics
 from stoker.http import BearerAuth, nesting_exceeds
 from warm_pool.backoff import restart_delay
 from warm_pool.kube import snapshot_label
@@ -168,6 +169,9 @@ class AgentMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        # The node's GPUs (utilization, memory, temperature, power) where NVML sees any: on a
+        # cluster the agent is what runs on every GPU node (`stoker.gpu_metrics`).
+        register_gpu_metrics(self.registry)
         self.held = Gauge(
             "stoker_node_snapshots_held", "Complete snapshots in this node's store", registry=self.registry
         )

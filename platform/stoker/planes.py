@@ -28,6 +28,7 @@ from stoker.cost_api import cost_routes
 from stoker.dashboard import dashboard_routes
 from stoker.gateway import Access, admin_routes, common_routes, data_routes, middleware_for
 from stoker.gateway_plane import GatewayPlane
+from stoker.gpu_metrics import register_gpu_metrics
 from stoker.history import HistoryConfig, HistorySampler
 from stoker.http import openai_exception_handlers, parse_json_object, read_body
 from stoker.limits import NO_LIMITS, Limiter
@@ -112,6 +113,7 @@ def build_controller(
     # The cascade routes are owned here and served by the gateways, from the routing table.
     cascades = Cascades(platform, platform.metrics_registry)
     platform.name_taken = cascades.conflict
+    register_gpu_metrics(platform.metrics_registry)  # the local backend's GPUs, where NVML sees any
     # The dashboard's last hour: the pools' figures from here, the requests' from the gateways.
     gateway_series = GatewaySeries()
     sampler = HistorySampler(

@@ -360,10 +360,10 @@ def test_object_storage_settings_reach_the_processes_that_move_snapshots(everyth
 def test_every_variable_the_chart_sets_is_one_stoker_reads(everything):
     """A misspelt variable is silently ignored by the process, so each name must occur in the
     packages' source; the AWS credentials are botocore's own, NODE_NAME goes into the node agent's
-    argv, HOME is the system's."""
+    argv, HOME is the system's, NVIDIA_VISIBLE_DEVICES the NVIDIA container runtime's."""
     source = "\n".join(p.read_text() for d in PACKAGES for p in (REPO / d).rglob("*.py"))
     names = {n for w in workloads(everything) for n in env(container(w))}
-    others = {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "NODE_NAME", "HOME"}
+    others = {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "NODE_NAME", "HOME", "NVIDIA_VISIBLE_DEVICES"}
     assert others <= names
     for name in names - others:
         assert re.search(rf"[\"']{name}[\"']", source), name
