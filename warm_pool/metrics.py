@@ -145,6 +145,13 @@ class PoolMetrics:
             ["deployment"],
             registry=registry,
         )
+        self.recycles = Counter(
+            "stoker_instance_recycles",
+            "Instances past their maximum age replaced without a dip, by outcome (replaced, called_off, lost, "
+            "no_room: waited for device memory).",
+            ["deployment", "outcome"],
+            registry=registry,
+        )
         self.forecast = Gauge(
             "stoker_scaler_forecast_requests_per_second",
             "The arrival rate the scaling policy last planned for (policies that forecast).",
@@ -191,6 +198,9 @@ class PoolMetrics:
 
     def arrived(self, deployment: str) -> None:
         self.arrivals.labels(deployment).inc()
+
+    def recycled(self, deployment: str, outcome: str) -> None:
+        self.recycles.labels(deployment, outcome).inc()
 
     def cold_request(self, deployment: str, tier: str) -> None:
         if tier not in TIERS:

@@ -67,6 +67,8 @@ from warm_pool.policies.base import Decision, ScalingConfig, Tier
 from warm_pool.policies.settings import bind_policy, startup_priors
 from warm_pool.pool_spec import Census, Demand, Phase, PoolSpec
 from warm_pool.reconcile import SleepStates
+from warm_pool.recycle import RecycleState
+from warm_pool.recycle_seat import RecycleSeat
 from warm_pool.states import Instance, InstanceState, new_instance_id
 from warm_pool.tracker import ObservationTracker
 
@@ -76,7 +78,7 @@ S = InstanceState
 COMING_UP = (S.PENDING, S.STARTING)
 
 
-class Pool(Lifecycle, FleetSeat):
+class Pool(Lifecycle, FleetSeat, RecycleSeat):
     def __init__(
         self,
         spec: PoolSpec,
@@ -96,6 +98,8 @@ class Pool(Lifecycle, FleetSeat):
         self._clock = clock
         self._fleet = fleet if spec.footprint is not None else None
         self._wish: Wish | None = None  # the latest, for the fleet's arbiter
+        self._recycle_state = RecycleState()  # the recycle under way (`warm_pool.recycle_seat`)
+        self._ready_at: dict[str, float] = {}  # instance id -> when it was READY first
         self._last_grant = ""  # how the fleet last changed a decision, as logged
         self._outstanding: Mapping[str, int] = {}
         self._tick_s = tick_s
@@ -238,6 +242,7 @@ class Pool(Lifecycle, FleetSeat):
                 "device": i.device,
                 "reserved_bytes": self._reserved(i),
                 "since": wall - (now - i.state_since),
+                "age_s": self.age_of(i, now),  # since READY first; what --max-instance-age counts
             }
             for i in sorted(self._instances.values(), key=lambda i: i.created_at)
         ]
@@ -314,8 +319,9 @@ class Pool(Lifecycle, FleetSeat):
         load = self._demand.load()
         if load.last_arrival is not None:  # gateways of their own know arrivals this pool never saw
             self._tracker.active(load.last_arrival)
-        census = self._census()
-        engines = self._engine_totals(census.routing)
+        full = self._census()
+        engines = self._engine_totals(full.routing)
+        census = self._recycle_census(full, now)  # without an instance being replaced, if one is
         observation = self._tracker.observe(
             now,
             in_flight=load.in_flight,
@@ -339,8 +345,11 @@ class Pool(Lifecycle, FleetSeat):
             self._demand.set_unavailable(None)  # nobody calls: the next request is held and tries again
         self._metrics.decided(self.name, decision.ready, decision.sleeping, decision.forecast)
         start_on: tuple[str, ...] = ()
+        wanted = decision.ready
         if self._fleet is not None:
-            decision, start_on = self._arbitrated(decision, load)
+            decision, start_on = self._arbitrated(self._recycle_wish(decision), load)
+            decision = self._recycle_granted(decision)
+        census = self._recycle_settle(full, census, wanted, decision.ready, now)
         self._apply(decision, census, now, load.outstanding, start_on)
         if self.spec.snapshot.snapshot_id in decision.warm:
             self._page.warm_in_background(now)

@@ -52,6 +52,7 @@ class PoolSpec:
     vllm: VllmLaunch | None = None  # how this machine runs vLLM (engine "vllm" only)
     footprint: Footprint | None = None  # what an instance reserves on a shared device (with a fleet)
     revision: int = 1  # which of the deployment's revisions this pool serves
+    max_instance_age_s: float = 0.0  # instances READY longer are replaced (`warm_pool.recycle`); 0: never
 
     @property
     def key(self) -> str:
