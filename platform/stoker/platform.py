@@ -90,6 +90,7 @@ class Platform:
         gateway_stale_after_s: float = 5.0,
         canary_check_s: float = 1.0,  # how often canaries that ask for it are judged
         prices: PriceTable | None = None,  # `stoker up --prices` (`stoker.cost`); None: list prices
+        max_instance_age_s: float | None = None,  # `stoker up --max-instance-age`; a deployment's own wins
         warm_runtimes: int = 0,  # CPU-engine runtimes kept ahead of need (`stoker up --warm-runtimes`)
     ) -> None:
         self.data_dir = data_dir
@@ -123,6 +124,7 @@ class Platform:
         self.name_taken: Callable[[str], APIError | None] = lambda name: None
         self._activator_config = activator_config or ActivatorConfig()
         self._stable_window_s = stable_window_s
+        self._max_instance_age_s = max_instance_age_s
         self._clock = clock
         self._session: aiohttp.ClientSession | None = None
         self._deployments: dict[str, Deployment] = {}
@@ -343,6 +345,7 @@ class Platform:
                 unavailable_after=self._unavailable_after,
                 footprint=self._footprint(spec) if self.fleet is not None else None,
                 revision=spec.revision,
+                max_instance_age_s=self.max_instance_age(spec),
             ),
             self.backend,
             self.cost.pool_metrics(self._pool_metrics, spec),
@@ -395,6 +398,10 @@ class Platform:
             files = []
         weights = sum(f.size for f in files if f.path.endswith(".safetensors"))
         return footprint(weights, self._kv_bytes, spec.engine)
+
+    def max_instance_age(self, spec: DeploymentSpec) -> float:
+        """A revision's maximum instance age (`warm_pool.recycle`): its own, else the platform's; 0: off."""
+        return spec.max_instance_age_s or self._max_instance_age_s or 0.0
 
     def scaling(self, spec: DeploymentSpec, min_warm: int | None = None) -> ScalingConfig:
         """A revision's scaling bounds; `min_warm` raised while it warms before a switch."""

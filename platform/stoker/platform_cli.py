@@ -47,6 +47,14 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     )
     deploy.add_argument("--target-concurrency", type=int, default=4, help="in-flight requests per instance")
     deploy.add_argument(
+        "--max-instance-age",
+        type=duration,
+        default="0",
+        metavar="DURATION",
+        help="replace an instance READY for longer, without a dip: a new one READY first, then the old one "
+        "drained (default 0: the platform's --max-instance-age, off unless it sets one)",
+    )
+    deploy.add_argument(
         "--grace-period", type=duration, default="30s", help="how long draining requests may take to finish"
     )
     deploy.add_argument(
@@ -188,6 +196,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
         "idle_timeout_s": args.idle_timeout,
         "target_concurrency": args.target_concurrency,
         "grace_period_s": args.grace_period,
+        "max_instance_age_s": args.max_instance_age,
         "balance": args.balance,
         "affinity_bound": args.affinity_bound,
         "auto_rollback": args.auto_rollback,
@@ -290,6 +299,7 @@ def describe_lines(d: dict) -> list[str]:
         f"target concurrency {d['target_concurrency']})",
         f"Idle timeout:    {format_duration(d['idle_timeout_s'])}",
         f"Grace period:    {format_duration(d['grace_period_s'])}",
+        *([f"Max age:         {format_duration(age)}"] if (age := d.get("max_instance_age_s")) else []),
         f"Instances:       {counts}",
     ]
     if rows := d.get("instance_list"):

@@ -21,6 +21,8 @@ from typing import Any
 
 from stoker.openai_errors import APIError, invalid
 from warm_pool.policies import DEFAULT_POLICY, POLICIES
+from warm_pool.policies.settings import idle_timeout_error
+from warm_pool.recycle import max_age_error
 
 NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")
 ENGINES = ("cpu", "vllm")
@@ -53,6 +55,9 @@ class DeploymentSpec:
     # `log_content` also their prompts and answers, credentials masked.
     log_requests: bool = False
     log_content: bool = False
+    # Instances older than this (from their first READY) are replaced without a dip
+    # (`warm_pool.recycle`); 0: the platform's `--max-instance-age`, off unless it sets one.
+    max_instance_age_s: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -75,6 +80,7 @@ FIELDS: dict[str, tuple[type, float, float, Any]] = {
     "rollback_ttft_s": (float, 0.0, 3600.0, 0.0),
     "rollback_window_s": (float, 1.0, 86400.0, 60.0),
     "rollback_min_requests": (int, 1, 1_000_000, 10),
+    "max_instance_age_s": (float, 0.0, 365 * 86400.0, 0.0),
 }
 BALANCES = ("least-outstanding", "prefix")
 LOG_FLAGS = ("log_requests", "log_content")  # true or false, default false
@@ -145,6 +151,10 @@ def validate(body: Any) -> dict[str, Any]:
         out[field] = kind(value)
     if out["min_warm"] > out["max"]:
         raise invalid(f"'min_warm' must be in 0..max (0..{out['max']}), got {out['min_warm']}.", "min_warm")
+    if (message := idle_timeout_error(out["policy"], out["idle_timeout_s"])) is not None:
+        raise invalid(message[0].upper() + message[1:] + ".", "idle_timeout_s")
+    if (message := max_age_error(out["max_instance_age_s"], allow_zero=True)) is not None:
+        raise invalid(f"'max_instance_age_s' {message}.", "max_instance_age_s")
     return out
 
 

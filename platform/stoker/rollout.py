@@ -41,6 +41,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("stoker.rollout")
 FAILED_STARTS = 3  # starts in a row that fail a warming revision (when the pool's own bound is off)
+# A revision that has not warmed in this long has failed, even with no start failing: e.g. shared
+# devices with no room for it, its starts forever waiting. Its traffic stays where it was.
+WARM_TIMEOUT_S = 900.0
 
 
 class _Failed(Exception):
@@ -48,10 +51,18 @@ class _Failed(Exception):
 
 
 class Rollout:
-    def __init__(self, platform: Platform, *, check_interval_s: float = 1.0, poll_s: float = 0.05) -> None:
+    def __init__(
+        self,
+        platform: Platform,
+        *,
+        check_interval_s: float = 1.0,
+        poll_s: float = 0.05,
+        warm_timeout_s: float = WARM_TIMEOUT_S,
+    ) -> None:
         self._p = platform
         self._interval = check_interval_s
         self._poll = poll_s
+        self._warm_timeout = warm_timeout_s
         self._watch: asyncio.Task | None = None
 
     # ---- lifecycle -----------------------------------------------------------------------------
@@ -105,7 +116,11 @@ class Rollout:
             primary.spec = spec
             d.units[spec.revision] = primary
             primary.pool.reconfigure(self._p.scaling(spec), spec.policy)
-            primary.pool.spec = replace(primary.pool.spec, grace_period_s=spec.grace_period_s)
+            primary.pool.spec = replace(
+                primary.pool.spec,
+                grace_period_s=spec.grace_period_s,
+                max_instance_age_s=self._p.max_instance_age(spec),
+            )
             if primary.activator is not None:
                 self.configure(primary.activator, spec)
             self._take_all(d, spec.revision)
@@ -203,7 +218,10 @@ class Rollout:
 
     async def _until_ready(self, unit: Unit, need: int) -> None:
         bound = self._p._unavailable_after or FAILED_STARTS
+        deadline = self._p.clock() + self._warm_timeout
         while unit.ready < need:
+            if self._p.clock() >= deadline:
+                raise _Failed(f"{unit.ready} of {need} instance(s) READY after {self._warm_timeout:g}s")
             if unit.pool.unavailable is not None:
                 raise _Failed(unit.pool.unavailable)
             if unit.pool.failed_starts >= bound:

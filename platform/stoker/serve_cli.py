@@ -114,6 +114,14 @@ def add_pool_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--stable-window", type=duration, default="60s", help="how long a scale-down waits")
     p.add_argument(
+        "--max-instance-age",
+        type=duration_or_off,
+        default="off",
+        metavar="DURATION",
+        help="replace an instance READY for longer (a new one READY first, then the old one drained; one at a "
+        "time per deployment); a deployment's own `stoker deploy --max-instance-age` wins (default: off)",
+    )
+    p.add_argument(
         "--warm-runtimes",
         type=int,
         default=1,
@@ -319,6 +327,7 @@ def build_platform(args: argparse.Namespace, **extra):
         unavailable_after=args.unavailable_after,
         devices=devices,
         instance_kv_bytes=kv,
+        max_instance_age_s=max_instance_age_of(args),
         warm_runtimes=warm_runtimes_of(args),
         **extra,
     )
@@ -329,6 +338,15 @@ def warm_runtimes_of(args: argparse.Namespace) -> int:
     if n < 0:
         raise CLIError(f"--warm-runtimes must be 0 (off) or more, got {n}")
     return n
+
+
+def max_instance_age_of(args: argparse.Namespace) -> float | None:
+    from warm_pool.recycle import max_age_error
+
+    age = getattr(args, "max_instance_age", None)
+    if age is not None and (message := max_age_error(age)) is not None:
+        raise CLIError(f"--max-instance-age {message.replace(repr(age), f'{age:g}s')}")
+    return age
 
 
 def prices_of(args: argparse.Namespace):
