@@ -189,3 +189,24 @@ def test_the_canary_verdict(seen, settings, now, failed) -> None:
         assert verdict is None
     else:
         assert verdict is not None and failed in verdict
+
+
+# ---- a warming revision's deadline ---------------------------------------------------------------
+
+
+async def test_a_revision_that_never_warms_fails_at_its_deadline_though_no_start_failed():
+    """Its starts wait for ever (no room on a shared device, say): no failure is counted, yet after
+    the warm timeout the switch fails, so its traffic stays where it was."""
+    from types import SimpleNamespace
+
+    from stoker.rollout import Rollout, _Failed
+
+    ticks = iter(range(0, 10_000, 100))  # each look at the clock: 100 s later
+    platform = SimpleNamespace(_unavailable_after=3, clock=lambda: float(next(ticks)))
+    pool = SimpleNamespace(unavailable=None, failed_starts=0, last_failure=None)
+    unit = SimpleNamespace(ready=1, pool=pool)
+    rollout = Rollout(platform, poll_s=0, warm_timeout_s=450)
+    with pytest.raises(_Failed, match=r"1 of 2 instance\(s\) READY after 450s"):
+        await rollout._until_ready(unit, 2)
+    unit.ready = 2  # READY in time: no failure
+    await Rollout(platform, poll_s=0, warm_timeout_s=450)._until_ready(unit, 2)
