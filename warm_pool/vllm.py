@@ -11,6 +11,9 @@ start went.
   vLLM cannot load (no `config.json` or no safetensors) is refused at deploy with the reason.
 - **Where the start went.** vLLM logs its phases; `startup_phases(log_text)` reads them back:
   weights, torch.compile, KV cache / profiling and warm-up.
+- **Its warm runtime.** `runtime_kind` describes vLLM's runtimes for the keeper
+  (`warm_pool.runtimes`): infra/vllm-cpu/runtime.py run by the Python of vLLM's own environment,
+  taking the pool's `vllm serve` launches (bench/vllm_runtime_bench.py measures what it saves).
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from warm_pool.errors import EngineUnavailable, InvalidConfig
+
+RUNTIME_SCRIPT = Path(__file__).resolve().parent.parent / "infra" / "vllm-cpu" / "runtime.py"
 
 PROBE_TIMEOUT_S = 120.0  # `vllm --version` imports vLLM's CLI: seconds, more on a busy 2-core machine
 _VERSION = re.compile(r"^\d+\.\d+(\.\d+)?\S*$")
@@ -86,6 +91,32 @@ async def probe_vllm(command: Sequence[str], timeout_s: float = PROBE_TIMEOUT_S)
         last = (err or out).decode("utf-8", "replace").strip().splitlines()[-1:] or ["no output"]
         raise EngineUnavailable(f"`{command[0]} --version` failed (exit {proc.returncode}): {last[0][:200]}")
     return VllmRuntime(tuple(command), lines[-1])
+
+
+def runtime_command(runtime: VllmRuntime, script: Path = RUNTIME_SCRIPT) -> tuple[str, ...] | None:
+    """How to start a vLLM warm runtime for this vLLM: `python infra/vllm-cpu/runtime.py` with the
+    `python` of vLLM's own environment (beside its `vllm` command), or None where there is none (a
+    `vllm` that is not a virtualenv's script, or no runtime script) and vLLM starts fresh each time.
+
+    >>> runtime_command(VllmRuntime(("/nowhere/bin/vllm",), "0.32.0+cpu")) is None
+    True
+    """
+    python = Path(runtime.command[0]).with_name("python")
+    if len(runtime.command) != 1 or not script.is_file() or not os.access(python, os.X_OK):
+        return None
+    return (str(python), str(script))
+
+
+def runtime_kind(runtime: VllmRuntime, count: int, script: Path = RUNTIME_SCRIPT):
+    """The keeper's `RuntimeKind` for `count` vLLM runtimes: it takes launches of the program "vllm"
+    whose arguments begin with `serve` (warm_pool.launch.vllm_spec's). None for 0 or where
+    `runtime_command` has none."""
+    from warm_pool.runtimes import RuntimeKind  # the keeper's module: only where runtimes are kept
+
+    command = runtime_command(runtime, script)
+    if count <= 0 or command is None:
+        return None
+    return RuntimeKind("vllm", command, count, program="vllm", first_args=("serve",))
 
 
 # Arguments Stoker sets itself on every vLLM it starts; `stoker up --vllm-args` may not set them.
