@@ -31,7 +31,9 @@ One recycle at a time per pool, in three steps:
    out of routing, its requests given the grace period, stopped, exactly as a scale-down drains
    one. If the policy meanwhile asks for fewer than `before`, the recycle is called off (the pool
    is scaling down; the old one rejoins the count and may be the one to go) and none begins for
-   `retry_s`. If the old one leaves routing by other means (it died, an engine was found asleep),
+   `retry_s`. A recycle called off on the call that began it asked for nothing and is not
+   counted: a policy may answer differently once the old instance is not counted (predictive, idle,
+   plans a sleep where an instance is gone), and then nothing was recycled. If the old one leaves routing by other means (it died, an engine was found asleep),
    the recycle ends as `lost`.
 
 The counted outcomes (`stoker_instance_recycles_total{deployment,outcome}`): `replaced`,
@@ -141,8 +143,10 @@ def settle(
     current = state.current
     if current is None:
         return Settled(state, None, None)
-    if wanted < current.before:
-        return Settled(RecycleState(None, now + config.retry_s), None, "called_off")
+    if wanted < current.before:  # counted only if it got as far as asking for a replacement
+        return Settled(
+            RecycleState(None, now + config.retry_s), None, "called_off" if now > current.since else None
+        )
     if others_ready >= max(current.before, min(wanted, granted)):
         return Settled(replace(state, current=None), current.old, "replaced")
     if granted < wanted and not current.waited:

@@ -60,8 +60,6 @@ class RecycleSeat:
         old = self._recycling()
         if old is None:
             return census
-        if began is None:
-            log.info("pool %s: instance %s is past its age: replacing it", self.name, old)
         return census._replace(routing=[i for i in census.routing if i.id != old])
 
     def _recycle_wish(self, decision: Decision) -> Decision:
@@ -84,6 +82,8 @@ class RecycleSeat:
         if settled.outcome is not None:
             log.info("pool %s: recycle of %s: %s", self.name, old, settled.outcome)
             self._metrics.recycled(self.spec.deployment, settled.outcome)
+        elif (current := settled.state.current) is not None and current.since == now:
+            log.info("pool %s: instance %s is past its age: replacing it", self.name, old)
         if settled.retire is not None:
             inst = self._instances[settled.retire]
             self._spawn(self._stops, inst, self._drain(inst, self.spec.grace_period_s))

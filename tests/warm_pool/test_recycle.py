@@ -101,6 +101,12 @@ def test_the_old_instance_is_retired_only_once_the_others_are_as_many_as_before(
         assert settled.state.current is not None
 
 
+def test_a_recycle_called_off_on_the_call_that_began_it_asked_for_nothing_and_is_not_counted():
+    state = RecycleState(Recycle("old", 110.0, 2))
+    settled = settle(state, 1, 1, 1, 110.0, C)
+    assert settled == (RecycleState(None, not_before=110.0 + C.retry_s), None, None)
+
+
 def test_waiting_for_room_is_counted_once_per_recycle():
     state = RecycleState(Recycle("old", 100.0, 2))
     first = settle(state, 1, 2, 1, 101.0, C)
