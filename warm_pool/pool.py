@@ -17,6 +17,8 @@ observes, decides and applies, as the simulator does (`warm_pool.simulate`), thr
   once their requests are done (within the grace period), go to sleep (`POST /sleep?level=1`) while
   fewer sleep than asked, or are drained and stopped; sleeping instances beyond what is asked are
   stopped. A snapshot the policy wants warm is read into the page cache in the background.
+- recycle (`warm_pool.recycle`, with `--max-instance-age`): an instance past its age is left out
+  of what the decision and the plan count, so a replacement comes up first; then it is drained.
 
 The engines' own word on their sleep overrides the pool's belief: every `reconcile_interval_s`
 (5 s) each settled instance (READY or SLEEPING, no start, sleep, wake or drain of the pool's in
