@@ -59,8 +59,10 @@ def instances(p: PlatformProcess) -> dict[str, list[dict]]:
 
 def test_three_deployments_take_turns_on_one_device(platform_factory, tiny_model_dir: Path) -> None:
     # Awake: the tiny weights + 512 MiB of KV; asleep: the CPU engine's 160 MiB. 900 MiB holds one
-    # awake and two asleep, never two awake.
-    p = platform_factory("--device-memory", "900MiB", "--instance-kv", "512MiB", "--stable-window", "1")
+    # awake and two asleep, never two awake. (No warm runtime: its memory would count there too.)
+    p = platform_factory(
+        "--device-memory", "900MiB", "--instance-kv", "512MiB", "--stable-window", "1", "--warm-runtimes", "0"
+    )
     for name in ("a", "b", "c"):
         p.deploy(name, tiny_model_dir, "--min-warm", "0", "--max", "1", "--idle-timeout", "600")
     with Watch(p) as watch:

@@ -117,7 +117,7 @@ def test_live_cold_starts_match_the_simulator(platform_factory, tiny_model_dir):
             p.metric(f"stoker_instance_startup_seconds_{kind}", deployment="tiny", tier=t) for t in tiers
         )
 
-    starts = ("page_cache", "disk", "object_storage")
+    starts = ("runtime", "page_cache", "disk", "object_storage")
     startup_s = total("sum", starts) / total("count", starts)
     wakes = total("count", ("wake",))
     assert wakes >= 1, "the trace's gaps should have put the instance to sleep and woken it"
