@@ -36,8 +36,10 @@ def test_instances_past_their_age_are_replaced_under_load_without_a_refusal_or_a
     )
     assert deployed["deployed"]["settings"]["max_instance_age_s"] == 10.0
     p.wait_for(lambda: p.deployments()["tiny"]["instances"]["READY"] == 2, WITHIN_S, "two READY instances")
-    first = {i["id"] for i in p.deployments()["tiny"]["instance_list"]}
-    assert all(i["age_s"] is not None for i in p.deployments()["tiny"]["instance_list"])
+    # READY ones: on a slow machine the first may already be due, its replacement starting (no age yet)
+    ready = [i for i in p.deployments()["tiny"]["instance_list"] if i["state"] == "READY"]
+    first = {i["id"] for i in ready}
+    assert len(first) >= 2 and all(i["age_s"] >= 0 for i in ready)
 
     stop = threading.Event()
     answers: list[tuple[int, str | None]] = []
