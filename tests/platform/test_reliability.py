@@ -318,7 +318,9 @@ async def test_control_plane_sigkill_under_load_and_restart(platform_factory, ti
     a kill while an instance starts is the test below.)"""
     began = time.monotonic()
     home = tmp_path / "home"
-    flags = ("--stable-window", "1", "--keepalive-interval", "0.2")
+    # No warm runtime: engines are told by their command line (`engines_of`), which names the data
+    # dir; an engine a runtime became keeps the runtime's.
+    flags = ("--stable-window", "1", "--keepalive-interval", "0.2", "--warm-runtimes", "0")
     p = again = platform_factory(*flags, home=home)
     try:
         async with asyncio.timeout(SCENARIO_S):
@@ -390,7 +392,8 @@ async def test_control_plane_killed_between_spawning_an_engine_and_recording_it(
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(SLOW_RECORDS)
     home = tmp_path / "home"
-    p = again = platform_factory(home=home, env={"PYTHONPATH": str(hook), "STOKER_TEST_RECORD_DELAY_S": "60"})
+    env = {"PYTHONPATH": str(hook), "STOKER_TEST_RECORD_DELAY_S": "60"}
+    p = again = platform_factory("--warm-runtimes", "0", home=home, env=env)  # engines told by command line
     try:
         async with asyncio.timeout(SCENARIO_S):
             deploying = asyncio.ensure_future(
@@ -401,7 +404,8 @@ async def test_control_plane_killed_between_spawning_an_engine_and_recording_it(
             p.proc.kill()
             p.proc.wait(timeout=30)
             deploying.cancel()
-            again = platform_factory(home=home)  # up: its start-up has stopped what the records name
+            # Up: its start-up has stopped what the records name.
+            again = platform_factory("--warm-runtimes", "0", home=home)
             # Never named in a record, it is found by the owner mark in its environment.
             await until(lambda: not any(pid_alive(pid) for pid in orphan), "the orphan stopped", within_s=5)
     finally:
