@@ -137,6 +137,10 @@ def _deploy_request() -> dict[str, Any]:
     fields: dict[str, Any] = {}
     for name, (kind, low, high, _default) in FIELDS.items():
         fields[name] = {"type": "integer" if kind is int else "number", "minimum": low, "maximum": high}
+    fields["idle_timeout_s"]["description"] = "at least 2 for a policy that sleeps (predictive)"
+    fields["max_instance_age_s"]["description"] = (
+        "0: the platform's --max-instance-age (off unless set); else at least 10"
+    )
     return {
         "type": "object",
         "required": ["name", "model"],
