@@ -149,3 +149,33 @@ async def test_a_replacement_waits_for_device_memory_and_the_old_one_serves_mean
             assert rig.sample("stoker_instance_recycles_total", outcome="no_room") == 1
             assert rig.sample("stoker_instance_recycles_total", outcome="replaced") == 0
         assert all(len(ids) >= 2 for ids in rig.demand.routed[1:])
+
+
+async def test_a_sleeping_instance_is_woken_as_the_replacement_rather_than_a_start(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    scaling = ScalingConfig(min_warm=1, max=2, target_concurrency=4, idle_timeout_s=600, stable_window_s=1)
+    async with pool_rig(tmp_path, tiny_model_dir, scaling=scaling, max_instance_age_s=MAX_AGE_S) as rig:
+        rig.demand.now.in_flight, rig.demand.now.last_arrival = 8, 0.0  # a burst: two instances
+        await settled(rig, 0.0, 2)
+        rig.demand.now.in_flight = 0
+        await rig.tick(5.0)  # idle: min_warm keeps one READY, the other is put to sleep
+        await eventually(lambda: rig.pool.counts()["SLEEPING"] == 1 and len(rig.pool.endpoints()) == 1)
+        [old] = rig.pool.endpoints()
+
+        await rig.tick(MAX_AGE_S + 1)  # due: the sleeper is woken to take its place
+        await eventually(lambda: len(rig.pool.endpoints()) == 2)
+        assert [action for action, _ in rig.backend.calls] == ["sleep", "wake"]
+        await settled(rig, MAX_AGE_S + 2, 1)  # then the old one is drained
+        assert old.id not in {i.id for i in rig.pool.endpoints()}
+        assert rig.sample("stoker_instance_recycles_total", outcome="replaced") == 1
+        assert rig.sample("stoker_instance_starts_total", outcome="ready") == 2  # no start for it
+
+        # The woken one is as old as the one it replaced: its own turn comes next, with a start.
+        [woken] = rig.pool.endpoints()
+        await rig.tick(MAX_AGE_S + 3)
+        await eventually(lambda: len(rig.pool.endpoints()) == 2)  # a fresh start: no sleeper is left
+        await settled(rig, MAX_AGE_S + 4, 1)
+        assert woken.id not in {i.id for i in rig.pool.endpoints()}
+        assert rig.sample("stoker_instance_recycles_total", outcome="replaced") == 2
+        assert rig.sample("stoker_instance_starts_total", outcome="ready") == 3
