@@ -6,7 +6,7 @@ pool carries it out (`warm_pool.recycle_seat`).
 Why recycle at all: a long-lived engine process accumulates what a fresh one has not (allocator
 fragmentation, a slow leak, a KV cache that never shrinks back, credentials and certificates read
 at start). Replacing it on a schedule bounds all of them, as Kubernetes' descheduler
-(`PodLifeTime`) and Ray Serve's replica restarts do; here without ever serving from fewer READY
+(`PodLifeTime`) and uWSGI's `max-worker-lifetime` do; here without ever serving from fewer READY
 instances than before, since a start costs seconds and a request held meanwhile would notice.
 
 One recycle at a time per pool, in three steps:
@@ -17,8 +17,9 @@ One recycle at a time per pool, in three steps:
    r + max_age × (1 − jitter × u), u in [0, 1) from a hash of its id (`due_at`): instances that
    came up together (a burst) are due up to `jitter` (10 %) of the age apart instead of at once,
    and each is still replaced before it is max_age old (give or take the replacement's start).
-   Worked example: max age 1 h, two instances READY at the same second, u = 0.12 and 0.83: due at
-   52 m 43 s and 55 m 1 s, recycled one after the other.
+   Worked example: max age 1 h, two instances READY at the same second, u = 0.12 and 0.83: due
+   3600 × (1 − 0.1 × u) s later, at 59 m 17 s and 55 m 1 s: the second first, then the first,
+   four minutes apart.
 2. Replace (the pool): the old one stays in routing, serving, but the policy and the plan do not
    count it, so they ask for a replacement as they would for any missing instance: a sleeper
    woken (newest first), else a fresh start. READY + starting is then at most the deployment's
