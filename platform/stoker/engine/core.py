@@ -32,7 +32,6 @@ import ctypes
 import json
 import logging
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +42,7 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 from snapshots import pagecache
 from stoker.engine import draw as draw_mod
-from stoker.engine import weights
+from stoker.engine import pages, weights
 from stoker.engine.generation import PAGE_SIZE, Generation
 from stoker.engine.metrics import EngineMetrics, blocks
 from stoker.engine.protocol import GenerationRequest, SamplingParams
@@ -145,7 +144,7 @@ class Engine:
         self._draws.eos = min(self._eos, default=0)
         self._grammars = Grammars(self._tokenizer, self.vocab_size, self._eos)
         self._start_manager()
-        self._warm_up()
+        self._ready_to_serve()
         t2 = self.clock()
         self.phases.update(weight_load=t1 - t0, warm_up=t2 - t1)
         for name, seconds in self.phases.items():
@@ -186,19 +185,17 @@ class Engine:
         manager.start()
         self._manager = manager
 
-    def _warm_up(self) -> None:
-        """One short generation, so the first real request does not pay for lazy initialisation."""
-        rid = f"warmup-{uuid.uuid4().hex[:8]}"
-        ids = self._tokenizer.encode("Hello", add_special_tokens=False) or [0]
-        self._manager.add_request(ids, request_id=rid, max_new_tokens=2, temperature=1.0, top_p=1.0)
+    def _ready_to_serve(self) -> None:
+        """What the first request would otherwise wait for, done now: the weights' pages mapped
+        (`pages.fault_in`, while the manager's thread allocates the KV cache) and the manager's
+        batch processor built. No warm-up generation: measured (bench/wake_bench.py), a 2-token
+        generation at load cost more than the lazy set-up it saved the first request."""
+        pages.fault_in(self._model)
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            out = self._manager.get_result(request_id=rid, timeout=0.5)
-            if out is not None and out.is_finished():
-                return
-            if not self._manager.is_running():
-                break
-        raise RuntimeError("the engine did not complete its warm-up generation")
+        while self._manager.batch_processor is None:  # set by the manager's thread once its cache exists
+            if not self._manager.is_running() or time.monotonic() > deadline:
+                raise RuntimeError("the engine's generation loop did not start")
+            time.sleep(0.002)
 
     # ---- requests ----------------------------------------------------------------------------------
 
@@ -368,8 +365,15 @@ class Engine:
 
     def _unload(self, level: int) -> None:
         plan = self._asleep = weights.sleep_plan(level, self.config.device)
-        self._manager.stop(block=True, timeout=30)  # in-flight requests (after the drain timeout) fail
-        self._manager = None
+        # On the CPU the manager is kept, KV cache allocation included (`_keep_manager`); in-flight
+        # requests (after the drain timeout) fail either way.
+        keep = self.config.device == "cpu"
+        self._manager.stop(block=True, timeout=30, keep_for_next_session=keep)
+        if keep and not self._keep_manager():
+            self._model.destroy_cached_continuous_batching_manager()  # what `keep_for_next_session` cached
+            keep = False
+        if not keep:
+            self._manager = None
         weights.put_to_sleep(self._model, plan)
         _trim_heap()
         if plan.drop_page_cache:
@@ -399,14 +403,42 @@ class Engine:
             self._model = weights.from_pretrained(snapshot_dir, dtype, cfg.device)
             self.weights_source = weights.FROM_PRETRAINED
         self._asleep = None
-        # No warm-up here: measured, a warm-up on wake cost as much as the first request it was
-        # meant to speed up (wake → first token 0.84 s with it, 0.56-0.61 s without).
-        self._start_manager()
+        manager = self._manager
+        if manager is not None and manager.model is self._model:
+            # `stop` put the model's own attention back: the batching one again, as transformers
+            # does for a kept manager (`init_continuous_batching`).
+            manager.switch_to_cb_friendly_attn(
+                self._model, manager.continuous_batching_config.auto_switch_to_flash
+            )
+            manager.start()  # its thread resets the kept batch processor: no new KV cache
+        else:
+            self._start_manager()
+        self._ready_to_serve()  # the weights' pages mapped before /wake_up answers, not on the first request
+
+    def _keep_manager(self) -> bool:
+        """Keep the stopped manager and its batch processor over sleep, but none of the KV cache's memory.
+
+        The cache is one tensor that transformers allocates with `torch.zeros` (380 MB for SmolLM2 at
+        its default 4096-token context, 2 × that in tokens): building a new manager on wake wrote all
+        of it again before the first token (0.2-0.5 s on this CPU). Kept, its pages go back to the OS
+        (`pages.release_pages`) and read as zeros when next touched, which is what a new cache
+        holds; only the blocks requests then write come back. Every block is freed and the prefix
+        hashes forgotten (`cache.reset`), so no request after the wake matches a block that now reads
+        zeros. False (the caller drops the manager) when this transformers' cache has another shape.
+        """
+        cache = getattr(self._manager.batch_processor, "cache", None)
+        tensor = getattr(cache, "cache_tensor", None)
+        if not isinstance(tensor, torch.Tensor) or not callable(getattr(cache, "reset", None)):
+            return False
+        cache.reset()
+        pages.release_pages(tensor)
+        return True
 
     def shutdown(self) -> None:
         self.state = "stopping"
         if self._manager is not None:
-            self._manager.stop(block=True, timeout=10)
+            if self._manager.is_running():  # not when asleep: a kept manager is stopped already
+                self._manager.stop(block=True, timeout=10)
             self._manager = None
 
 

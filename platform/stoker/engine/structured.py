@@ -37,21 +37,26 @@ and for a person schema alike; without it, the model, which learnt JSON pretty-p
 way in the compact form (`{"name":{"name":{"name":...` and a list repeating "hiking") and runs to
 its 150-token budget both times. The tokenizer's llguidance form costs 0.35 s to build, so it is
 built on the first structured request rather than at start: engine starts are what a serverless
-platform waits for.
+platform waits for. For the same reason llguidance itself (with `llguidance.hf`, which pulls in
+transformers' slow-tokenizer conversion: 0.1-0.25 s of imports) is imported by that first request,
+not by the engine's start.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
+from typing import TYPE_CHECKING
 
-import llguidance
-import llguidance.hf
 import numpy as np
 import torch
 
 from stoker.engine.protocol import ResponseFormat
 from stoker.openai_errors import invalid
+
+if TYPE_CHECKING:
+    import llguidance
 
 # Whitespace between JSON tokens as the model likes it (vLLM's default allows any), but at most 32
 # characters at a time: a newline and 4-space indentation 7 levels deep. Unbounded, a model whose
@@ -60,10 +65,16 @@ from stoker.openai_errors import invalid
 # a 3-field object; with this bound the same walk closed it in 444 tokens. The embedded model's
 # pretty-printed answers (see above) are the same with the bound as without.
 OPTIONS = {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{1,32}"}
-# llguidance's resource limits bound what a hostile schema can cost: its grammar size, the lexer's
-# work to build it and per token. Its defaults (500k symbols, ~20 ms of lexer work to build,
-# ~15 ms per token at its documented speeds) already bound a request; errors stay terse.
-LIMITS = llguidance.LLParserLimits(verbose_errors=False)
+
+
+@functools.cache
+def _limits() -> llguidance.LLParserLimits:
+    """llguidance's resource limits bound what a hostile schema can cost: its grammar size, the
+    lexer's work to build it and per token. Its defaults (500k symbols, ~20 ms of lexer work to
+    build, ~15 ms per token at its documented speeds) already bound a request; errors stay terse."""
+    import llguidance
+
+    return llguidance.LLParserLimits(verbose_errors=False)
 
 
 class Grammars:
@@ -79,6 +90,8 @@ class Grammars:
     def _llg_tokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:
             if self._tokenizer is None:
+                import llguidance.hf
+
                 self._tokenizer = llguidance.hf.from_tokenizer(
                     self._hf, n_vocab=self.vocab_size, eos_token=self._eos or None
                 )
@@ -87,13 +100,16 @@ class Grammars:
     def compile(self, fmt: ResponseFormat) -> Matcher:
         """A fresh matcher for one request; raises `APIError` 400 on `response_format` for a schema
         that is invalid, unsupported or unsatisfiable. Blocking (about a millisecond, more for large
-        schemas; the first call also builds the tokenizer): call it off the event loop."""
+        schemas; the first call also imports llguidance and builds the tokenizer): call it off
+        the event loop."""
+        import llguidance
+
         try:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(json.loads(fmt.schema), defaults=OPTIONS)
         except ValueError as exc:
             message = f"'response_format' has an unusable JSON schema: {exc}"
             raise invalid(message, param="response_format") from None
-        matcher = llguidance.LLMatcher(self._llg_tokenizer(), grammar, log_level=0, limits=LIMITS)
+        matcher = llguidance.LLMatcher(self._llg_tokenizer(), grammar, log_level=0, limits=_limits())
         if matcher.is_error():
             message = matcher.get_error().strip().splitlines()[0][:500]
             raise invalid(f"'response_format' has a JSON schema this engine cannot enforce: {message}",
