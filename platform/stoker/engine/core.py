@@ -18,10 +18,17 @@ comes back to the loop through `register_result_handler` (`call_soon_threadsafe`
 - Load: the weights are memory-mapped from the snapshot's safetensors into a model built without
   allocating any (`stoker.engine.weights`), so they load from the page cache when it is warm; on a
   GPU those mapped views are copied to the device.
-- Sleep: the manager (and its KV cache) is stopped and the weights leave the device as
-  `weights.sleep_plan` says: dropped (both levels on the CPU, level 2 on a GPU) or, level 1 on a
-  GPU, copied to pinned host memory. The model's module tree, tokenizer and all imports stay. Wake
-  puts the weights back (mapped again, or one copy from pinned memory) and starts a new manager.
+- Ready: no warm-up generation on the CPU (a GPU keeps one). Load (and wake) map every page of the weights in
+  (`pages.fault_in`) while the manager's thread allocates the KV cache, and report READY once
+  both are done: the first request then pays for nothing the engine could have done before it.
+- Sleep: the manager is stopped and the weights leave the device as `weights.sleep_plan` says:
+  dropped (both levels on the CPU, level 2 on a GPU) or, level 1 on a GPU, copied to pinned host
+  memory. The model's module tree, tokenizer and all imports stay. On the CPU the manager stays
+  too, KV cache allocation included, its memory handed back (`_keep_manager`); on a GPU it goes.
+  Wake puts the weights back (mapped again and faulted in, or one copy from pinned memory) and
+  restarts the kept manager (or starts a new one) before `/wake_up` answers. Measured with
+  bench/wake_bench.py: the first token after a level-1 wake costs what it costs on an engine
+  that never slept (README, "Wakes at the floor").
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import ctypes
 import json
 import logging
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -145,6 +153,8 @@ class Engine:
         self._grammars = Grammars(self._tokenizer, self.vocab_size, self._eos)
         self._start_manager()
         self._ready_to_serve()
+        if cfg.device != "cpu":  # measured on the CPU only: a GPU's first kernels may still want it
+            self._warm_up()
         t2 = self.clock()
         self.phases.update(weight_load=t1 - t0, warm_up=t2 - t1)
         for name, seconds in self.phases.items():
@@ -188,14 +198,29 @@ class Engine:
     def _ready_to_serve(self) -> None:
         """What the first request would otherwise wait for, done now: the weights' pages mapped
         (`pages.fault_in`, while the manager's thread allocates the KV cache) and the manager's
-        batch processor built. No warm-up generation: measured (bench/wake_bench.py), a 2-token
-        generation at load cost more than the lazy set-up it saved the first request."""
+        batch processor built. On the CPU that is all: measured (bench/wake_bench.py), a 2-token
+        warm-up generation at load cost more than the lazy set-up it saved the first request."""
         pages.fault_in(self._model)
         deadline = time.monotonic() + 120
         while self._manager.batch_processor is None:  # set by the manager's thread once its cache exists
             if not self._manager.is_running() or time.monotonic() > deadline:
                 raise RuntimeError("the engine's generation loop did not start")
             time.sleep(0.002)
+
+    def _warm_up(self) -> None:
+        """One short generation, so that the first real request does not pay for lazy initialisation
+        (on a GPU: cuBLAS handles, kernel loading)."""
+        rid = f"warmup-{uuid.uuid4().hex[:8]}"
+        ids = self._tokenizer.encode("Hello", add_special_tokens=False) or [0]
+        self._manager.add_request(ids, request_id=rid, max_new_tokens=2, temperature=1.0, top_p=1.0)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            out = self._manager.get_result(request_id=rid, timeout=0.5)
+            if out is not None and out.is_finished():
+                return
+            if not self._manager.is_running():
+                break
+        raise RuntimeError("the engine did not complete its warm-up generation")
 
     # ---- requests ----------------------------------------------------------------------------------
 
