@@ -57,8 +57,10 @@ GPU = InstanceModel()
 # +~3 s for a 540 MB fp32 snapshot from S3; a level-1 wake 0.06 s + ~0.28 s of page faults on the
 # first request; prefill ~290 tokens/s (194 tokens in 0.67 s); decode 3.1 tokens/s per stream at
 # 8 streams (the engine's --max-num-seqs).
+# A start through a warm runtime (bench/runtime_bench.py, one loaded run): 3.1 s to READY against
+# 26.4 s for a fresh process beside it, 0.12 of it: 0.9 s against the 7.7 s above.
 CPU = InstanceModel(
-    startup=TierTimes(wake=0.35, page_cache=7.7, disk=8.4, object_storage=11.5),
+    startup=TierTimes(wake=0.35, page_cache=7.7, disk=8.4, object_storage=11.5, runtime=0.9),
     prefill_tps=290.0,
     decode_tps=3.1,
     concurrency=8,

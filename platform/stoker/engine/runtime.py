@@ -40,6 +40,19 @@ PRELOAD = (
     "transformers.modeling_layers",
     "transformers.models.llama.modeling_llama",
     "transformers.tokenization_utils_fast",
+    "transformers.tokenization_python",
+    "transformers.processing_utils",
+    "transformers.generation.candidate_generator",
+    "transformers.generation.stopping_criteria",
+    # What uvicorn imports when its server starts (the engine's port is bound after these).
+    "uvicorn.config",
+    "uvicorn.server",
+    "uvicorn.lifespan.on",
+    "uvicorn.loops.auto",
+    "uvicorn.protocols.http.auto",
+    "uvicorn.protocols.http.h11_impl",
+    "uvicorn.protocols.http.httptools_impl",
+    "uvicorn.protocols.websockets.auto",
 )
 
 
