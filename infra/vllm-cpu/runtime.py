@@ -108,6 +108,12 @@ def fork_engine_core() -> None:
         check(vllm_config)
         if os.environ.get("VLLM_WORKER_MULTIPROC_METHOD") == "spawn":
             os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+        # The platform also sets variables that torch reads when its modules are imported; a
+        # spawned core would import them with these set, a forked one has them imported already.
+        threads = os.environ.get("TORCHINDUCTOR_COMPILE_THREADS")
+        inductor = sys.modules.get("torch._inductor.config")
+        if threads and threads.isdigit() and inductor is not None:
+            inductor.compile_threads = int(threads)  # no async compile workers in a daemonic core
 
     platform.check_and_update_config = classmethod(check_and_update_config)
     # Said in each forked child's output, so the log tells which processes inherited the imports.
