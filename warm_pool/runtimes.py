@@ -169,6 +169,7 @@ class RuntimeKeeper:
         self._task: asyncio.Task | None = None  # must fit in 108 bytes)
         self._poke = asyncio.Event()
         self._closing = False
+        self._started = False
         self.host_device: str | None = None  # the fleet's CPU budget, where runtimes' RAM counts
 
     # ---- what the backend and operators ask -----------------------------------------------------------
@@ -192,10 +193,15 @@ class RuntimeKeeper:
 
     async def hand_off(self, rt: Runtime, spec: LaunchSpec, log_path: Path) -> ProcessHandle:
         """Hand `spec` to `rt`, its output going to `log_path` (appended, opened without following a
-        link); the engine's handle (the runtime's). On `HandoffError` the runtime is stopped."""
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
-        fd = os.open(log_path, flags, 0o600)
+        link); the engine's handle (the runtime's). On `HandoffError` or `OSError` the runtime is
+        stopped: a runtime taken is the caller's, handed off or gone."""
+        try:
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+            fd = os.open(log_path, flags, 0o600)
+        except OSError:
+            await self._stop(rt)
+            raise
         handoff = Handoff(spec.args, dict(spec.env), str(spec.cwd) if spec.cwd is not None else None)
         try:
             await asyncio.to_thread(
@@ -253,8 +259,20 @@ class RuntimeKeeper:
 
     # ---- the loop --------------------------------------------------------------------------------------
 
+    def add_kind(self, kind: RuntimeKind) -> None:
+        """Keep runtimes of another engine kind from now on (one whose runtime command is known only
+        later: vLLM's, found at the first vLLM deployment). Refused for an engine already kept."""
+        if kind.engine in self.kinds:
+            raise ValueError(f"runtimes of {kind.engine} are kept already")
+        self.kinds[kind.engine] = kind
+        self._failures[kind.engine], self._not_before[kind.engine] = 0, 0.0
+        if self._started:
+            self.start()
+        self._poke.set()
+
     def start(self) -> None:
         """Start keeping runtimes (in the background); safe to repeat."""
+        self._started = True
         if self._task is None and not self._closing and any(k.count for k in self.kinds.values()):
             self._root = Path(tempfile.mkdtemp(prefix="stoker-rt-"))  # 0700, short
             self._task = asyncio.create_task(self._run(), name="warm-runtimes")

@@ -103,6 +103,24 @@ async def test_the_keeper_keeps_its_runtimes_refills_after_a_take_and_stops_them
     assert gauge(registry, "stoker_warm_runtimes", engine="cpu") == 0
 
 
+async def test_a_kind_added_later_is_kept_too(tmp_path):
+    keeper = RuntimeKeeper([kind(0)], tmp_path / "logs", interval_s=0.05)
+    keeper.start()  # nothing to keep yet
+    try:
+        other = RuntimeKind("vllm", (sys.executable, "-c", RUNTIME), 1, program="vllm", first_args=("serve",))
+        keeper.add_kind(other)
+        with pytest.raises(ValueError, match="kept already"):
+            keeper.add_kind(other)
+        await until(lambda: keeper.ready("vllm") == 1, what="the added kind's runtime ready")
+        assert keeper.take(ENGINE_SPEC) is None  # a CPU-engine launch: not its kind
+        taken = keeper.take(LaunchSpec(("vllm", "serve", "m"), program="vllm"))
+        assert taken is not None
+        taken.process.kill()  # taken and not handed off: the taker's to stop
+        await taken.process.wait()
+    finally:
+        await keeper.aclose()
+
+
 async def test_a_runtime_that_dies_is_replaced_after_the_backoff(tmp_path):
     clock = Clock()
     keeper = RuntimeKeeper([kind(1)], tmp_path / "logs", clock=clock, interval_s=0.05)
