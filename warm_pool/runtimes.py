@@ -6,7 +6,8 @@ kind (`RuntimeKind`; `stoker up --warm-runtimes N`, 1 by default for the CPU eng
 tier off). The local backend (`warm_pool.local`) asks it for one at every start (`take`): a ready
 runtime whose kind runs that launch is handed the launch over its socket (`warm_pool.handoff`) and
 becomes the instance's engine, same PID; with none ready the start spawns a fresh process as before.
-A runtime taken is replaced in the background.
+A runtime taken is replaced in the background, `refill_delay_s` (10 s) later, so that the
+replacement's imports do not compete with the new engine's first requests for the CPU.
 
 Its loop, every `interval_s` and at once after a take: a runtime whose socket has appeared is ready;
 one that died, or was not ready within `ready_timeout_s`, is dropped and counts as a failure, and the
@@ -150,6 +151,7 @@ class RuntimeKeeper:
         interval_s: float = 0.2,
         ready_timeout_s: float = 600.0,
         memory_interval_s: float = 5.0,
+        refill_delay_s: float = 10.0,  # after a take, before its replacement starts importing
     ) -> None:
         if len({k.engine for k in kinds}) != len(kinds):
             raise ValueError("one runtime kind per engine")
@@ -161,6 +163,7 @@ class RuntimeKeeper:
         self._interval_s = interval_s
         self._ready_timeout_s = ready_timeout_s
         self._memory_interval_s = memory_interval_s
+        self._refill_delay_s = refill_delay_s
         self._runtimes: dict[str, Runtime] = {}
         self._failures = dict.fromkeys(self.kinds, 0)
         self._not_before = dict.fromkeys(self.kinds, 0.0)
@@ -186,6 +189,12 @@ class RuntimeKeeper:
                 log.info("runtime %s cannot take this start: %s", rt.id, why)
                 continue
             del self._runtimes[rt.id]
+            # The replacement's imports wait `refill_delay_s`: begun at once they take the CPU from
+            # the engine just handed off, whose first request is the one that waits (measured on 2
+            # cores: READY → first token 4.3-9.1 s after a runtime start with an immediate refill,
+            # 3.0-5.3 s after a fresh start, bench/runtime_bench.py at load 4-7).
+            engine = rt.kind.engine
+            self._not_before[engine] = max(self._not_before[engine], self._clock() + self._refill_delay_s)
             self._poke.set()
             self._gauges()
             return rt

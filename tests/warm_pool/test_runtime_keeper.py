@@ -74,8 +74,15 @@ def gauge(registry: CollectorRegistry, name: str, **labels: str) -> float | None
 
 async def test_the_keeper_keeps_its_runtimes_refills_after_a_take_and_stops_them_all(tmp_path):
     registry = CollectorRegistry()
+    clock = Clock()
     keeper = RuntimeKeeper(
-        [kind(2)], tmp_path / "logs", metrics=RuntimeMetrics(registry), interval_s=0.05, memory_interval_s=0.0
+        [kind(2)],
+        tmp_path / "logs",
+        metrics=RuntimeMetrics(registry),
+        clock=clock,
+        interval_s=0.05,
+        memory_interval_s=0.0,
+        refill_delay_s=5.0,
     )
     keeper.start()
     try:
@@ -91,6 +98,10 @@ async def test_the_keeper_keeps_its_runtimes_refills_after_a_take_and_stops_them
         assert handle.pid == rt.handle.pid
         assert await rt.process.wait() == 0
         assert (tmp_path / "engine.log").read_text() == "became engine --port 1\n"
+        for _ in range(5):  # the refill waits 5 s of the keeper's clock, which stands still
+            await asyncio.sleep(0.05)
+            assert len(keeper.status()) == 1
+        clock.now = 5.0
         await until(lambda: keeper.ready("cpu") == 2, what="the taken runtime replaced")
         now = {r["pid"] for r in keeper.status()}
         assert len(now - first) == 1 and rt.handle.pid not in now
