@@ -1,8 +1,8 @@
 """`stoker engine`: run the CPU engine for one snapshot as its own process.
 
 The process serves HTTP at once and loads the model on a background thread; `/health` answers
-200 only once the model is loaded and warmed up. SIGTERM stops accepting connections, lets
-in-flight requests finish within `--grace-period`, and exits 0.
+200 only once the model is loaded and ready to serve (`Engine.load`). SIGTERM stops accepting
+connections, lets in-flight requests finish within `--grace-period`, and exits 0.
 
 A snapshot it cannot load exits 1 with one line on stderr (`stoker: error: ...`), no traceback.
 What can be told before serving is checked first: a store snapshot's files against its manifest
