@@ -210,21 +210,32 @@ def drop(snapshot: Path) -> float:
     return pagecache.residency(snapshot)
 
 
-def measure(kind: str, cache: str, ctx: dict) -> dict:
-    """Settle, drop the page cache if asked, send one streamed request, settle again."""
-    snapshot: Path = ctx["snapshot"]
-    if kind == "ray":
-        ctx["ray"].wait_zero()
-        base, model = ctx["ray"].base, SNAPSHOT
-    elif kind == "cold":
-        wait_state(ctx["up"], COLD, at_zero, "at zero")
-        base, model = ctx["up"].base, COLD
-    elif kind == "wake":
-        wait_state(ctx["up"], SLEEP, asleep, "asleep")
-        base, model = ctx["up"].base, SLEEP
-    else:
+def settle(ctx: dict) -> None:
+    """Every kind at rest: no instance of the cold or runtime deployments, the runtimes refilled, the
+    sleeping instance asleep, Ray at zero replicas (a replica still stopping holds the snapshot's
+    pages mapped, and they could not be dropped)."""
+    wait_state(ctx["up"], COLD, at_zero, "at zero")
+    if "rt" in ctx:
         wait_state(ctx["rt"], RUNTIME, at_zero, "at zero")
         wait_runtimes(ctx["rt"])
+    if "wake" in ctx:
+        wait_state(ctx["wake"], SLEEP, asleep, "asleep")
+    if "ray" in ctx:
+        ctx["ray"].wait_zero()
+
+
+def measure(kind: str, cache: str, ctx: dict) -> dict:
+    """Settle everything, drop the page cache if asked, send one streamed request."""
+    settle(ctx)
+    snapshot: Path = ctx["snapshot"]
+    if kind == "ray":
+        base, model = ctx["ray"].base, SNAPSHOT
+    elif kind == "cold":
+        base, model = ctx["up"].base, COLD
+    elif kind == "wake":
+        base, model = ctx["wake"].base, SLEEP
+        snapshot = ctx["wake_snapshot"]  # its own copy, mapped by the sleeping instance
+    else:
         base, model = ctx["rt"].base, RUNTIME
     resident = drop(snapshot) if cache == "dropped" else pagecache.residency(snapshot)
     got = asyncio.run(request(base, model))
@@ -244,7 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warm-runtime", action="store_true", help="add the warm-runtime column")
     ap.add_argument("--no-ray", action="store_true", help="leave Ray Serve out")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "zero.json")
-    ap.add_argument("--home", type=Path, default=Path("~/.cache/stoker-bench").expanduser())
+    # A home of its own, its own copy of the snapshot: an engine of another benchmark mapping the
+    # shared bench home's copy would keep its pages cached whatever this one drops.
+    ap.add_argument("--home", type=Path, default=Path("~/.cache/stoker-bench/zero").expanduser())
     args = ap.parse_args(argv)
     rounds = args.rounds or (1 if args.quick else 5)
     kinds = [k for k in KINDS if (k != "runtime" or args.warm_runtime) and (k != "ray" or not args.no_ray)]
@@ -258,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, "STOKER_HOME": str(args.home)}
     args.home.mkdir(parents=True, exist_ok=True)
     procs = Processes(stop_all_timeout=60.0)
-    watch = InstanceWatch(args.home)
+    homes = (args.home, args.home / "zero-wake-home", args.home / "zero-rt-home")
+    watches = [InstanceWatch(h) for h in homes]
     t_start = time.perf_counter()
     results: dict = {
         "machine": machine_info(("torch", "transformers")),
@@ -277,15 +291,33 @@ def main(argv: list[str] | None = None) -> int:
         record = run_json([*stoker_command(), "snapshot", "import", "--builtin", SNAPSHOT, "--json"], env)
         ctx["snapshot"] = snapshot = Path(record["path"])
         results["snapshot"] = {"id": record.get("id"), "path": str(snapshot)}
-        # The cold column is a fresh process: no warm runtime on its platform (where the flag exists).
+        snap_id = record["id"]
+        # Each platform has a data dir of its own (a platform adopts or stops the engines its data dir
+        # records). The cold column is a fresh process: no warm runtime on its platform (where the
+        # flag exists). The runtime platform shares the snapshot store; the sleeping instance's
+        # platform has its own copy of the snapshot, as the instance keeps its copy's pages mapped
+        # and a mapped page cannot be dropped: the others' "dropped" rounds drop theirs.
         plain = ("--warm-runtimes", "0") if has_warm_runtimes() else ()
         ctx["up"] = up = start_platform(procs, env, logs / "up.log", plain)
-        up.cli("deploy", COLD, "--model", SNAPSHOT, "--min-warm", "0", "--idle-timeout", "3")
-        up.cli("deploy", SLEEP, "--model", SNAPSHOT, "--min-warm", "0", "--idle-timeout", "600")
-        asyncio.run(request(up.base, SLEEP))  # its first start: from here on it sleeps and wakes
+        up.cli("deploy", COLD, "--model", snap_id, "--min-warm", "0", "--idle-timeout", "3")
+        if "wake" in kinds:
+            wake_env = {**env, "STOKER_HOME": str(args.home / "zero-wake-home")}
+            say("the sleeping instance's own copy of the snapshot (converted once)")
+            wake_record = run_json(
+                [*stoker_command(), "snapshot", "import", "--builtin", SNAPSHOT, "--json"], wake_env
+            )
+            ctx["wake_snapshot"] = Path(wake_record["path"])
+            ctx["wake"] = wk = start_platform(procs, wake_env, logs / "up-wake.log", plain)
+            wk.cli("deploy", SLEEP, "--model", wake_record["id"], "--min-warm", "0", "--idle-timeout", "600")
+            asyncio.run(request(wk.base, SLEEP))  # its first start: from here on it sleeps and wakes
         if "runtime" in kinds:
-            ctx["rt"] = rt = start_platform(procs, env, logs / "up-rt.log", ("--warm-runtimes", "1"))
-            rt.cli("deploy", RUNTIME, "--model", SNAPSHOT, "--min-warm", "0", "--idle-timeout", "3")
+            rt_env = {
+                **env,
+                "STOKER_HOME": str(args.home / "zero-rt-home"),
+                "STOKER_SNAPSHOT_STORE": str(snapshot.parent),
+            }
+            ctx["rt"] = rt = start_platform(procs, rt_env, logs / "up-rt.log", ("--warm-runtimes", "1"))
+            rt.cli("deploy", RUNTIME, "--model", snap_id, "--min-warm", "0", "--idle-timeout", "3")
         if "ray" in kinds:
             say("starting Ray Serve (its own virtualenv)")
             ctx["ray"] = RayServe(procs, snapshot, logs / "ray.log")
@@ -296,7 +328,8 @@ def main(argv: list[str] | None = None) -> int:
             for cache in CACHES:
                 for kind in order:
                     got = measure(kind, cache, ctx)
-                    watch.scan()
+                    for watch in watches:
+                        watch.scan()
                     samples[kind][cache].append(got)
                     say(f"round {r + 1}/{rounds} {cache:>7} {kind:>7}: TTFT {got['ttft_s']:.2f} s")
             say(f"round {r + 1}: import torch, transformers {floors[-1]:.2f} s")
@@ -305,20 +338,21 @@ def main(argv: list[str] | None = None) -> int:
         say("interrupted; stopping every process started")
         return 130
     except Exception:
-        for name in ("up", "rt"):
+        for name in ("up", "wake", "rt"):
             if name in ctx and (tail := ctx[name].log_tail()):
                 print(f"--- stoker up ({name}) log (tail) ---\n{tail}", file=sys.stderr)
         raise
     finally:
         if "ray" in ctx:
             ctx["ray"].stop()
-        for name in ("up", "rt"):
+        for name in ("up", "wake", "rt"):
             if name in ctx:
                 with contextlib.suppress(Exception):
                     ctx[name].stop()
         procs.stop_all()
-        watch.scan()
-        watch.kill_leftovers()
+        for watch in watches:
+            watch.scan()
+            watch.kill_leftovers()
         if ok:
             shutil.rmtree(logs, ignore_errors=True)
         else:
@@ -354,14 +388,16 @@ NAMES = {
 def table(res: dict) -> str:
     m, rt = res["median_ttft_s"], res["ratios"]
     rows = [
-        "| from zero → first token (SmolLM2, CPU) | page cache warm | dropped | Ray ÷ this (warm / dropped) |"
+        "| from zero → first token (SmolLM2, CPU) | page cache warm | dropped (resident after the drop) | Ray ÷ this (warm / dropped) |"
     ]
     rows.append("|---|---|---|---|")
     for k in res["kinds"]:
         vs = (
             "–" if k == "ray" or "ray" not in m else " / ".join(fmt_x(rt[c][f"ray_over_{k}"]) for c in CACHES)
         )
-        rows.append(f"| {NAMES[k]} | {fmt_s(m[k]['warm'])} | {fmt_s(m[k]['dropped'])} | {vs} |")
+        left = med([x["snapshot_resident"] for x in res["samples"][k]["dropped"]])
+        dropped = f"{fmt_s(m[k]['dropped'])} ({left:.0%})" if left is not None else "–"
+        rows.append(f"| {NAMES[k]} | {fmt_s(m[k]['warm'])} | {dropped} | {vs} |")
     floor = res["import_floor_s"]["median"]
     rows.append(f'| `python -c "import torch, transformers"` (the floor) | {fmt_s(floor)} | – | – |')
     rows.append("")
