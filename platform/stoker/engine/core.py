@@ -392,12 +392,13 @@ class Engine:
         plan = self._asleep = weights.sleep_plan(level, self.config.device)
         # On the CPU the manager is kept, KV cache allocation included (`_keep_manager`); in-flight
         # requests (after the drain timeout) fail either way.
-        keep = self.config.device == "cpu"
-        self._manager.stop(block=True, timeout=30, keep_for_next_session=keep)
-        if keep and not self._keep_manager():
-            self._model.destroy_cached_continuous_batching_manager()  # what `keep_for_next_session` cached
-            keep = False
-        if not keep:
+        manager, processor = self._manager, self._manager.batch_processor
+        manager.stop(block=True, timeout=30)  # forgets its batch processor: given back below, if kept
+        keep = self.config.device == "cpu" and not manager.is_running()  # running: the stop timed out
+        if keep and self._keep_manager(processor):
+            # transformers' `start` reuses a batch processor it finds (`_create_batch_processor`)
+            manager.batch_processor = processor
+        else:
             self._manager = None
         weights.put_to_sleep(self._model, plan)
         _trim_heap()
@@ -440,7 +441,7 @@ class Engine:
             self._start_manager()
         self._ready_to_serve()  # the weights' pages mapped before /wake_up answers, not on the first request
 
-    def _keep_manager(self) -> bool:
+    def _keep_manager(self, processor) -> bool:
         """Keep the stopped manager and its batch processor over sleep, but none of the KV cache's memory.
 
         The cache is one tensor that transformers allocates with `torch.zeros` (380 MB for SmolLM2 at
@@ -451,7 +452,7 @@ class Engine:
         hashes forgotten (`cache.reset`), so no request after the wake matches a block that now reads
         zeros. False (the caller drops the manager) when this transformers' cache has another shape.
         """
-        cache = getattr(self._manager.batch_processor, "cache", None)
+        cache = getattr(processor, "cache", None)
         tensor = getattr(cache, "cache_tensor", None)
         if not isinstance(tensor, torch.Tensor) or not callable(getattr(cache, "reset", None)):
             return False
