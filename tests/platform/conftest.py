@@ -43,7 +43,7 @@ class PlatformProcess:
         self.log = self.home / f"up-{time.monotonic_ns()}.log"
         self.home.mkdir(parents=True, exist_ok=True)
         with self.log.open("wb") as out:
-            cmd = [STOKER, self.command, "--port", str(self.port), *self.args]
+            cmd = [STOKER, self.command, "--port", str(self.port), *self.args, *self._runtimes()]
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=self.env)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -58,6 +58,14 @@ class PlatformProcess:
                 pass
             time.sleep(0.05)
         raise TimeoutError(self.log.read_text()[-3000:])
+
+    def _runtimes(self) -> tuple[str, ...]:
+        """No warm runtime unless a test asks (`--warm-runtimes N`): each is a process importing
+        torch and transformers, which on CI's 2 cores would slow every other test's platform.
+        The tier itself is tested in tests/warm_pool/test_runtime_*.py."""
+        if self.command not in ("up", "controller") or "--warm-runtimes" in self.args:
+            return ()
+        return ("--warm-runtimes", "0")
 
     def stop(self, sig: int = signal.SIGTERM) -> int:
         if self.proc is None or self.proc.poll() is not None:
