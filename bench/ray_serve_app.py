@@ -20,7 +20,7 @@ TextIteratorStreamer), a usage chunk, then `data: [DONE]`. The same streaming cl
 and Stoker.
 
 Control on stdin/stdout, one line each: the script prints `READY` once the deployment is up at zero
-replicas; `replicas` answers with the number of RUNNING replicas; `quit` (or EOF, or SIGTERM) shuts
+replicas; `replicas` answers with the number of replicas in any state; `quit` (or EOF, or SIGTERM) shuts
 Serve and Ray down.
 """
 
@@ -130,12 +130,14 @@ class Chat:
         return StreamingResponse(self._stream(ids, max_tokens), media_type="text/event-stream")
 
 
-def running_replicas() -> int:
+def live_replicas() -> int:
+    """Replicas in any state (starting, running, stopping): zero only once the last replica's process
+    is gone, with the snapshot's pages it mapped."""
     status = serve.status()
     app = status.applications.get(APP)
     if app is None or DEPLOYMENT not in app.deployments:
         return 0
-    return int(app.deployments[DEPLOYMENT].replica_states.get("RUNNING", 0))
+    return int(sum(app.deployments[DEPLOYMENT].replica_states.values()))
 
 
 def main() -> int:
@@ -158,7 +160,7 @@ def main() -> int:
         for line in sys.stdin:
             cmd = line.strip()
             if cmd == "replicas":
-                print(running_replicas(), flush=True)
+                print(live_replicas(), flush=True)
             elif cmd == "quit":
                 break
     finally:
