@@ -8,14 +8,19 @@ Same model (the SmolLM2 snapshot, `stoker snapshot import --builtin smollm2`), s
 client (scale_bench.stream_chat: a ~20-token chat message with a fresh opening each time,
 `max_tokens` 16, temperature 0, `stream: true`), timed from the request sent to its first content
 chunk (TTFT). Every kind is measured from a settled state: nothing of this benchmark starting,
-stopping or importing in the background when a request goes out.
+stopping or importing in the background when a request goes out (`settle`). Each platform has a data
+dir of its own under `--home` (default ~/.cache/stoker-bench/zero: its own copy of the snapshot,
+which other benchmarks' engines do not map).
 
-    cold       `stoker up --stable-window 1`, deployment `zero-cold` (`--idle-timeout 3`): a request
-               at zero instances starts a fresh engine process (imports, weights, warm-up)
-    runtime    (`--warm-runtime`) a second `stoker up ... --warm-runtimes 1`, deployment `zero-rt`
-               (`--idle-timeout 3`): the start is handed to an engine process that imported ahead
-    wake       deployment `zero-sleep` on the first platform (`--idle-timeout 600`): the predictive
-               policy puts its idle instance to sleep (level 1); the request wakes it
+    cold       `stoker up --stable-window 1 --warm-runtimes 0`, deployment `zero-cold`
+               (`--idle-timeout 3`): a request at zero instances starts a fresh engine process
+               (imports, weights, warm-up)
+    runtime    (`--warm-runtime`) a second `stoker up ... --warm-runtimes 1` (its own data dir, the
+               same snapshot store), deployment `zero-rt` (`--idle-timeout 3`): the start is handed
+               to an engine process that imported ahead; the runtime is refilled before each request
+    wake       a third `stoker up` with its own copy of the snapshot, deployment `zero-sleep`
+               (`--idle-timeout 600`): the predictive policy puts its idle instance to sleep
+               (level 1); the request wakes it
     ray        Ray Serve 2.60 in its own virtualenv (.venv-ray, `make .venv-ray`), bench/ray_serve_app.py:
                `min_replicas=0`, `initial_replicas=0`, `upscale_delay_s=0`, `metrics_interval_s=0.5`,
                `look_back_period_s=1`, `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`; the replica loads the
