@@ -18,9 +18,10 @@ platform makes that child a *spawned* one (`VLLM_WORKER_MULTIPROC_METHOD=spawn`,
 again: the imports a runtime paid ahead would then be paid again on every start, by the child.
 Unless `STOKER_VLLM_RUNTIME_SPAWN=1`, this runtime puts `fork` back right after that check, so the
 engine core is a fork of the runtime and inherits its imports. vLLM forks its engine core on GPUs
-by default (while CUDA is not initialised), so this is one of vLLM's own paths; what the CPU build
-guards against with spawn is a parent whose OpenMP thread pool is already running, and a runtime
-has run no torch operation when it forks (it only imported).
+by default (while CUDA is not initialised), so this is one of vLLM's own paths. The CPU platform
+gives no reason for spawn where it sets it; the usual hazard of forking a torch process is a parent
+whose OpenMP thread pool already runs, and a runtime has run no torch operation when it forks (it
+only imported).
 
 Refused (one error reply, exit 2, the pool starts another): a handoff that is not `serve`, and one
 whose environment sets a variable vLLM reads at import (`IMPORT_TIME_ENV`, e.g. its logging
