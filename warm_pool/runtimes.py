@@ -402,19 +402,25 @@ class RuntimeKeeper:
 
 
 def cpu_keeper(
-    count: int, log_dir: Path, owner: str | None, registry: CollectorRegistry, fleet: Fleet | None = None
+    count: int,
+    log_dir: Path,
+    owner: str | None,
+    registry: CollectorRegistry,
+    fleet: Fleet | None = None,
+    *,
+    keep: bool = False,
 ) -> RuntimeKeeper | None:
     """The composition root's keeper of `count` CPU-engine runtimes (`stoker runtime`), logging
     under `log_dir/runtimes`, marked as `owner`'s like its engines, and registered with the `fleet`
     (if any) so their memory counts there (on a CPU budget, their measured PSS); None for 0: the
-    tier is off."""
+    tier is off, unless `keep` (another kind joins later: `RuntimeKeeper.add_kind`)."""
     if count < 0:
         raise ValueError(f"--warm-runtimes must be 0 (off) or more, got {count}")
-    if count == 0:
+    if count == 0 and not keep:
         return None
-    kind = RuntimeKind("cpu", (*default_stoker_command(), "runtime"), count)
+    kinds = [RuntimeKind("cpu", (*default_stoker_command(), "runtime"), count)] if count else []
     env = {OWNER_ENV: owner} if owner else {}
-    keeper = RuntimeKeeper([kind], log_dir / "runtimes", env=env, metrics=RuntimeMetrics(registry))
+    keeper = RuntimeKeeper(kinds, log_dir / "runtimes", env=env, metrics=RuntimeMetrics(registry))
     if fleet is not None:
         cpu = any(d.id == CPU_DEVICE for d in fleet.devices.devices)
         keeper.host_device = CPU_DEVICE if cpu else None

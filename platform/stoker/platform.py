@@ -53,7 +53,15 @@ from warm_pool.pool import Pool, PoolSpec
 from warm_pool.records import InstanceRecords
 from warm_pool.runtimes import cpu_keeper
 from warm_pool.snapshot import SnapshotSource
-from warm_pool.vllm import VllmLaunch, check_settings, loadable_reason, probe_vllm, read_config, vllm_command
+from warm_pool.vllm import (
+    VllmLaunch,
+    check_settings,
+    loadable_reason,
+    probe_vllm,
+    read_config,
+    runtime_kind,
+    vllm_command,
+)
 
 log = logging.getLogger("stoker.platform")
 
@@ -61,14 +69,18 @@ log = logging.getLogger("stoker.platform")
 @dataclass(frozen=True)
 class VllmOptions:
     """`stoker up`'s vLLM settings: the command (None: $STOKER_VLLM, else `vllm` on PATH), extra
-    arguments for every vLLM instance, and a CPU build's KV cache in GiB."""
+    arguments for every vLLM instance, a CPU build's KV cache in GiB, and the vLLM warm runtimes
+    kept once a vLLM is found (`infra/vllm-cpu/runtime.py`; 0: every start fresh)."""
 
     command: str | None = None
     args: tuple[str, ...] = ()
     cpu_kv_cache_gib: float = 1.0
+    warm_runtimes: int = 0
 
     def __post_init__(self) -> None:
         check_settings(self.args, self.cpu_kv_cache_gib)
+        if self.warm_runtimes < 0:
+            raise ValueError(f"--vllm-warm-runtimes must be 0 (off) or more, got {self.warm_runtimes}")
 
 
 class Platform:
@@ -106,7 +118,11 @@ class Platform:
         self.fleet = Fleet(devices, self.metrics_registry) if devices is not None else None
         # Where instances run: engine processes here, warm runtimes first (`warm_pool.runtimes`), unless given another (pods).
         count = 0 if backend else warm_runtimes
-        keeper = cpu_keeper(count, data_dir / "logs", owner, self.metrics_registry, self.fleet)
+        vllm_runtimes = 0 if backend or vllm is None else vllm.warm_runtimes
+        keeper = cpu_keeper(
+            count, data_dir / "logs", owner, self.metrics_registry, self.fleet, keep=vllm_runtimes > 0
+        )
+        self._keeper = keeper  # vLLM's runtimes join it at the first vLLM deployment
         self.backend: Backend = backend or LocalBackend(
             data_dir / "logs", clock=clock, owner=owner, records=self.records, runtimes=keeper
         )
@@ -484,6 +500,12 @@ class Platform:
             "vLLM %s (%s build) at %s", runtime.version, "CPU" if runtime.cpu_build else "GPU", command[0]
         )
         self._vllm = launch
+        if self._keeper is not None and options.warm_runtimes > 0:
+            kind = runtime_kind(runtime, options.warm_runtimes)
+            if kind is None:
+                log.warning("no vLLM warm runtime: %s is not in a virtualenv of its own", command[0])
+            else:
+                self._keeper.add_kind(kind)
         return launch
 
     async def _check_vllm_can_load(self, snapshot_id: str, model: str) -> None:

@@ -122,6 +122,43 @@ def test_vllm_from_zero_served_streamed_stopped_and_drained_on_rm(platform_facto
     assert not p.engine_pids() and all(group_members(g) == [] for g in pgids)
 
 
+@needs_vllm
+def test_a_vllm_start_through_its_warm_runtime(platform_factory, vllm_model_dir):
+    """`--vllm-warm-runtimes 1`: the first vLLM deployment brings a vLLM runtime (vLLM imported in
+    vLLM's own venv, `infra/vllm-cpu/runtime.py`); once it is ready, a start at zero takes it: the
+    engine's process is the runtime's, the start counted as tier `runtime`, vLLM's answer relayed."""
+    p = platform_factory(
+        "--stable-window", "2", "--vllm", str(VLLM), "--vllm-args=--enforce-eager --max-num-seqs 8",
+        "--vllm-warm-runtimes", "1",
+    )  # fmt: skip
+    p.deploy("tiny", vllm_model_dir, "--engine", "vllm", "--idle-timeout", "600", "--min-warm", "0")
+    p.wait_for(
+        lambda: p.metric("stoker_warm_runtimes", engine="vllm") == 1, timeout=600, what="a vLLM runtime"
+    )
+    runtime_pids = {int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit() and _is_vllm_runtime(e)}
+    assert runtime_pids
+    raw = client(p).completions.with_raw_response.create(
+        model="tiny", prompt="The quick", max_tokens=5, temperature=0
+    )
+    assert raw.headers["x-stoker-cold-start"] == "true"
+    assert raw.parse().system_fingerprint.startswith("vllm-")
+    assert p.metric("stoker_instance_startup_seconds_count", deployment="tiny", tier="runtime") == 1
+    [pid] = p.engine_pids().values()  # the engine is the runtime it was handed to
+    assert pid in runtime_pids
+    p.cli("rm", "tiny")
+    assert not p.engine_pids()
+
+
+def _is_vllm_runtime(proc: Path) -> bool:
+    try:
+        return (
+            b"runtime.py" in (proc / "cmdline").read_bytes()
+            and b"vllm-cpu" in (proc / "cmdline").read_bytes()
+        )
+    except OSError:
+        return False
+
+
 def _fake_vllm(tmp_path: Path, version: str) -> Path:
     """A stand-in for `vllm --version` only: the refusals below never start an engine."""
     script = tmp_path / "vllm"
