@@ -14,7 +14,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
@@ -42,8 +41,9 @@ from stoker.prices import PriceTable
 from stoker.registry import DeploymentSpec, Registry, not_found, validate
 from stoker.revisions import RevisionMetrics, RevisionStats
 from stoker.rollout import Rollout, canary_percent
+from stoker.vllm_setup import VllmOptions, VllmSetup
 from warm_pool.backend import Backend, Running
-from warm_pool.errors import EngineUnavailable, PoolError
+from warm_pool.errors import PoolError
 from warm_pool.fleet import Devices, Fleet, Footprint, footprint
 from warm_pool.launch import GpuInventory
 from warm_pool.local import LocalBackend
@@ -53,34 +53,8 @@ from warm_pool.pool import Pool, PoolSpec
 from warm_pool.records import InstanceRecords
 from warm_pool.runtimes import cpu_keeper
 from warm_pool.snapshot import SnapshotSource
-from warm_pool.vllm import (
-    VllmLaunch,
-    check_settings,
-    loadable_reason,
-    probe_vllm,
-    read_config,
-    runtime_kind,
-    vllm_command,
-)
 
 log = logging.getLogger("stoker.platform")
-
-
-@dataclass(frozen=True)
-class VllmOptions:
-    """`stoker up`'s vLLM settings: the command (None: $STOKER_VLLM, else `vllm` on PATH), extra
-    arguments for every vLLM instance, a CPU build's KV cache in GiB, and the vLLM warm runtimes
-    kept once a vLLM is found (`infra/vllm-cpu/runtime.py`; 0: every start fresh)."""
-
-    command: str | None = None
-    args: tuple[str, ...] = ()
-    cpu_kv_cache_gib: float = 1.0
-    warm_runtimes: int = 0
-
-    def __post_init__(self) -> None:
-        check_settings(self.args, self.cpu_kv_cache_gib)
-        if self.warm_runtimes < 0:
-            raise ValueError(f"--vllm-warm-runtimes must be 0 (off) or more, got {self.warm_runtimes}")
 
 
 class Platform:
@@ -145,8 +119,8 @@ class Platform:
         self._session: aiohttp.ClientSession | None = None
         self._deployments: dict[str, Deployment] = {}
         self._lock = asyncio.Lock()  # deploys and removals one at a time
-        self._vllm_options = vllm or VllmOptions()
-        self._vllm: VllmLaunch | None = None  # found at the first vLLM deployment, then kept
+        # The vLLM this platform runs: found at the first vLLM deployment, then kept.
+        self._vllm_setup = VllmSetup(vllm or VllmOptions(), self.gpus, self._keeper)
         self._unavailable_after = unavailable_after
         # Whether the server is draining (`stoker up` sets it to its uvicorn's should_exit): open
         # `stoker logs --follow` streams end then, instead of holding the drain for its grace period.
@@ -183,7 +157,7 @@ class Platform:
                 continue
             try:
                 if spec.engine == "vllm":
-                    await self._vllm_launch()
+                    await self._vllm_setup.launch()
                 mine = [r for r in running if (r.deployment, r.snapshot_id) == (spec.name, spec.snapshot_id)]
                 d = self._deployments.get(spec.name)
                 if d is None:
@@ -268,11 +242,11 @@ class Platform:
                 "canary_percent",
             )
         if fields["engine"] == "vllm":
-            await self._vllm_launch()
+            await self._vllm_setup.launch()
         async with self._lock:
             snapshot_id = await self._resolve_model(fields["model"])
             if fields["engine"] == "vllm":
-                await self._check_vllm_can_load(snapshot_id, fields["model"])
+                await self._vllm_setup.check_can_load(self.store, snapshot_id, fields["model"])
             spec = DeploymentSpec(snapshot_id=snapshot_id, **fields)
             current = self._deployments.get(spec.name)
             if current is None:
@@ -357,7 +331,7 @@ class Platform:
                 scaling=self.scaling(spec, min_warm),
                 policy=spec.policy,
                 grace_period_s=spec.grace_period_s,
-                vllm=self._vllm if spec.engine == "vllm" else None,
+                vllm=self._vllm_setup.found if spec.engine == "vllm" else None,
                 unavailable_after=self._unavailable_after,
                 footprint=self._footprint(spec) if self.fleet is not None else None,
                 revision=spec.revision,
@@ -473,52 +447,6 @@ class Platform:
     def _source(self, snapshot_id: str, model: str) -> SnapshotSource:
         remote = model if model.startswith("s3://") else None
         return SnapshotSource(self.store, snapshot_id, remote, RemoteConfig.from_env() if remote else None)
-
-    async def _vllm_launch(self) -> VllmLaunch:
-        """The vLLM this platform runs, found and asked its version at the first vLLM deployment;
-        a 400 on `engine`, in one line, where it cannot run: no vLLM, or a GPU build and no GPU."""
-        if self._vllm is not None:
-            return self._vllm
-        options = self._vllm_options
-        try:
-            command = vllm_command(options.command)
-            if command is None:
-                raise EngineUnavailable(
-                    "no vLLM found: pass `stoker up --vllm CMD` or set STOKER_VLLM (`make vllm` builds "
-                    ".venv-vllm/bin/vllm, vLLM's CPU build), or put `vllm` on PATH (pip install 'stoker[gpu]')"
-                )
-            runtime = await probe_vllm(command)
-            if not runtime.cpu_build and not self.gpus.gpus:
-                raise EngineUnavailable(
-                    f"vLLM {runtime.version} is a GPU build and no GPU was found "
-                    "(set STOKER_GPUS or CUDA_VISIBLE_DEVICES, or use vLLM's CPU build: `make vllm`)"
-                )
-            launch = VllmLaunch(runtime, options.args, options.cpu_kv_cache_gib)
-        except EngineUnavailable as exc:
-            raise invalid(f"The vllm engine cannot run here: {exc}.", "engine") from None
-        log.info(
-            "vLLM %s (%s build) at %s", runtime.version, "CPU" if runtime.cpu_build else "GPU", command[0]
-        )
-        self._vllm = launch
-        if self._keeper is not None and options.warm_runtimes > 0:
-            kind = runtime_kind(runtime, options.warm_runtimes)
-            if kind is None:
-                log.warning("no vLLM warm runtime: %s is not in a virtualenv of its own", command[0])
-            else:
-                self._keeper.add_kind(kind)
-        return launch
-
-    async def _check_vllm_can_load(self, snapshot_id: str, model: str) -> None:
-        """Refuse at deploy a snapshot vLLM cannot load, with the reason."""
-        if self.store.path_of(snapshot_id).is_dir():
-            files = [f.path for f in self.store.manifest(snapshot_id).files]
-            config = read_config(self.store.path_of(snapshot_id))
-        else:  # in object storage only: the manifest says which files there are
-            manifest = await read_manifest(model, RemoteConfig.from_env())
-            files = [f.path for f in manifest.files]
-            config = {"architectures": ["?"]} if "config.json" in files else None
-        if (reason := loadable_reason(files, config)) is not None:
-            raise invalid(f"vLLM cannot load snapshot {snapshot_id[:12]}: {reason}.", "model")
 
 
 async def _adopt_then_run(pool: Pool, running: list[Running]) -> None:

@@ -306,7 +306,8 @@ def build_platform(args: argparse.Namespace, **extra):
     from snapshots.errors import SnapshotError
     from snapshots.sizes import parse_size
     from stoker.paths import data_dir, snapshot_store_dir
-    from stoker.platform import Platform, VllmOptions
+    from stoker.platform import Platform
+    from stoker.vllm_setup import VllmOptions
     from warm_pool.fleet import Devices
 
     try:
