@@ -138,7 +138,7 @@ def fits(env: Mapping[str, str], runtime_env: Mapping[str, str]) -> str | None:
     """Why a launch with additions `env` cannot run in a runtime started with `runtime_env`, or None.
 
     >>> fits({"CUDA_VISIBLE_DEVICES": "1"}, {"CUDA_VISIBLE_DEVICES": "0"})
-    'CUDA_VISIBLE_DEVICES differs from the runtime's (read only at start)'
+    "CUDA_VISIBLE_DEVICES differs from the runtime's (read only at start)"
     >>> fits({"STOKER_ENGINE_API_KEY": "k"}, {}) is None
     True
     """
