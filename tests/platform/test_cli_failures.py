@@ -118,8 +118,9 @@ def test_failed_starts_are_a_503_that_says_why_before_the_hold_deadline(platform
         p.cli("logs", "broken", "--instance", "broken-xyz", check=False), "'instance' must be"
     )
 
-    # Following the newest instance's log ends once that instance is gone, with its reason in it.
-    follow = p.cli("logs", "broken", "--follow", "--tail", "1000")
+    # Following a failed instance's log ends, that instance being gone, with its reason in it. (Not
+    # "the newest": by now the pool may have begun another start, whose log is still empty.)
+    follow = p.cli("logs", "broken", "--instance", failure["instance"], "--follow", "--tail", "1000")
     assert follow.returncode == 0 and "cannot load" in follow.stdout.splitlines()[-1]
 
 
