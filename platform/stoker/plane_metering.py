@@ -44,6 +44,7 @@ GAUGES = frozenset({"stoker_queue_length"})
 SERIES = COUNTERS | GAUGES
 MAX_SERIES = 20_000  # samples one report may carry
 MAX_LABELS, MAX_LABEL_LEN = 8, 256
+MAX_GATEWAYS = 256  # gateways kept one by one; the least recently heard beyond it are folded together
 
 
 class GatewayMeter:
@@ -107,15 +108,26 @@ def parse_series(value: object) -> list[tuple[str, Labels, float]]:
 class GatewaySeries:
     """The gateways' latest samples, summed for the controller's dashboard (see the module)."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_gateways: int = MAX_GATEWAYS) -> None:
+        # By gateway, the least recently heard first (ids are per process: they come and go).
         self._latest: dict[str, dict[tuple[str, Labels], float]] = {}
         self._before: dict[str, dict[tuple[str, Labels], float]] = {}  # counted before a restart
+        self._folded: dict[tuple[str, Labels], float] = {}  # the counters of gateways long gone
+        self._max = max_gateways
 
     def update(self, gateway: str, samples: Iterable[tuple[str, Labels, float]]) -> None:
         """A gateway's changed samples. A counter lower than its last value is a gateway restarted
         under the same id: what it had counted stays counted (e.g. 40, then 3 after its restart:
-        43)."""
-        mine = self._latest.setdefault(gateway, {})
+        43). Bounded: past `max_gateways`, the least recently heard one's counters are folded into
+        one sum (its gauges dropped), so memory does not grow with every gateway process ever run."""
+        mine = self._latest.pop(gateway, None) or {}
+        self._latest[gateway] = mine  # now the most recently heard
+        while len(self._latest) > self._max:
+            oldest = next(iter(self._latest))
+            for key, value in self._latest.pop(oldest).items():
+                if key[0] in COUNTERS:
+                    self._folded[key] = self._folded.get(key, 0.0) + value
+            self._before.pop(oldest, None)
         before = self._before.setdefault(gateway, {})
         for name, labels, value in samples:
             key = (name, labels)
@@ -128,7 +140,7 @@ class GatewaySeries:
         reports 10 answers and 2 held, b 5 answers and 1 held, then b goes silent: 15 answers,
         2 held."""
         live = set(live)
-        out: dict[tuple[str, Labels], float] = {}
+        out: dict[tuple[str, Labels], float] = dict(self._folded)
         for gateway, samples in self._latest.items():
             for key, value in samples.items():
                 if key[0] in GAUGES and gateway not in live:

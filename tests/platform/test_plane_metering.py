@@ -51,6 +51,17 @@ def test_a_gateway_restarted_under_the_same_id_keeps_what_it_counted():
     assert series.reading(["a"])[HELD] == 1.0
 
 
+def test_gateways_beyond_the_bound_are_folded_keeping_their_counts():
+    series = GatewaySeries(max_gateways=2)
+    series.update("a", [(*OK, 10.0), (*HELD, 2.0)])
+    series.update("b", [(*OK, 5.0)])
+    series.update("a", [(*OK, 11.0)])  # a heard again: b is now the least recent
+    series.update("c", [(*OK, 1.0), (*HELD, 1.0)])  # a third: b is folded
+    assert series.reading(["a", "c"]) == {OK: 17.0, HELD: 3.0}
+    series.update("d", [(*OK, 2.0)])  # a is folded: its answers stay, its held ones go
+    assert series.reading(["c", "d"]) == {OK: 19.0, HELD: 1.0}
+
+
 @pytest.mark.parametrize(
     "bad",
     [
