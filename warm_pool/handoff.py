@@ -237,7 +237,7 @@ def serve_one(listener: socket.socket, token: str) -> tuple[Handoff, socket.sock
 def take_over(handoff: Handoff, conn: socket.socket, log_fd: int | None, listener: socket.socket) -> None:
     """Make this process the one `handoff` describes, up to running its program (the caller's part):
     its environment added, its directory entered, the log sent made stdout and stderr, the success
-    answered with this PID, and the socket closed and removed (no second handoff)."""
+    the socket closed and removed (no second handoff), and then the success answered with this PID."""
     os.environ.update(handoff.env)
     if handoff.cwd is not None:
         os.chdir(handoff.cwd)
@@ -248,12 +248,12 @@ def take_over(handoff: Handoff, conn: socket.socket, log_fd: int | None, listene
         os.dup2(log_fd, 1)
         os.dup2(log_fd, 2)
         os.close(log_fd)
-    reply(conn, {"ok": True, "pid": os.getpid()})
-    conn.close()
     path = Path(listener.getsockname()).with_name(SOCKET_NAME)  # bound under the temporary name
     listener.close()
     with contextlib.suppress(OSError):
-        path.unlink()
+        path.unlink()  # before the answer: once the pool hears success, nothing can connect again
+    reply(conn, {"ok": True, "pid": os.getpid()})
+    conn.close()
 
 
 def reply(conn: socket.socket, body: dict) -> None:

@@ -146,7 +146,11 @@ def platform_factory(tmp_path: Path):
 def shared_platform(tmp_path_factory, tiny_model_dir):
     """One platform with the tiny model deployed at zero, for the tests that only send requests."""
     p = PlatformProcess(
-        tmp_path_factory.mktemp("platform") / "home", free_port(), ("--stable-window", "2")
+        tmp_path_factory.mktemp("platform") / "home",
+        free_port(),
+        # A CI machine shared with a vLLM start can hold an engine's first chunk past the default 10 s
+        # (then the stream is retried and, with nowhere else to go, fails): these tests are not about that.
+        ("--stable-window", "2", "--stream-headers-timeout", "120s"),
     ).start()
     try:
         p.deploy("tiny", tiny_model_dir, "--max", "2", "--idle-timeout", "600")

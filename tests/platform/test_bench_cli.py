@@ -50,7 +50,7 @@ def test_bench_then_plan(shared_platform, tmp_path):
     assert (
         run["requests"] == len(poisson_arrivals(5, 3, prompt_tokens=8, max_tokens=4)) == len(run["samples"])
     )
-    assert run["errors"] == 0 and run["answered"] == run["requests"]
+    assert run["errors"] == 0 and run["answered"] == run["requests"], run["error_kinds"]
     # ignore_eos: every answer is the 4 tokens asked for, counted from the usage chunk.
     assert {s["tokens"] for s in run["samples"]} == {4}
     assert all(0 < s["ttft"] <= s["e2e"] for s in run["samples"])
