@@ -8,15 +8,51 @@ Float32 is kept on purpose: the CPU engine computes in float32 (this class of CP
 instructions; bf16 prompt processing is ~10x slower), and vLLM casts on load if asked.
 
 torch and transformers are imported here, inside the function, and nowhere else in `snapshots`,
-so listing or verifying snapshots never pays for them. For the 98 MB SmolLM2 file the whole
-conversion takes about a minute, nearly all of it GGUF metadata parsing.
+so listing or verifying snapshots never pays for them.
+
+One parse (`_one_parse`): transformers reads a GGUF file's metadata once for the config, once for
+the weights and once for the tokenizer, each time through a fresh `gguf.GGUFReader` that builds a
+numpy view per metadata element (the tokenizer's vocabulary: ~440,000 of them); and it rebuilds
+gguf's whole tensor-name table for every module of the model while mapping names. For the 98 MB
+SmolLM2 file that was ~80 s, two thirds of it those repeats. During a conversion the reader is
+shared per file and the name table memoized; both are read-only to transformers. If a later
+transformers imports them differently the patch does nothing and the conversion is only slower.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import os
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 from snapshots.errors import InvalidSource, SnapshotError
+
+_PATCH_LOCK = threading.Lock()  # the patch is module-wide: one conversion at a time holds it
+
+
+@contextlib.contextmanager
+def _one_parse() -> Iterator[None]:
+    import gguf
+
+    real_reader, real_name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict[tuple, object] = {}
+
+    def shared_reader(path, *args, **kwargs):
+        key = (os.fspath(path), args, tuple(sorted(kwargs.items())))
+        if key not in readers:
+            readers[key] = real_reader(path, *args, **kwargs)
+        return readers[key]
+
+    with _PATCH_LOCK:
+        gguf.GGUFReader, gguf.get_tensor_name_map = shared_reader, functools.cache(real_name_map)
+        try:
+            yield
+        finally:
+            gguf.GGUFReader, gguf.get_tensor_name_map = real_reader, real_name_map
+            readers.clear()
 
 
 def _one_line(exc: BaseException) -> str:
@@ -31,10 +67,11 @@ def convert_gguf(path: Path, out: Path) -> None:
 
     directory, filename = str(path.parent), path.name
     try:
-        loaded = AutoModelForCausalLM.from_pretrained(
-            directory, gguf_file=filename, dtype=torch.float32, local_files_only=True
-        )
-        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=filename, local_files_only=True)
+        with _one_parse():
+            loaded = AutoModelForCausalLM.from_pretrained(
+                directory, gguf_file=filename, dtype=torch.float32, local_files_only=True
+            )
+            tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=filename, local_files_only=True)
     except Exception as exc:  # third-party errors of every kind end here, as ours
         raise InvalidSource(f"cannot read {filename} as a GGUF model: {_one_line(exc)}") from exc
 

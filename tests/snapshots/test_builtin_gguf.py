@@ -1,10 +1,10 @@
 """The embedded default model end to end: the real SmolLM2 GGUF converted into a float32 snapshot,
 then served by the CPU engine and asked a question.
 
-Slow (about a minute: transformers parses the GGUF's metadata). It imports into the session's
-STOKER_HOME, so the later test here that serves it gets the snapshot back from the sources index in
-well under a second; the two share this file so that `pytest -n 2 --dist loadfile` runs them in one
-worker and converts once.
+Slow (about half a minute: transformers parses the GGUF's metadata, once: `snapshots.gguf_convert`).
+It imports into the session's STOKER_HOME, so the later test here that serves it gets the snapshot
+back from the sources index in well under a second; the two share this file so that
+`pytest -n 2 --dist loadfile` runs them in one worker and converts once.
 """
 
 from __future__ import annotations
