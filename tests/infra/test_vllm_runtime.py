@@ -1,29 +1,25 @@
 """The vLLM warm runtime (infra/vllm-cpu/runtime.py) with real vLLM: its CPU build (`make vllm`).
 
-A runtime is started in vLLM's virtualenv with its token, imports vLLM and listens; the pool's own
-handoff call (`warm_pool.handoff.hand_off`) gives it the pool's own vLLM launch
-(`warm_pool.launch.vllm_spec`, `--enforce-eager` as in tests/platform/test_vllm_engine.py: no
-torch.compile, which is the same with or without a runtime) and a log file; the runtime becomes
-`vllm serve` with its own PID and answers a completion with the official client. Its engine core
-is a fork of the runtime (it inherits the imports), not a spawned interpreter. Refusals: a handoff
-that is not `serve`, and one with a wrong token, end the runtime after an error reply.
+A runtime is started in vLLM's virtualenv with its token, imports vLLM and listens; a handoff that
+is not `vllm serve` ends it after an error reply, through the pool's own handoff call
+(`warm_pool.handoff.hand_off`). A handoff with a wrong token is refused by the shared handoff code
+(tests/warm_pool/test_runtime_handoff.py). A runtime that becomes `vllm serve` through the platform,
+its engine core forked with the imports inherited, is tests/platform/test_vllm_engine.py's
+`test_a_vllm_start_through_its_warm_runtime`: one vLLM start each, the suite's slowest thing.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
-import re
 import secrets
 import subprocess
 import time
 from pathlib import Path
 
-import httpx
-import openai
 import pytest
 
-from tests.conftest import REPO, build_tiny_model
+from tests.conftest import REPO
 from warm_pool.handoff import SOCKET_NAME, TOKEN_ENV, Handoff, HandoffError, hand_off
 from warm_pool.launch import vllm_spec
 
@@ -68,11 +64,6 @@ def test_refuse_accepts_the_runtimes_own_import_time_settings():
     )
 
 
-@pytest.fixture(scope="module")
-def vllm_model_dir(tmp_path_factory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("vllm-rt-model") / "tiny-llama", head_dim=32)
-
-
 def start_runtime(tmp_path: Path, token: str) -> tuple[subprocess.Popen, Path, Path]:
     sock_dir = tmp_path / "rt"
     sock_dir.mkdir(mode=0o700)
@@ -104,109 +95,17 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def children(pid: int) -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat[stat.rindex(")") + 2 :].split()[1]) == pid:
-                out.append(int(entry.name))
-    return out
-
-
 @needs_vllm
-def test_a_runtime_becomes_vllm_serve_and_answers(tmp_path, vllm_model_dir):
+def test_a_runtime_refuses_what_is_not_serve(tmp_path):
     token = secrets.token_urlsafe(32)
-    proc, sock_dir, runtime_log = start_runtime(tmp_path, token)
-    try:
-        port, key = _free_port(), secrets.token_urlsafe(16)
-        spec = vllm_spec(
-            vllm_model_dir,
-            port,
-            "tiny",
-            [],
-            dtype="float32",
-            max_model_len=256,
-            sleep_mode=False,
-            extra_args=("--enforce-eager", "--max-num-seqs", "4"),
-            vllm_command=(str(VLLM),),
-            api_key=key,
-        )
-        engine_log = tmp_path / "engine.log"
-        fd = os.open(engine_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
-        try:
-            pid = hand_off(
-                sock_dir / SOCKET_NAME,
-                Handoff(spec.args, dict(spec.env), str(spec.cwd)),
-                token,
-                expect_pid=proc.pid,
-                log_fd=fd,
-            )
-        finally:
-            os.close(fd)
-        assert pid == proc.pid
-        assert not (sock_dir / SOCKET_NAME).exists()  # one handoff in a runtime's life
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + DEADLINE_S
-        while True:
-            assert proc.poll() is None, engine_log.read_text()[-4000:]
-            assert time.monotonic() < deadline, engine_log.read_text()[-4000:]
-            try:
-                if httpx.get(f"{base}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        # The key the launch carried in its environment guards the API.
-        assert httpx.post(f"{base}/v1/completions", json={"model": "tiny", "prompt": "x"}).status_code == 401
-        client = openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0, timeout=300)
-        answer = client.completions.create(model="tiny", prompt="The quick", max_tokens=5, temperature=0)
-        assert answer.usage.completion_tokens == 5
-        assert answer.model == "tiny"
-        # vLLM's own output went to the log handed over, not to the runtime's.
-        assert "Loading weights took" in engine_log.read_text()
-        assert "becoming `vllm serve`" in engine_log.read_text()
-        # The engine core (vLLM's "(EngineCore pid=N)") is a fork of the runtime, which inherited
-        # its imports, not a spawned interpreter that imports everything again.
-        text = engine_log.read_text()
-        cores = {int(m) for m in re.findall(r"\(EngineCore\w* pid=(\d+)\)", text)}
-        forked = {int(m) for m in re.findall(r"vllm runtime: forked pid (\d+)", text)}
-        assert cores and cores <= forked, (cores, forked)
-        assert all(core in children(proc.pid) for core in cores)
-    finally:
-        stop(proc)
-    assert "imports done" in runtime_log.read_text()
-
-
-@needs_vllm
-def test_a_runtime_refuses_what_is_not_serve_and_a_wrong_token(tmp_path):
-    token = secrets.token_urlsafe(32)
-    proc, sock_dir, _ = start_runtime(tmp_path, token)
+    proc, sock_dir, log = start_runtime(tmp_path, token)
     try:
         with pytest.raises(HandoffError, match="runs `vllm serve`, not `vllm bench`"):
             hand_off(sock_dir / SOCKET_NAME, Handoff(("bench", "serve")), token, expect_pid=proc.pid)
         assert proc.wait(120) == 2
     finally:
         stop(proc)
-    (tmp_path / "b").mkdir()
-    proc, sock_dir, _ = start_runtime(tmp_path / "b", token)
-    try:
-        with pytest.raises(HandoffError, match="bad token"):
-            hand_off(sock_dir / SOCKET_NAME, Handoff(("serve", "m")), "not-the-token", expect_pid=proc.pid)
-        assert proc.wait(120) == 2
-    finally:
-        stop(proc)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    assert "imports done" in log.read_text() and "handoff refused" in log.read_text()
 
 
 def test_runtime_kind_takes_the_pools_vllm_launches_and_nothing_else(tmp_path):

@@ -5,12 +5,17 @@ The real `stoker up`, a real vLLM process tree per instance, the official client
 ~90 s start on this machine), and what these tests check (held at zero, served, streamed, drained,
 stopped with nothing left behind, what the engine reported) is the same with or without compiling.
 The tiny model has a head size of 32: vLLM's CPU attention has no kernel for the usual 16.
+
+A vLLM start is the slowest thing the suite does (a minute on a busy 2-core machine), so each test
+here starts vLLM once: a fresh start (held, served, streamed, drained on `rm`), and a start through
+a warm runtime (the tier, the forked engine core, and an idle stop instead of a sleep).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import stat
 import threading
@@ -54,9 +59,11 @@ def group_members(pgid: int) -> list[int]:
 
 
 @needs_vllm
-def test_vllm_from_zero_served_streamed_stopped_and_drained_on_rm(platform_factory, vllm_model_dir):
+def test_vllm_from_zero_served_streamed_and_drained_on_rm(platform_factory, vllm_model_dir):
+    # A long stable window: the policy holds the idle instance READY (it cannot sleep) for the whole
+    # test, so the stream `rm` drains runs on the instance that served the first request.
     p = platform_factory(
-        "--stable-window", "2", "--vllm", str(VLLM), "--vllm-args=--enforce-eager --max-num-seqs 8"
+        "--stable-window", "600", "--vllm", str(VLLM), "--vllm-args=--enforce-eager --max-num-seqs 8"
     )
     deployed = p.deploy("tiny", vllm_model_dir, "--engine", "vllm", "--idle-timeout", "600")
     assert deployed["engine"] == "vllm"
@@ -87,14 +94,6 @@ def test_vllm_from_zero_served_streamed_stopped_and_drained_on_rm(platform_facto
     assert len(infos) == 1
     key = json.loads(infos[0].read_text())
     assert key["version"].endswith("+cpu") and key["snapshot"] == snapshot_id
-    # ... and that it cannot sleep: idle, the instance stops (the short stable window ends the
-    # policy's READY hold after 2 s) instead of going to sleep, and leaves no process behind.
-    pgids = list(p.engine_pids().values())
-    assert len(pgids) == 1 and group_members(pgids[0])
-    p.wait_for(lambda: not p.engine_pids(), timeout=120, what="the idle vLLM instance stopped")
-    assert group_members(pgids[0]) == []
-    assert p.metric("stoker_instance_sleep_wake_total", deployment="tiny") == 0
-    assert p.metric("stoker_scaler_desired_instances", deployment="tiny", state="SLEEPING") == 0
 
     # `stoker rm` while a long stream is in flight: the stream finishes whole, then nothing is left.
     got: dict = {}
@@ -115,6 +114,8 @@ def test_vllm_from_zero_served_streamed_stopped_and_drained_on_rm(platform_facto
     reader.start()
     assert got["first"].wait(300), "the stream never started"
     pgids = list(p.engine_pids().values())
+    assert len(pgids) == 1 and group_members(pgids[0])  # the instance that answered the first request
+    assert p.metric("stoker_cold_start_seconds_count", deployment="tiny", phase="engine_init") == 1
     p.cli("rm", "tiny")
     reader.join(60)
     assert got.get("finish") == "length"
@@ -126,7 +127,10 @@ def test_vllm_from_zero_served_streamed_stopped_and_drained_on_rm(platform_facto
 def test_a_vllm_start_through_its_warm_runtime(platform_factory, vllm_model_dir):
     """`--vllm-warm-runtimes 1`: the first vLLM deployment brings a vLLM runtime (vLLM imported in
     vLLM's own venv, `infra/vllm-cpu/runtime.py`); once it is ready, a start at zero takes it: the
-    engine's process is the runtime's, the start counted as tier `runtime`, vLLM's answer relayed."""
+    engine's process is the runtime's, the start counted as tier `runtime`, vLLM's answer relayed,
+    its engine core a fork of the runtime (imports inherited) and its output in the instance's log.
+    And vLLM cannot sleep: idle, the instance stops (the short stable window ends the policy's READY
+    hold after 2 s) instead of going to sleep, and leaves no process behind."""
     p = platform_factory(
         "--stable-window", "2", "--vllm", str(VLLM), "--vllm-args=--enforce-eager --max-num-seqs 8",
         "--vllm-warm-runtimes", "1",
@@ -143,8 +147,18 @@ def test_a_vllm_start_through_its_warm_runtime(platform_factory, vllm_model_dir)
     assert raw.headers["x-stoker-cold-start"] == "true"
     assert raw.parse().system_fingerprint.startswith("vllm-")
     assert p.metric("stoker_instance_startup_seconds_count", deployment="tiny", tier="runtime") == 1
-    [pid] = p.engine_pids().values()  # the engine is the runtime it was handed to
-    assert pid in runtime_pids
+    [(instance, pid)] = p.engine_pids().items()  # the engine is the runtime it was handed to
+    assert pid in runtime_pids and group_members(pid)
+    log = (p.home / "logs" / f"{instance}.log").read_text()
+    assert "becoming `vllm serve`" in log and "Loading weights took" in log
+    cores = {int(m) for m in re.findall(r"\(EngineCore\w* pid=(\d+)\)", log)}
+    forked = {int(m) for m in re.findall(r"vllm runtime: forked pid (\d+)", log)}
+    assert cores and cores <= forked, (cores, forked)
+
+    p.wait_for(lambda: not p.engine_pids(), timeout=120, what="the idle vLLM instance stopped")
+    assert group_members(pid) == []
+    assert p.metric("stoker_instance_sleep_wake_total", deployment="tiny") == 0
+    assert p.metric("stoker_scaler_desired_instances", deployment="tiny", state="SLEEPING") == 0
     p.cli("rm", "tiny")
     assert not p.engine_pids()
 
