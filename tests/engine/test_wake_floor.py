@@ -12,7 +12,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import httpx
-import pytest
 
 # A prompt of several full 32-token KV blocks: the manager's prefix cache hashes them, and a woken
 # engine must not match them against blocks whose memory sleep handed back (they read zeros).
@@ -50,12 +49,12 @@ def answer(url: str) -> dict:
     return {"text": choice["text"], "logprobs": choice["logprobs"]}
 
 
-@pytest.mark.parametrize("level", [1, 2])
-def test_woken_engine_answers_as_one_that_never_slept(fresh_engine, level):
-    never, woken = fresh_engine(), fresh_engine()
+def test_woken_engine_answers_as_one_that_never_slept(engine, fresh_engine):
+    # `engine`, the session's shared engine, never sleeps; `woken` is put to sleep at each level twice.
+    never, woken = engine, fresh_engine()
     reference = answer(never.url)
     assert answer(woken.url) == reference  # its prefix cache now holds the prompt's blocks
-    for _ in range(2):
+    for level in (1, 2, 1, 2):
         assert httpx.post(f"{woken.url}/sleep?level={level}", timeout=120).status_code == 200
         assert httpx.post(f"{woken.url}/wake_up", timeout=120).status_code == 200
         assert answer(woken.url) == reference, f"after a level-{level} wake"
@@ -63,8 +62,13 @@ def test_woken_engine_answers_as_one_that_never_slept(fresh_engine, level):
 
 
 def test_sleep_hands_back_the_kv_cache_and_wake_does_not_allocate_it_again(fresh_engine, tiny_snapshot):
+    """One engine, what it does not pay for: its weights are in the page tables before it is READY,
+    sleep hands back the KV cache and wake does not write it again, and llguidance (structured
+    output) is not imported until a request asks for it."""
     e = fresh_engine("--kv-cache-tokens", str(KV_TOKENS))
     pid = e.proc.pid
+    size = sum(p.stat().st_size for p in tiny_snapshot.glob("*.safetensors"))
+    assert mapped_rss(pid, tiny_snapshot) >= 0.9 * size  # mapped in by the load, before READY
     answer(e.url)
     awake = status_kib(pid, "RssAnon") * 1024
     assert httpx.post(f"{e.url}/sleep?level=1", timeout=120).status_code == 200
@@ -74,28 +78,12 @@ def test_sleep_hands_back_the_kv_cache_and_wake_does_not_allocate_it_again(fresh
 
     assert httpx.post(f"{e.url}/wake_up", timeout=120).status_code == 200
     # The weights are in the page tables before the first request: it takes no page faults on them.
-    size = sum(p.stat().st_size for p in tiny_snapshot.glob("*.safetensors"))
     assert mapped_rss(pid, tiny_snapshot) >= 0.9 * size
     answer(e.url)  # the kept manager serves; a new one would have written its whole cache by now
     woken = status_kib(pid, "RssAnon") * 1024
     assert awake - woken >= 0.75 * KV_BYTES, "the wake wrote the whole KV cache again"
 
-
-def test_load_maps_the_weights_in_before_ready(fresh_engine, tiny_snapshot):
-    e = fresh_engine()
-    size = sum(p.stat().st_size for p in tiny_snapshot.glob("*.safetensors"))
-    assert mapped_rss(e.proc.pid, tiny_snapshot) >= 0.9 * size
-
-
-def llguidance_loaded(pid: int) -> bool:
-    """Whether llguidance's native library is mapped into the process: imported, in other words."""
-    return any("llguidance" in line for line in Path(f"/proc/{pid}/maps").read_text().splitlines())
-
-
-def test_structured_output_imports_llguidance_on_first_use(fresh_engine):
-    e = fresh_engine()
-    answer(e.url)
-    assert not llguidance_loaded(e.proc.pid)  # serving plain requests never needed it
+    assert not llguidance_loaded(pid)  # serving plain requests, sleeping and waking never needed it
     body = {
         "model": "tiny",
         "prompt": "JSON:",
@@ -105,10 +93,15 @@ def test_structured_output_imports_llguidance_on_first_use(fresh_engine):
     }
     r = httpx.post(f"{e.url}/v1/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
-    assert llguidance_loaded(e.proc.pid)
+    assert llguidance_loaded(pid)
     bad = {
         **body,
         "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 7}}},
     }
     r = httpx.post(f"{e.url}/v1/completions", json=bad, timeout=120)
     assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
+
+
+def llguidance_loaded(pid: int) -> bool:
+    """Whether llguidance's native library is mapped into the process: imported, in other words."""
+    return any("llguidance" in line for line in Path(f"/proc/{pid}/maps").read_text().splitlines())
