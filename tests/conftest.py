@@ -18,6 +18,41 @@ REPO = Path(__file__).resolve().parent.parent
 STOKER = str(Path(sys.executable).with_name("stoker"))
 
 
+# The files that take longest (test-seconds from `pytest --durations`, on 2 cores), slowest first.
+# `make test` runs whole files on two workers (`--dist loadfile`), handed out in collection order:
+# these go first, so that the two workers end together on short files instead of one of them
+# starting a two-minute vLLM test when the other is nearly done. Order within a file is kept.
+SLOW_FILES = (
+    "tests/platform/test_vllm_engine.py",
+    "tests/platform/test_reliability.py",
+    "tests/platform/test_serve_from_zero.py",
+    "tests/platform/test_revisions_live.py",
+    "tests/engine/test_lifecycle.py",
+    "tests/platform/test_sick_instance.py",
+    "tests/platform/test_rate_limits.py",
+    "tests/platform/test_recycle_live.py",
+    "tests/snapshots/test_builtin_gguf.py",
+    "tests/platform/test_openapi_fuzz.py",
+    "tests/platform/test_planes.py",
+    "tests/platform/test_vllm_bench_client.py",
+    "tests/platform/test_fleet_live.py",
+    "tests/platform/test_compat_clients.py",
+    "tests/warm_pool/test_runtime_live.py",
+    "tests/kube/test_controller_e2e.py",
+    "tests/engine/test_wake_floor.py",
+)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    rank = {path: n for n, path in enumerate(SLOW_FILES)}
+
+    def key(indexed: tuple[int, pytest.Item]) -> tuple[int, int]:
+        n, item = indexed
+        return rank.get(Path(item.path).relative_to(REPO).as_posix(), len(SLOW_FILES)), n
+
+    items[:] = [item for _, item in sorted(enumerate(items), key=key)]
+
+
 def promtool() -> str | None:
     """Prometheus's checker: on PATH, or where `make test` put it (.tools/); None where neither."""
     local = REPO / ".tools" / "promtool"

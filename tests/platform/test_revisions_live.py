@@ -58,7 +58,8 @@ def ask(client: httpx.Client, url: str, user: str | None = None) -> httpx.Respon
 
 
 def revisions(p) -> dict[int, dict]:
-    return {r["revision"]: r for r in json.loads(p.cli("revisions", "chat", "--json").stdout)}
+    """`stoker revisions chat --json` by revision, read over HTTP (polled; the CLI is used below)."""
+    return {r["revision"]: r for r in p.admin_get("/admin/v1/deployments/chat/revisions")["data"]}
 
 
 def test_updates_canaries_and_rollbacks_move_traffic_without_an_error(
@@ -144,6 +145,7 @@ def test_updates_canaries_and_rollbacks_move_traffic_without_an_error(
     assert p.metric("stoker_revision_rollbacks_total", deployment="chat") == 1
 
     # 6. A restart brings back what served, and the whole history.
+    assert json.loads(p.cli("revisions", "chat", "--json").stdout) == list(revisions(p).values())
     history = {rev: (row["snapshot_id"], row["traffic_percent"]) for rev, row in revisions(p).items()}
     assert p.stop() == 0
     again = platform_factory("--stable-window", "2", home=p.home)
