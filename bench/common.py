@@ -225,7 +225,7 @@ def write_results(out: Path, results: dict, md: str, digits: int = 4) -> None:
 
 def import_builtin_snapshot(home: Path, name: str = "smollm2") -> dict:
     """`stoker snapshot import --builtin NAME --name NAME` into `home` (as `STOKER_HOME`): its record
-    (`id`, `name`, `path`, `bytes`, `dtype`). The first import converts the GGUF (about a minute);
+    (`id`, `name`, `path`, `bytes`, `dtype`). The first import converts the GGUF (about half a minute);
     later ones find the snapshot in the store and return at once."""
     home.mkdir(parents=True, exist_ok=True)
     say(f"snapshot {name}: importing into {home} if missing (the first time converts the GGUF, ~1 min)")

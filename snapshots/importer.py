@@ -9,7 +9,7 @@ checked to be the very file the scan approved, so swapping a file for a link to 
 while a large model copies is refused rather than copied; a stored file is never more readable
 than its source.
 
-A GGUF is converted (about a minute for SmolLM2), so the store keeps `sources/<sha256 of the GGUF>`
+A GGUF is converted (about half a minute for SmolLM2), so the store keeps `sources/<sha256 of the GGUF>`
 -> id; importing the same file again costs one hash of it (~0.3 s for 98 MB).
 """
 

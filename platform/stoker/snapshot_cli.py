@@ -118,7 +118,9 @@ def _default_name(path: Path) -> str | None:
 
 
 def _say_converting(path: Path) -> None:
-    print(f"converting {path.name} to float32 safetensors (about a minute, once per file)", file=sys.stderr)
+    print(
+        f"converting {path.name} to float32 safetensors (about half a minute, once per file)", file=sys.stderr
+    )
 
 
 def _import_source(source: str, store: SnapshotStore, name: str | None) -> SnapshotRecord:
