@@ -35,8 +35,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import json
 import os
 import shlex
 import signal
@@ -48,22 +46,19 @@ from pathlib import Path
 
 import httpx
 from common import (
-    HOST,
     REPO,
     Processes,
     _interrupt,
     fmt_s,
     fmt_x,
-    free_port,
     import_builtin_snapshot,
     machine_info,
     med,
     ratio,
     say,
-    stoker_command,
     write_results,
 )
-from scale_bench import InstanceWatch, cold_split, parse_metrics, stream_chat
+from scale_bench import InstanceWatch, StokerUp, cold_split, stream_chat
 
 MODEL = "smollm2"
 KINDS = ("fresh", "runtime", "imports")
@@ -71,78 +66,47 @@ SETTLE_S = 300.0
 IMPORTS = [sys.executable, "-c", "import torch, transformers"]
 
 
-class Platform:
-    """One `stoker up` on a free loopback port, its own data dir, the shared snapshot store."""
+class Platform(StokerUp):
+    """One `stoker up` (scale_bench's) on a free loopback port, its own data dir, the shared
+    snapshot store, with `runtimes` warm runtimes, the model deployed at zero."""
 
     def __init__(self, procs: Processes, home: Path, store: Path, log: Path, runtimes: int) -> None:
-        self.procs, self.home, self.log, self.runtimes = procs, home, log, runtimes
-        self.port = free_port()
-        self.base = f"http://{HOST}:{self.port}"
-        self.env = {
+        env = {
             **os.environ,
             "STOKER_HOME": str(home),
             "STOKER_SNAPSHOT_STORE": str(store),
-            "STOKER_URL": self.base,
             "HF_HUB_OFFLINE": "1",
         }
+        super().__init__(procs, env, log)
+        self.home, self.runtimes = home, runtimes
         self.watch = InstanceWatch(home)
-        self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
-        cmd = [*stoker_command(), "up", "--host", HOST, "--port", str(self.port), "--stable-window", "1"]
-        cmd += ["--warm-runtimes", str(self.runtimes)]
-        with self.log.open("ab") as out:
-            self.proc = self.procs.spawn(cmd, env=self.env, stdin=subprocess.DEVNULL, stdout=out, stderr=out)
-        self._until(lambda: self._healthy(), 120, "healthy")
+        super().start("--warm-runtimes", str(self.runtimes))
         self.cli("deploy", MODEL, "--model", MODEL, "--min-warm", "0", "--idle-timeout", "3")
-
-    def _healthy(self) -> bool:
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"stoker up exited {self.proc.returncode}:\n{self.tail()}")
-        with contextlib.suppress(httpx.TransportError):
-            return httpx.get(self.base + "/healthz", timeout=2).status_code == 200
-        return False
-
-    def cli(self, *args: str) -> subprocess.CompletedProcess:
-        out = subprocess.run(
-            [*stoker_command(), *args], env=self.env, capture_output=True, text=True, timeout=300
-        )
-        if out.returncode != 0:
-            raise RuntimeError(f"stoker {shlex.join(args)} failed ({out.returncode}): {out.stderr.strip()}")
-        return out
-
-    def metrics(self) -> dict:
-        return parse_metrics(httpx.get(self.base + "/metrics", timeout=10).text)
 
     def settled(self) -> bool:
         """No instance of the deployment, and (with runtimes) every runtime ready."""
         self.watch.scan()
-        data = json.loads(self.cli("ls", "--json").stdout)
-        if any(next(d["instances"] for d in data if d["name"] == MODEL).values()):
+        if any(self.instances().values()):
             return False
         ready = self.metrics().get(("stoker_warm_runtimes", frozenset({("engine", "cpu")})), 0.0)
         return ready >= self.runtimes
 
     def settle(self) -> float:
         t0 = time.monotonic()
-        self._until(self.settled, SETTLE_S, "at zero with its runtimes ready")
+        deadline = t0 + SETTLE_S
+        while not self.settled():
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"{self.home.name}: not at zero with its runtimes ready within {SETTLE_S:.0f} s:\n"
+                    f"{self.log_tail()}"
+                )
+            time.sleep(0.25)
         return time.monotonic() - t0
 
-    def _until(self, condition, timeout: float, what: str) -> None:
-        deadline = time.monotonic() + timeout
-        while not condition():
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{self.home.name}: not {what} within {timeout:.0f} s:\n{self.tail()}")
-            time.sleep(0.25)
-
-    def tail(self, n: int = 3000) -> str:
-        with contextlib.suppress(OSError):
-            return self.log.read_text(errors="replace")[-n:]
-        return ""
-
     def stop(self) -> None:
-        if self.proc is not None:
-            self.procs.stop(self.proc, timeout=90.0)
+        super().stop()
         self.watch.scan()
         if left := self.watch.kill_leftovers():
             say(f"killed engine processes {self.home.name} left behind: {left}")
@@ -271,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
                     say(f"round {rnd + 1}/{args.rounds} {kind}: {shown:.2f} s")
         except Exception:
             for name, p in platforms.items():
-                print(f"--- {name} stoker up log (tail) ---\n{p.tail()}", file=sys.stderr)
+                print(f"--- {name} stoker up log (tail) ---\n{p.log_tail()}", file=sys.stderr)
             raise
         finally:
             for p in platforms.values():

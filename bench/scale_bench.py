@@ -222,7 +222,8 @@ class StokerUp:
         self.env = {**env, "STOKER_URL": self.base}
         self.proc: subprocess.Popen | None = None
 
-    def start(self) -> None:
+    def start(self, *extra: str) -> None:
+        """`stoker up` with a 1 s stable window, `extra` flags after; returns once /healthz answers."""
         cmd = [
             *stoker_command(),
             "up",
@@ -234,6 +235,7 @@ class StokerUp:
             "1",
             "--log-level",
             "info",
+            *extra,
         ]
         with self.log_path.open("ab") as log:
             self.proc = self.procs.spawn(cmd, env=self.env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
