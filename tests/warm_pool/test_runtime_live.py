@@ -43,10 +43,19 @@ def test_a_start_takes_the_warm_runtime_which_is_then_replaced(tmp_path, tiny_mo
         measured = lambda: p.metric("stoker_warm_runtime_memory_bytes", engine="cpu", kind="pss") > 0  # noqa: E731
         p.wait_for(measured, 60, "the runtime's memory measured")
         p.deploy("tiny", tiny_model_dir, "--idle-timeout", "600")
-        body = {"model": "tiny", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}
+        # ignore_eos: the random tiny model may sample its end token (or tokens that decode to
+        # nothing) first; the engine must generate exactly the 4 tokens asked for.
+        body = {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "Hello"}],
+            "max_tokens": 4,
+            "ignore_eos": True,
+        }
         r = httpx.post(f"{p.url}/v1/chat/completions", json=body, timeout=300)
         assert r.status_code == 200, r.text
-        assert r.json()["choices"][0]["message"]["content"]
+        answer = r.json()
+        assert answer["usage"]["completion_tokens"] == 4 and answer["choices"][0]["finish_reason"] == "length"
+        assert isinstance(answer["choices"][0]["message"]["content"], str)
         assert r.headers["x-stoker-cold-start"] == "true"
         instance = r.headers["x-stoker-instance"]
         assert p.engine_pids()[instance] == runtime  # the runtime became the engine
