@@ -238,7 +238,9 @@ class Activator:
             raise
         finally:
             self._count(ex)
-            if ex.granted is not None:  # how long it was held, for the request's trace (`stoker.otel`)
+            if (
+                ex.granted is not None
+            ):  # how long it was held, for the request's trace (`stoker.gateway.otel`)
                 scope["stoker.held_s"] = ex.granted - ex.arrival
             self._source.request_finished(ex.held_s, ex.cold_on)
 

@@ -88,7 +88,7 @@ def free_port() -> int:
 
 def stoker_command() -> list[str]:
     script = Path(sys.executable).parent / "stoker"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "stoker.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "stoker.cli.main"]
 
 
 def say(msg: str) -> None:

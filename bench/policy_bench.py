@@ -26,7 +26,7 @@ from pathlib import Path
 
 from common import REPO, say, write_results
 
-from stoker.simulate_cli import plot_timelines
+from stoker.cli.simulate import plot_timelines
 from warm_pool.policies import make_policy
 from warm_pool.policies.base import ScalingConfig
 from warm_pool.profiles import GPU

@@ -7,9 +7,9 @@ One trivially fast upstream (a pure ASGI app under uvicorn, httptools, one worke
 `data: [DONE]` when the body says `"stream": true`, without delay. In front of it, each in its own
 process on a free 127.0.0.1 port:
 
-- **stoker**: the real gateway (`stoker.gateway.build_gateway`) and a real `Activator`, whose
+- **stoker**: the real gateway (`stoker.serve.app.build_gateway`) and a real `Activator`, whose
   `InstanceSource` is one static endpoint (the upstream, `max_concurrency` 1024 so the limit never
-  binds), with the shared aiohttp session configured as in `stoker.platform.Platform.start`, under
+  binds), with the shared aiohttp session configured as in `stoker.control.platform.Platform.start`, under
   uvicorn (httptools, uvloop, access log off). The warm pool is not on the hot path and is left out;
   this harness stands in for `Platform` (the duck type `build_gateway` reads) and nothing else.
 - **stoker+keys**: the same, with keys and limits on: an admin key set, a tenant key (in a real
@@ -230,7 +230,7 @@ class StaticSource:
 
 
 class BenchPlatform:
-    """What `build_gateway` reads of `stoker.platform.Platform`, for one static deployment: the
+    """What `build_gateway` reads of `stoker.control.platform.Platform`, for one static deployment: the
     session is built as `Platform.start` builds it; the activator and its metrics are the real ones."""
 
     def __init__(self, upstream: str) -> None:
@@ -276,8 +276,8 @@ def serve_stoker(port: int, upstream: str, keys_db: Path | None) -> None:
     in `keys_db`."""
     import uvicorn
 
-    from stoker.gateway import Access, build_gateway
-    from stoker.keys import KeyStore
+    from stoker.gateway.keys import KeyStore
+    from stoker.serve.app import Access, build_gateway
 
     access = None
     if keys_db is not None:
@@ -299,8 +299,8 @@ def make_keys(tmp: Path) -> tuple[str, str, Path]:
     (admin key, tenant key, the key store's path)."""
     import secrets
 
-    from stoker.keys import KeyStore
-    from stoker.limits import Limits
+    from stoker.gateway.keys import KeyStore
+    from stoker.gateway.limits import Limits
 
     path = tmp / "keys.db"
     store = KeyStore(path)

@@ -70,7 +70,7 @@ class Engine:
         env = dict(env)
         if pythonpath:
             env["PYTHONPATH"] = os.pathsep.join([pythonpath, env.get("PYTHONPATH", "")]).strip(os.pathsep)
-        cmd = [sys.executable, "-m", "stoker.cli", "engine", "--snapshot", str(snapshot), "--host", HOST]
+        cmd = [sys.executable, "-m", "stoker.cli.main", "engine", "--snapshot", str(snapshot), "--host", HOST]
         cmd += ["--port", str(self.port), "--served-model-name", MODEL, "--threads", str(threads)]
         cmd += ["--device", "cpu", "--log-level", "warning"]
         self.log = tempfile.NamedTemporaryFile(prefix="wake-bench-", suffix=".log", delete=False)

@@ -25,7 +25,7 @@ ENGINE_KEY_ENV = "STOKER_ENGINE_API_KEY"  # stoker.engine.app.API_KEY_ENV: warm_
 @dataclass(frozen=True)
 class LaunchSpec:
     """What starts an engine. `argv[:program_argc]` names the program as this machine runs it (a
-    venv's script, `python -m stoker.cli`); a backend that runs it elsewhere (a pod's image) puts
+    venv's script, `python -m stoker.cli.main`); a backend that runs it elsewhere (a pod's image) puts
     `program` there instead and keeps the arguments. `secret_env` names the variables of `env`
     that hold secrets (the engine's key): a pod gets those from a Secret, never in its spec."""
 
@@ -49,11 +49,11 @@ class LaunchSpec:
 
 
 def default_stoker_command() -> tuple[str, ...]:
-    """The `stoker` script next to this interpreter, else `python -m stoker.cli`."""
+    """The `stoker` script next to this interpreter, else `python -m stoker.cli.main`."""
     script = Path(sys.executable).with_name("stoker")
     if script.is_file() and os.access(script, os.X_OK):
         return (str(script),)
-    return (sys.executable, "-m", "stoker.cli")
+    return (sys.executable, "-m", "stoker.cli.main")
 
 
 def cpu_engine_spec(

@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from stoker.openai_errors import (
+from stoker.errors import (
     INVALID_REQUEST,
     NOT_FOUND,
     SERVER_ERROR,

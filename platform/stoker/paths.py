@@ -32,7 +32,7 @@ def snapshot_store_dir() -> Path:
 
 
 def add_store_option(parser: argparse.ArgumentParser) -> None:
-    """`--store DIR` on a command; `stoker.cli` exports it as $STOKER_SNAPSHOT_STORE, so the engine
+    """`--store DIR` on a command; `stoker.cli.main` exports it as $STOKER_SNAPSHOT_STORE, so the engine
     processes a platform starts use the same store."""
     parser.add_argument(
         "--store",

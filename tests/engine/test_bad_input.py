@@ -13,8 +13,8 @@ import pytest
 from stoker.engine.core import Engine, EngineConfig
 from stoker.engine.metrics import EngineMetrics
 from stoker.engine.protocol import parse_request
+from stoker.errors import APIError
 from stoker.http import MAX_JSON_DEPTH, parse_json_object
-from stoker.openai_errors import APIError
 from tests.engine.conftest import OneConnection
 
 

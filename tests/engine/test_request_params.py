@@ -8,7 +8,7 @@ import json
 import pytest
 
 from stoker.engine.protocol import ResponseFormat, parse_request
-from stoker.openai_errors import APIError
+from stoker.errors import APIError
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 COMPLETION = {"model": "m", "prompt": "hi"}

@@ -321,7 +321,7 @@ def test_gateways_and_node_agents_reach_the_controller_through_its_service(every
     ],
 )
 def test_each_command_line_is_one_the_stoker_cli_accepts(everything, component):
-    from stoker.cli import build_parser
+    from stoker.cli.main import build_parser
 
     (workload,) = [
         w

@@ -8,7 +8,7 @@
   vLLM's CPU build exports (fixtures/vllm_cpu_metric_names.txt, captured by
   fixtures/capture_vllm_metric_names.py), from the NVML collector's names (registered only where
   a GPU is: tests/platform/test_gpu_metrics.py pins them) and Prometheus's own `up`. The cost
-  panels' `stoker_cost_usd_total` and `stoker_tokens_total` are the platform's own (`stoker.cost`).
+  panels' `stoker_cost_usd_total` and `stoker_tokens_total` are the platform's own (`stoker.control.cost`).
 - The dashboard's shape: every panel has a query, ids are unique, the data source is a variable.
 """
 
@@ -23,7 +23,7 @@ import httpx
 import pytest
 import yaml
 
-from stoker.gpu_metrics import GPU_METRICS
+from stoker.node.gpu_metrics import GPU_METRICS
 from tests.conftest import promtool
 from tests.engine.conftest import free_port
 from tests.platform.conftest import PlatformProcess

@@ -144,4 +144,4 @@ def test_the_copies_bring_everything_pip_install_needs_and_the_context_holds_it(
 def test_the_build_context_leaves_out_local_state():
     for path in (".git", ".venv", ".venv-vllm", "platform/stoker/__pycache__", "stoker.egg-info", "tests"):
         assert ignored(path), path
-    assert not ignored("platform/stoker/cli.py")
+    assert not ignored("platform/stoker/cli/main.py")

@@ -8,7 +8,7 @@ import contextlib
 from lightkube import AsyncClient
 from lightkube.resources.coordination_v1 import Lease
 
-from stoker.leader import LeaderElector
+from stoker.control.leader import LeaderElector
 from tests.kube.conftest import NAMESPACE, TOKEN, Cluster_
 
 # Renewals come fast, but a leader tolerates a stall of renew_deadline_s (5.75 s) before it steps

@@ -12,8 +12,8 @@ import subprocess
 
 import pytest
 
-from stoker.cli import build_parser
-from stoker.loadgen import poisson_arrivals
+from stoker.cli.loadgen import poisson_arrivals
+from stoker.cli.main import build_parser
 from tests.conftest import STOKER
 from tests.snapshots.support import assert_one_line_error
 

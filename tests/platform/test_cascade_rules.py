@@ -1,6 +1,6 @@
-"""Cascade routes' pure parts as tables (`stoker.cascade_rules`): validation, the logprob request
+"""Cascade routes' pure parts as tables (`stoker.spec.routes`): validation, the logprob request
 and its undoing, the score, the context signals and estimate, the saving; the table in SQLite and a
-gateway's synced copy (`stoker.cascade_store`); and the two-step serving (`stoker.cascade`) against
+gateway's synced copy (`stoker.control.routes`); and the two-step serving (`stoker.gateway.cascade`) against
 scripted deployments (ASGI messages in, ASGI messages out; the live platform is
 `test_cascade_live.py`, the split planes `test_cascade_planes.py`)."""
 
@@ -14,8 +14,10 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from activator import QueueFull
-from stoker.cascade import Cascades
-from stoker.cascade_rules import (
+from stoker.control.routes import CascadeRoutes, SyncedRoutes
+from stoker.errors import APIError
+from stoker.gateway.cascade import Cascades
+from stoker.spec.routes import (
     DEFAULT_MIN_MEAN_LOGPROB,
     CascadeRoute,
     context_exceeded,
@@ -27,8 +29,6 @@ from stoker.cascade_rules import (
     with_logprobs,
     without_logprobs,
 )
-from stoker.cascade_store import CascadeRoutes, SyncedRoutes
-from stoker.openai_errors import APIError
 
 
 @pytest.mark.parametrize(
@@ -370,7 +370,7 @@ async def test_other_answers_are_the_small_ones():
 
 
 async def test_an_answer_past_the_bound_goes_out_unjudged(monkeypatch):
-    monkeypatch.setattr("stoker.cascade.MAX_ANSWER_BYTES", 64)
+    monkeypatch.setattr("stoker.gateway.cascade.MAX_ANSWER_BYTES", 64)
     small = Scripted("s", body=_answer("s", [-5.0] * 40), chunks=8)
     cascades, route, _ = _rig(small, Scripted("l"))
     status, headers, body = await _serve(cascades, route, CHAT)

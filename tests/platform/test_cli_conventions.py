@@ -14,7 +14,7 @@ from importlib import metadata
 
 import pytest
 
-from stoker.cli import build_parser
+from stoker.cli.main import build_parser
 from tests.conftest import STOKER
 from tests.snapshots.support import assert_one_line_error
 
@@ -129,7 +129,7 @@ def test_no_progress_bars_when_stderr_is_not_a_terminal():
     """`stoker snapshot import --builtin` drew transformers' bars into pipes; `stoker` turns them off
     for any command whose stderr is not a terminal (an engine's log file included)."""
     code = (
-        "from stoker.cli import quiet_progress_bars; quiet_progress_bars()\n"
+        "from stoker.cli.parser import quiet_progress_bars; quiet_progress_bars()\n"
         "from transformers.utils import logging\n"
         "import huggingface_hub.utils as hub\n"
         "print(logging.is_progress_bar_enabled(), hub.are_progress_bars_disabled())"

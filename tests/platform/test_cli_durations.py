@@ -1,10 +1,10 @@
-"""Durations as the CLI takes them (`stoker.durations`): a table of what is read and what is refused."""
+"""Durations as the CLI takes them (`stoker.spec.durations`): a table of what is read and what is refused."""
 
 from __future__ import annotations
 
 import pytest
 
-from stoker.durations import format_duration, parse_duration
+from stoker.spec.durations import format_duration, parse_duration
 
 
 @pytest.mark.parametrize(

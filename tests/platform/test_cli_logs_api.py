@@ -1,4 +1,4 @@
-"""The logs endpoint behind `stoker logs` (`stoker.log_api`), driven as ASGI with a scripted client:
+"""The logs endpoint behind `stoker logs` (`stoker.api.logs`), driven as ASGI with a scripted client:
 what a tail and a follow send, that a follow ends when the client leaves, when the instance is
 gone (after the rest of its log), and when the platform stops, and what it refuses. The live
 platform's side is in `test_cli_failures.py`."""
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from stoker.log_api import InstanceLogs
+from stoker.api.logs import InstanceLogs
 from tests.activator.conftest import eventually
 
 NAME, INSTANCE = "tiny", "tiny-0123abcd"

@@ -1,4 +1,4 @@
-"""The two planes' contract, pure parts (`stoker.cluster`, `stoker.gateway_plane`): how an instance's
+"""The two planes' contract, pure parts (`stoker.control.cluster`, `stoker.gateway.plane`): how an instance's
 concurrency is split, how gateways' reports add up into a pool's demand, what a report may hold,
 and how a key's limits are split. The processes are `test_planes.py`'s."""
 
@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from stoker.cluster import GatewayLoad, RoutingTable, parse_report, share
-from stoker.gateway_plane import KeyTable, RemoteSource
-from stoker.keys import hash_key
-from stoker.openai_errors import APIError
+from stoker.control.cluster import GatewayLoad, RoutingTable, parse_report, share
+from stoker.errors import APIError
+from stoker.gateway.keys import hash_key
+from stoker.gateway.plane import KeyTable, RemoteSource
 
 
 @pytest.mark.parametrize(
@@ -179,7 +179,7 @@ def test_a_report_that_did_not_get_through_goes_into_the_next():
 
 
 def test_what_a_gateway_buffers_while_the_controller_is_away_is_bounded_and_always_accepted():
-    from stoker.gateway_plane import MAX_BUFFERED, MAX_REPORTED
+    from stoker.gateway.plane import MAX_BUFFERED, MAX_REPORTED
 
     source = RemoteSource(lambda: None)
     for i in range(MAX_BUFFERED + 5):

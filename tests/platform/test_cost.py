@@ -1,4 +1,4 @@
-"""Live cost's arithmetic (`stoker.cost`, `stoker.prices`): tables, and scripts on a logical clock
+"""Live cost's arithmetic (`stoker.control.cost`, `stoker.control.prices`): tables, and scripts on a logical clock
 through the real `PoolMetrics`, `UsageTap` parsing and price table. No processes."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client import CollectorRegistry
 
-from stoker.arrival_log import ArrivalLog, load_arrivals
-from stoker.cost import CostMeter, Ledger, summarize
-from stoker.cost_api import parse_since
-from stoker.openai_errors import APIError
-from stoker.prices import PriceError, PriceTable, load_prices
+from stoker.api.cost import parse_since
+from stoker.control.arrival_log import ArrivalLog, load_arrivals
+from stoker.control.cost import CostMeter, Ledger, summarize
+from stoker.control.prices import PriceError, PriceTable, load_prices
+from stoker.errors import APIError
 from tests.conftest import STOKER
 from tests.snapshots.support import assert_one_line_error
 from warm_pool.metrics import PoolMetrics
@@ -295,6 +295,6 @@ def test_bad_cost_input_is_one_line(tmp_path, args, fragment):
 
 
 def test_the_price_table_knows_every_engine_a_deployment_can_name():
-    from stoker import prices, registry
+    from stoker.control import prices, registry
 
     assert tuple(prices.ENGINES) == tuple(registry.ENGINES)

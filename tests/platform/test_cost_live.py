@@ -10,7 +10,7 @@ import json
 import httpx
 import pytest
 
-from stoker.prices import STATE_PRICE
+from stoker.control.prices import STATE_PRICE
 
 PRICES = {
     "ready_hour": {"cpu": 3.6, "vllm": 36},

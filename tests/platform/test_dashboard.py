@@ -1,4 +1,4 @@
-"""The web dashboard (`stoker.dashboard`) on a real `stoker up` with the tiny model: the page and its
+"""The web dashboard (`stoker.api.dashboard`) on a real `stoker up` with the tiny model: the page and its
 script served to anyone and holding nothing, the history behind the admin key, and the page in
 headless Chromium (Debian's `chromium`, driven over the DevTools protocol with aiohttp's websocket
 client): the key taken from the fragment and wiped from the address, a wrong key refused, and the
@@ -219,7 +219,7 @@ async def test_the_page_draws_the_charts_with_data_in_a_browser(served, browser)
     # The READY instance fills the stacked chart's height from its first point on; requests/s is a line.
     assert coloured(instances) > area // 10, (coloured(instances), area)
     assert coloured(requests) > 300, coloured(requests)
-    # Cost: the cost API's rows where the platform has one (`stoker.cost_api`), else a note.
+    # Cost: the cost API's rows where the platform has one (`stoker.api.cost`), else a note.
     cost = await browser.js("document.getElementById('cost-body').textContent")
     async with httpx.AsyncClient() as client:
         has_cost_api = (await client.get(f"{served.url}/admin/v1/cost", headers=AUTH)).status_code == 200

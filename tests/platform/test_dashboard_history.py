@@ -1,4 +1,4 @@
-"""`stoker.history`: the last hour, from readings of the metrics registry. The point between two
+"""`stoker.control.history`: the last hour, from readings of the metrics registry. The point between two
 readings as a pure function (tables), the bounded series on a logical clock, the sampler reading a
 real registry that the activator's and the pool's metrics write to."""
 
@@ -8,7 +8,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from activator import ActivatorMetrics
-from stoker.history import History, HistoryConfig, HistorySampler, point, read_registry
+from stoker.control.history import History, HistoryConfig, HistorySampler, point, read_registry
 from warm_pool.metrics import PoolMetrics
 from warm_pool.states import InstanceState
 

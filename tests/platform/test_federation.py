@@ -1,5 +1,5 @@
 """`GET /metrics/engines`: every READY instance's engine metrics, labelled and merged at scrape time
-(`stoker.federate`). The merge as a pure function; the scrape against loopback instances that are
+(`stoker.control.federate`). The merge as a pure function; the scrape against loopback instances that are
 fast, slow, dead, refusing, oversized or not Prometheus; the real platform with two deployments."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import httpx
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from stoker.federate import EngineFederation, FederationLimits, Target, federate, revision_of
+from stoker.control.federate import EngineFederation, FederationLimits, Target, federate, revision_of
 from tests.activator.conftest import closed_port, running
 from tests.conftest import promtool
 

@@ -1,4 +1,4 @@
-"""`stoker.gpu_metrics`: NVML's readings as `stoker_gpu_*` at scrape time, with a fake NVML module
+"""`stoker.node.gpu_metrics`: NVML's readings as `stoker_gpu_*` at scrape time, with a fake NVML module
 (no GPU here): what each device's readings become, a reading a device does not support left out,
 and nothing registered (and no error) without NVML or without a device."""
 
@@ -10,7 +10,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from stoker.gpu_metrics import GPU_METRICS, register_gpu_metrics
+from stoker.node.gpu_metrics import GPU_METRICS, register_gpu_metrics
 
 
 class NVMLError(Exception):

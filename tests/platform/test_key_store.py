@@ -7,9 +7,9 @@ import sqlite3
 
 import pytest
 
-from stoker.keys import PREFIX, KeyStore, Principal, hash_key, validate_key_request
-from stoker.limits import Limits
-from stoker.openai_errors import APIError
+from stoker.errors import APIError
+from stoker.gateway.keys import PREFIX, KeyStore, Principal, hash_key, validate_key_request
+from stoker.gateway.limits import Limits
 
 
 def test_keys_are_random_prefixed_stored_hashed_and_revocable(tmp_path):

@@ -7,8 +7,8 @@ import json
 import pytest
 from prometheus_client import CollectorRegistry
 
-from stoker.limits import DEFAULT_MAX_TOKENS, Limiter, Limits, UsageTap, duration, estimate_tokens
-from stoker.openai_errors import APIError
+from stoker.errors import APIError
+from stoker.gateway.limits import DEFAULT_MAX_TOKENS, Limiter, Limits, UsageTap, duration, estimate_tokens
 
 
 class Clock:

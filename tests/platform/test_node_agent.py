@@ -37,10 +37,11 @@ from starlette.routing import Route
 from snapshots import SnapshotStore
 from snapshots.importer import import_hf_dir
 from snapshots.remote import RemoteConfig, push
-from stoker.cli import StokerParser
+from stoker.cli.node import _kube_config, register, serve_node
+from stoker.cli.parser import StokerParser
 from stoker.errors import CLIError
 from stoker.http import make_server
-from stoker.node_agent import (
+from stoker.node.agent import (
     MAX_ANSWER_BYTES,
     AgentConfig,
     ControllerAnswerError,
@@ -50,7 +51,6 @@ from stoker.node_agent import (
     label_patch,
     parse_wanted,
 )
-from stoker.node_cli import _kube_config, add_parser, serve_node
 from tests.kube.fake_apiserver import FakeApiServer
 from tests.snapshots.s3_support import MotoServer, aws_env, free_port
 from warm_pool.kube import snapshot_label
@@ -156,7 +156,7 @@ def test_pull_backoff_doubles_from_the_interval_up_to_the_cap_and_resets_on_succ
 
 def node_args(*extra: str) -> argparse.Namespace:
     parser = StokerParser(prog="stoker")
-    add_parser(parser.add_subparsers(dest="command", required=True))
+    register(parser.add_subparsers(dest="command", required=True))
     return parser.parse_args(
         ["node", "--store", "/tmp/s", "--controller", "http://127.0.0.1:1", "--node-name", NODE, *extra]
     )
@@ -337,7 +337,7 @@ class RunningAgent:
 
 @contextlib.asynccontextmanager
 async def running_agent(scene: Scene, *, warm: bool = True) -> AsyncIterator[RunningAgent]:
-    """The agent as `stoker node` assembles it (stoker.node_cli), on a short interval and backoff cap."""
+    """The agent as `stoker node` assembles it (stoker.cli.node), on a short interval and backoff cap."""
     config = AgentConfig(scene.controller_url, NODE, interval_s=0.05, warm=warm, max_backoff_s=0.5)
     kube = AsyncClient(config=_kube_config(str(scene.kubeconfig)))
     agent = NodeAgent(config, scene.store, kube, RemoteConfig.from_env(retry_backoff_s=0.05), ADMIN_KEY)

@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from stoker import otel
+from stoker.gateway import otel
 
 trace_service = pytest.importorskip(
     "opentelemetry.proto.collector.trace.v1.trace_service_pb2",
@@ -35,7 +35,7 @@ def test_off_without_an_endpoint_and_nothing_imported():
     code = (
         "import sys, argparse\n"
         "from prometheus_client import CollectorRegistry\n"
-        "import stoker.gateway, stoker.serve_cli as s\n"
+        "import stoker.serve.app, stoker.cli.up as s\n"
         "p = argparse.ArgumentParser(); s.add_request_log_args(p)\n"
         "o = s.request_observer(p.parse_args([])); o.register(CollectorRegistry())\n"
         "assert o.tracing is None\n"

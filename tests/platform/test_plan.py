@@ -1,4 +1,4 @@
-"""`stoker.plan`: capacity from a bench by Little's law, as tables. No clock, no platform: the
+"""`stoker.cli.plan`: capacity from a bench by Little's law, as tables. No clock, no platform: the
 samples are written out, so every figure below can be checked by hand."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from stoker.plan import Level, PlanError, Sample, levels, parse_redundancy, percentile, plan, summarize
+from stoker.cli.plan import Level, PlanError, Sample, levels, parse_redundancy, percentile, plan, summarize
 
 
 def level(c: int, ttft_p99: float, e2e: float, n: int = 10) -> Level:

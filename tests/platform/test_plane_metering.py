@@ -1,4 +1,4 @@
-"""The gateway-to-controller metering of the split planes (`stoker.plane_metering`), in tables: the
+"""The gateway-to-controller metering of the split planes (`stoker.gateway.metering`), in tables: the
 report's `usage` and `series` checked field by field, the controller's sums over gateways, the
 busy-second integral fed by the gateways' reported loads, the gateway's changed-sample diff. The
 processes together: tests/platform/test_planes_observability.py."""
@@ -11,11 +11,11 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from stoker.cluster import parse_report
-from stoker.cost import CostMeter
-from stoker.openai_errors import APIError
-from stoker.plane_metering import GatewaySeries, changed_samples, parse_series
-from stoker.prices import PriceTable
+from stoker.control.cluster import parse_report
+from stoker.control.cost import CostMeter
+from stoker.control.prices import PriceTable
+from stoker.errors import APIError
+from stoker.gateway.metering import GatewaySeries, changed_samples, parse_series
 from warm_pool.metrics import PoolMetrics
 from warm_pool.states import InstanceState as S
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import httpx
 
-from stoker.arrival_log import LOG_DIR as ARRIVALS_DIR
-from stoker.request_log import LOG_DIR, LOG_FILE
+from stoker.control.arrival_log import LOG_DIR as ARRIVALS_DIR
+from stoker.gateway.request_log import LOG_DIR, LOG_FILE
 from tests.engine.conftest import free_port
 from tests.platform.conftest import PlatformProcess
 

@@ -12,7 +12,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from stoker.request_log import LOG_FILE, Observer, RequestLogFile, answer_text, masked_prompt, prompt_chars
+from stoker.gateway.request_log import (
+    LOG_FILE,
+    Observer,
+    RequestLogFile,
+    answer_text,
+    masked_prompt,
+    prompt_chars,
+)
 
 
 def test_the_file_rotates_by_size_and_keeps_a_bounded_number(tmp_path):

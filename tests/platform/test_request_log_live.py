@@ -9,7 +9,7 @@ import json
 import httpx
 import pytest
 
-from stoker.request_log import LOG_DIR, LOG_FILE
+from stoker.gateway.request_log import LOG_DIR, LOG_FILE
 
 ADMIN = "sk-stoker-admin-for-the-request-log-test"
 

@@ -9,10 +9,10 @@ from dataclasses import replace
 
 import pytest
 
-from stoker.openai_errors import APIError
-from stoker.registry import DeploymentSpec, Registry, validate
-from stoker.revisions import BUCKETS, Answer, bucket_of, canary_verdict, choose, parse_traffic
-from stoker.rollout import _to_100
+from stoker.control.registry import DeploymentSpec, Registry, validate
+from stoker.control.rollout import _to_100
+from stoker.errors import APIError
+from stoker.gateway.revisions import BUCKETS, Answer, bucket_of, canary_verdict, choose, parse_traffic
 
 SPEC = DeploymentSpec(name="chat", model="a", snapshot_id="a" * 64)
 
@@ -199,7 +199,7 @@ async def test_a_revision_that_never_warms_fails_at_its_deadline_though_no_start
     the warm timeout the switch fails, so its traffic stays where it was."""
     from types import SimpleNamespace
 
-    from stoker.rollout import Rollout, _Failed
+    from stoker.control.rollout import Rollout, _Failed
 
     ticks = iter(range(0, 10_000, 100))  # each look at the clock: 100 s later
     platform = SimpleNamespace(_unavailable_after=3, clock=lambda: float(next(ticks)))

@@ -8,7 +8,7 @@ import sqlite3
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from stoker.registry import Registry
+from stoker.control.registry import Registry
 from tests.platform.conftest import pid_alive
 
 BODY = {"model": "tiny", "prompt": "x", "max_tokens": 2}

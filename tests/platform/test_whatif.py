@@ -1,5 +1,5 @@
-"""Shadow what-if: the arrival log (`stoker.arrival_log`) and `stoker simulate --from-log`
-(`stoker.whatif`), run as the real `stoker` command on logs written by the real `ArrivalLog`."""
+"""Shadow what-if: the arrival log (`stoker.control.arrival_log`) and `stoker simulate --from-log`
+(`stoker.cli.whatif`), run as the real `stoker` command on logs written by the real `ArrivalLog`."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from stoker.arrival_log import LOG_FILE, ArrivalLog, load_arrivals
+from stoker.control.arrival_log import LOG_FILE, ArrivalLog, load_arrivals
 from tests.conftest import STOKER
 from tests.snapshots.support import assert_one_line_error
 from warm_pool.trace import TraceError

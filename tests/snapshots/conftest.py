@@ -36,7 +36,7 @@ def cli(home_env: dict[str, str]) -> RunCLI:
 
     def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
         return subprocess.run(
-            [sys.executable, "-m", "stoker.cli", "snapshot", *args],
+            [sys.executable, "-m", "stoker.cli.main", "snapshot", *args],
             env=home_env,
             capture_output=True,
             text=True,

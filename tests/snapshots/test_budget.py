@@ -516,7 +516,7 @@ def test_the_budget_from_the_environment_governs_imports(
     cli: RunCLI, home_env: dict[str, str], models: Path, store_root: Path
 ) -> None:
     env = {**home_env, "STOKER_SNAPSHOT_BUDGET": "9KiB"}  # two 4 KiB snapshots, not three
-    run = [sys.executable, "-m", "stoker.cli", "snapshot"]
+    run = [sys.executable, "-m", "stoker.cli.main", "snapshot"]
     for seed in range(3):
         proc = subprocess.run(
             [*run, "import", str(source(models, seed))], env=env, capture_output=True, text=True
@@ -536,7 +536,7 @@ def test_a_bad_budget_is_a_one_line_error(
     args = [a.format(src=source(models, 0)) for a in command]
     env = {**home_env, "STOKER_SNAPSHOT_BUDGET": "lots"}
     proc = subprocess.run(
-        [sys.executable, "-m", "stoker.cli", "snapshot", *args], env=env, capture_output=True, text=True
+        [sys.executable, "-m", "stoker.cli.main", "snapshot", *args], env=env, capture_output=True, text=True
     )
     assert_one_line_error(proc, "STOKER_SNAPSHOT_BUDGET", "'lots' is not a size")
     assert snapshot_dirs(store_root) == []
@@ -550,7 +550,7 @@ def test_a_bad_gc_budget_flag_is_a_one_line_error(cli: RunCLI, value: str, fragm
 def test_the_store_can_live_elsewhere_by_flag_or_environment(
     cli: RunCLI, home_env: dict[str, str], models: Path, store_root: Path, tmp_path: Path
 ) -> None:
-    run = [sys.executable, "-m", "stoker.cli", "snapshot"]
+    run = [sys.executable, "-m", "stoker.cli.main", "snapshot"]
     nvme = tmp_path / "nvme" / "snapshots"
     for argv in (
         ["--store", str(nvme), "import", str(source(models, 0))],

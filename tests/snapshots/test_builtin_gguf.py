@@ -35,7 +35,7 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 def run_cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "stoker.cli", "snapshot", *args],
+        [sys.executable, "-m", "stoker.cli.main", "snapshot", *args],
         env=env,
         capture_output=True,
         text=True,

@@ -144,7 +144,7 @@ def test_import_killed_midway_leaves_nothing_visible(
 ) -> None:
     src = big_model(tmp_path / "big", tiny_model_dir)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "stoker.cli", "snapshot", "import", str(src)],
+        [sys.executable, "-m", "stoker.cli.main", "snapshot", "import", str(src)],
         env=home_env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -178,7 +178,7 @@ def test_write_failure_is_one_line_and_leaves_nothing(
         "import resource, signal, sys\n"
         "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
         "resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))\n"
-        "from stoker.cli import main\n"
+        "from stoker.cli.main import main\n"
         f"sys.exit(main(['snapshot', 'import', {str(tiny_model_dir)!r}]))\n"
     )
     proc = subprocess.run(

@@ -74,7 +74,7 @@ def config(url: str, **settings: Any) -> RemoteConfig:
 
 def run_cli(env: dict[str, str], *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "stoker.cli", "snapshot", *args],
+        [sys.executable, "-m", "stoker.cli.main", "snapshot", *args],
         env=env,
         capture_output=True,
         text=True,
@@ -90,7 +90,7 @@ def cli_json(env: dict[str, str], *args: str) -> dict[str, Any]:
 
 def popen_cli(env: dict[str, str], *args: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "stoker.cli", "snapshot", *args],
+        [sys.executable, "-m", "stoker.cli.main", "snapshot", *args],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -691,7 +691,7 @@ def test_cli_bad_arguments_fail_before_any_request(
     env: dict[str, str], capsys: pytest.CaptureFixture[str], args: list[str], fragments: list[str]
 ) -> None:
     # In this process (the same `main` the command runs): these fail before any event loop starts.
-    from stoker.cli import main
+    from stoker.cli.main import main
 
     assert main(["snapshot", *args]) == 1
     err = capsys.readouterr().err.strip().splitlines()
@@ -724,7 +724,7 @@ async def test_disk_full_while_pulling_is_one_line_and_leaves_nothing(
         "import resource, signal, sys\n"
         "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
         "resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))\n"
-        "from stoker.cli import main\n"
+        "from stoker.cli.main import main\n"
         f"sys.exit(main(['snapshot', 'pull', {uri!r}, '--endpoint-url', {moto.url!r}]))\n"
     )
     dest_env = {**env, "STOKER_HOME": str(tmp_path / "dest")}

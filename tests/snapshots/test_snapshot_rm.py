@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from snapshots import SnapshotStore
-from stoker.registry import DeploymentSpec, Registry
+from stoker.control.registry import DeploymentSpec, Registry
 from tests.snapshots.support import RunCLI, assert_one_line_error
 
 

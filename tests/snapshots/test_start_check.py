@@ -196,7 +196,7 @@ def test_a_stray_file_fails_the_start(imported) -> None:
 
 def engine(env: dict[str, str], snapshot: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "stoker.cli", "engine", "--snapshot", snapshot, "--port", "1"],
+        [sys.executable, "-m", "stoker.cli.main", "engine", "--snapshot", snapshot, "--port", "1"],
         env=env,
         capture_output=True,
         text=True,

@@ -3,7 +3,7 @@ READY → SLEEPING → STOPPED, with a SLEEPING phase of non-zero length, whatev
 the stable window (`warm_pool.policies.predictive`, step 3; `warm_pool.policies.settings`).
 
 Pure functions on a logical clock: the policy is bound as the platform binds it (the stable window
-capped at the idle timeout, `stoker.platform.Platform.scaling`), and one instance follows its
+capped at the idle timeout, `stoker.control.platform.Platform.scaling`), and one instance follows its
 decisions call by call."""
 
 from __future__ import annotations

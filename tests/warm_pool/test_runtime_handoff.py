@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from stoker.engine.runtime import refuse
+from stoker.cli.runtime import refuse
 from warm_pool.handoff import (
     MAX_MESSAGE_BYTES,
     SOCKET_NAME,

@@ -26,6 +26,7 @@ from stoker.engine.core import Engine
 from stoker.engine.generation import Generation
 from stoker.engine.protocol import Kind, ensure_served, parse_request
 from stoker.engine.responses import ResponseShape, sse
+from stoker.errors import APIError, error_response, invalid
 from stoker.http import (
     BearerAuth,
     ClientGone,
@@ -35,7 +36,6 @@ from stoker.http import (
     parse_json_object,
     read_body,
 )
-from stoker.openai_errors import APIError, error_response, invalid
 
 log = logging.getLogger("stoker.engine")
 

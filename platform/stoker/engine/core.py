@@ -55,7 +55,7 @@ from stoker.engine.generation import PAGE_SIZE, Generation
 from stoker.engine.metrics import EngineMetrics, blocks
 from stoker.engine.protocol import GenerationRequest, SamplingParams
 from stoker.engine.structured import Grammars
-from stoker.openai_errors import invalid, unavailable
+from stoker.errors import invalid, unavailable
 
 log = logging.getLogger("stoker.engine")
 

@@ -23,7 +23,7 @@ from stoker.engine.metrics import blocks
 from stoker.engine.protocol import SamplingParams
 from stoker.engine.structured import Matcher
 from stoker.engine.text import TextTracker
-from stoker.openai_errors import SERVER_ERROR, APIError
+from stoker.errors import SERVER_ERROR, APIError
 
 if TYPE_CHECKING:
     from stoker.engine.core import Engine

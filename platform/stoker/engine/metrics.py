@@ -1,5 +1,5 @@
 """The CPU engine's Prometheus metrics: vLLM 0.32's families, label sets and buckets, so one
-dashboard, one alert and one federated scrape (`stoker.federate`) serve both engines.
+dashboard, one alert and one federated scrape (`stoker.control.federate`) serve both engines.
 
 Every `vllm:` family here is one vLLM 0.32 exports (vllm/v1/metrics/loggers.py), with its name, type,
 HELP text, labels (`model_name`, and `engine`, vLLM's data-parallel rank: always "0" here) and

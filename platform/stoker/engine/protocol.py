@@ -39,7 +39,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from stoker.openai_errors import APIError, invalid
+from stoker.errors import APIError, invalid
 
 Kind = Literal["chat", "completion"]
 MAX_STOP_SEQUENCES = 4

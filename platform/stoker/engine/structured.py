@@ -53,7 +53,7 @@ import numpy as np
 import torch
 
 from stoker.engine.protocol import ResponseFormat
-from stoker.openai_errors import invalid
+from stoker.errors import invalid
 
 if TYPE_CHECKING:
     import llguidance

@@ -1,0 +1,444 @@
+"""`stoker up`, and the options every serving process shares with it (`stoker controller`,
+`stoker gateway`: `stoker.cli.planes`): where it serves, its admin key, how its activators hold
+and proxy, how its pools scale and share devices, the default limits of tenant keys.
+
+`up` runs both planes in one process, in the foreground: the gateway, the activators, the pools.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+from pathlib import Path
+
+from stoker.errors import CLIError
+from stoker.paths import add_store_option
+from stoker.spec.durations import duration
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    up = sub.add_parser("up", help="run the platform (gateway, activators, warm pools) in the foreground")
+    for add in (add_serve_args, add_activator_args, add_pool_args, add_limit_args, add_request_log_args):
+        add(up)
+    add_store_option(up)
+    up.set_defaults(func=cmd_up)
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    """Where a process serves, and its log."""
+    p.add_argument("--host", default="127.0.0.1", help="address to serve on")
+    p.add_argument("--port", type=int, default=8080, help="port to serve on")
+    p.add_argument(
+        "--allow-open",
+        action="store_true",
+        help="serve a non-loopback address without STOKER_ADMIN_KEY (anyone who reaches it is admin)",
+    )
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="what the log shows",
+    )
+
+
+def add_activator_args(p: argparse.ArgumentParser) -> None:
+    """The activator's: how requests are held, proxied, and sick instances ejected."""
+    p.add_argument(
+        "--hold-deadline", type=duration, default="120s", help="how long a request may wait for capacity"
+    )
+    p.add_argument("--max-queued", type=int, default=100, help="requests held per deployment at once")
+    p.add_argument(
+        "--keepalive-interval",
+        type=duration_or_off,
+        default="5s",
+        help="time between the keep-alives (blank lines) a held stream gets; 0 or off: none, and a held "
+        "stream's headers wait for its answer",
+    )
+    p.add_argument(
+        "--first-byte-timeout",
+        type=duration,
+        default="300s",
+        help="how long a plain request waits for its whole answer's headers",
+    )
+    p.add_argument(
+        "--stream-headers-timeout",
+        type=duration,
+        default="10s",
+        help="how long a stream waits for an instance's headers before it is retried elsewhere",
+    )
+    p.add_argument(
+        "--eject-after", type=int, default=3, help="failures in a row that take an instance out of routing"
+    )
+    p.add_argument(
+        "--eject-time",
+        type=duration,
+        default="10s",
+        help="how long the first ejection lasts; doubled on each one in a row, up to 300 s",
+    )
+    p.add_argument(
+        "--replace-after-ejections",
+        type=int,
+        default=3,
+        help="ejections in a row after which an instance is replaced as stopped or wedged",
+    )
+    p.add_argument(
+        "--health-interval",
+        type=duration,
+        default="5s",
+        help="time between probes of each instance's /health",
+    )
+    p.add_argument("--health-timeout", type=duration, default="2s", help="how long a /health probe may take")
+
+
+def add_pool_args(p: argparse.ArgumentParser) -> None:
+    """The pools': scale-down window, failed starts, vLLM."""
+    p.add_argument(
+        "--device-memory",
+        metavar="SIZE",
+        help="share one device of SIZE (e.g. 2GiB) between every deployment's CPU-engine instances: each "
+        "reserves its weights plus --instance-kv while awake, and the fleet arbiter puts instances to sleep "
+        "to make room (default: off, every instance on its own)",
+    )
+    p.add_argument(
+        "--instance-kv",
+        metavar="SIZE",
+        default="256MiB",
+        help="each instance's KV-cache budget on a shared device",
+    )
+    p.add_argument(
+        "--share-gpus",
+        action="store_true",
+        help="share this machine's GPUs (their memory read with NVML) between every deployment's vLLM instances, "
+        "each started with --gpu-memory-utilization from its footprint (needs nvidia-ml-py: the gpu extra)",
+    )
+    p.add_argument("--stable-window", type=duration, default="60s", help="how long a scale-down waits")
+    p.add_argument(
+        "--max-instance-age",
+        type=duration_or_off,
+        default="off",
+        metavar="DURATION",
+        help="replace an instance READY for longer (a new one READY first, then the old one drained; one at a "
+        "time per deployment); a deployment's own `stoker deploy --max-instance-age` wins (default: off)",
+    )
+    p.add_argument(
+        "--warm-runtimes",
+        type=int,
+        default=1,
+        metavar="N",
+        help="CPU-engine processes kept started ahead of need, imports done and no model: a start takes "
+        "one and loads only the weights (0: off)",
+    )
+    p.add_argument(
+        "--vllm-warm-runtimes",
+        type=int,
+        default=0,
+        metavar="N",
+        help="vLLM processes kept imported ahead of need once a vLLM deployment exists, each ~0.6 GB of "
+        "host memory: a vLLM start takes one and skips both its processes' imports (default: 0, off)",
+    )
+    p.add_argument(
+        "--unavailable-after",
+        type=int,
+        default=3,
+        metavar="N",
+        help="failed starts in a row after which held and new requests are refused at once with the reason, "
+        "while starts go on being retried (0: never)",
+    )
+    p.add_argument(
+        "--vllm",
+        metavar="CMD",
+        help="the command that runs vLLM's CLI (default: $STOKER_VLLM, else `vllm` on PATH)",
+    )
+    p.add_argument(
+        "--vllm-args",
+        metavar="ARGS",
+        default="",
+        help="extra arguments for every vLLM instance, e.g. '--enforce-eager' (one quoted string; default none)",
+    )
+    p.add_argument(
+        "--prices",
+        type=Path,
+        metavar="FILE",
+        help="the price table, YAML or JSON, that `stoker cost` and stoker_cost_usd_total use: $ per device-hour "
+        "READY and starting (by engine), per sleeping hour, per GB-month of snapshot (default: $3.00 per "
+        "device-hour, $0.08 asleep; README: Cost)",
+    )
+    p.add_argument(
+        "--vllm-cpu-kv-cache",
+        metavar="GIB",
+        type=float,
+        default=1.0,
+        help="GiB of host memory for each vLLM CPU instance's KV cache",
+    )
+
+
+def add_limit_args(p: argparse.ArgumentParser) -> None:
+    """Default limits of tenant keys."""
+    limits = p.add_argument_group("limits of tenant keys that set none of their own (default: none)")
+    limits.add_argument("--key-rps", type=float, metavar="R", help="requests per second per key")
+    limits.add_argument(
+        "--key-tpm", type=int, metavar="T", help="tokens (prompt + completion) per minute per key"
+    )
+    limits.add_argument(
+        "--key-max-concurrent", type=int, metavar="N", help="requests held + in flight at once per key"
+    )
+
+
+def add_request_log_args(p: argparse.ArgumentParser) -> None:
+    """The request log and drift (`stoker.gateway.request_log`, `stoker.control.drift`)."""
+    group = p.add_argument_group("request log and drift")
+    group.add_argument(
+        "--request-log",
+        action="store_true",
+        help="log every deployment's requests, de-identified, to $STOKER_HOME/request-log/requests.jsonl "
+        "(default: only deployments deployed with log_requests or log_content)",
+    )
+    group.add_argument(
+        "--request-log-size", metavar="SIZE", default="64MiB", help="the log's size before it is rotated"
+    )
+    group.add_argument(
+        "--request-log-files", type=int, default=4, metavar="N", help="rotated log files kept (1..100)"
+    )
+    group.add_argument(
+        "--drift-window", type=duration, default="5m", help="the window drift statistics are compared over"
+    )
+    group.add_argument(
+        "--drift-min-requests",
+        type=int,
+        default=20,
+        metavar="N",
+        help="answers a window needs to be scored or to be the reference",
+    )
+
+
+def request_observer(args: argparse.Namespace):
+    """The gateway's request log, drift and traces (`stoker.gateway.request_log.Observer`); its gauges are
+    registered with `Observer.register`."""
+    from snapshots.sizes import parse_size
+    from stoker.control.drift import Drift
+    from stoker.gateway import otel  # imports no OpenTelemetry package unless an endpoint is set
+    from stoker.gateway.request_log import LOG_DIR, Observer, RequestLogFile
+    from stoker.paths import data_dir
+
+    try:
+        size = parse_size(args.request_log_size)
+    except ValueError as exc:
+        raise CLIError(f"--request-log-size: {exc}") from None
+    try:
+        file = RequestLogFile(data_dir() / LOG_DIR, size, args.request_log_files)
+    except ValueError as exc:
+        raise CLIError(f"--request-log-size/--request-log-files: {exc}") from None
+    try:
+        drift = Drift(args.drift_window, args.drift_min_requests)
+    except ValueError as exc:
+        raise CLIError(f"--drift-window/--drift-min-requests: {exc}") from None
+    tracing = None
+    if otel.wanted():
+        try:
+            tracing = otel.tracing_from_env()
+        except otel.TracingUnavailable as exc:
+            raise CLIError(str(exc)) from None
+    return Observer(file, drift, log_all=args.request_log, tracing=tracing)
+
+
+def duration_or_off(value: str) -> float | None:
+    """A duration, or None for `off` (or any zero duration): a setting that can be switched off."""
+    if value.strip().lower() == "off":
+        return None
+    return duration(value) or None
+
+
+def admin_key_of(args: argparse.Namespace) -> str | None:
+    from stoker.http import is_loopback
+
+    admin_key = os.environ.get("STOKER_ADMIN_KEY") or None
+    if admin_key is None and not is_loopback(args.host) and not args.allow_open:
+        raise CLIError(
+            f"refusing to serve {args.host} without STOKER_ADMIN_KEY (anyone reaching it could deploy "
+            "and call models): set STOKER_ADMIN_KEY, or pass --allow-open"
+        )
+    return admin_key
+
+
+def log_setup(args: argparse.Namespace) -> None:
+    import logging
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+
+
+def activator_config(args: argparse.Namespace):
+    from activator import ActivatorConfig
+
+    try:
+        return ActivatorConfig(
+            max_queued=args.max_queued,
+            hold_deadline_s=args.hold_deadline,
+            keepalive_interval_s=args.keepalive_interval,
+            first_byte_timeout_s=args.first_byte_timeout,
+            stream_headers_timeout_s=args.stream_headers_timeout,
+            eject_after=args.eject_after,
+            eject_base_s=args.eject_time,
+            eject_max_s=max(300.0, args.eject_time),
+            replace_after_ejections=args.replace_after_ejections,
+            health_interval_s=args.health_interval,
+            health_timeout_s=args.health_timeout,
+        )
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
+
+
+def default_limits(args: argparse.Namespace):
+    from stoker.errors import APIError
+    from stoker.gateway.limits import Limits
+
+    try:
+        return Limits.parse(
+            {"rps": args.key_rps, "tpm": args.key_tpm, "max_concurrent": args.key_max_concurrent}, "key_"
+        )
+    except APIError as exc:
+        raise CLIError(exc.message.replace("'key_", "'--key-").replace("_", "-")) from None
+
+
+def build_platform(args: argparse.Namespace, **extra):
+    from snapshots.errors import SnapshotError
+    from snapshots.sizes import parse_size
+    from stoker.control.platform import Platform
+    from stoker.control.vllm import VllmOptions
+    from stoker.paths import data_dir, snapshot_store_dir
+    from warm_pool.fleet import Devices
+
+    try:
+        vllm = VllmOptions(
+            args.vllm,
+            tuple(shlex.split(args.vllm_args)),
+            args.vllm_cpu_kv_cache,
+            getattr(args, "vllm_warm_runtimes", 0),
+        )
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
+    if args.unavailable_after < 0:
+        raise CLIError(f"--unavailable-after must be 0 (never) or more, got {args.unavailable_after}")
+    devices, kv = None, 256 << 20
+    try:
+        if args.device_memory and args.share_gpus:
+            raise CLIError("--device-memory (a CPU budget) and --share-gpus exclude each other")
+        if args.device_memory:
+            devices = Devices.cpu_budget(parse_size(args.device_memory))
+        elif args.share_gpus:
+            devices = gpu_devices()
+        kv = parse_size(args.instance_kv)
+    except (SnapshotError, ValueError) as exc:
+        raise CLIError(f"--device-memory/--instance-kv: {exc}") from None
+    return Platform(
+        data_dir(),
+        prices=prices_of(args),
+        store_dir=snapshot_store_dir(),
+        stable_window_s=args.stable_window,
+        vllm=vllm,
+        unavailable_after=args.unavailable_after,
+        devices=devices,
+        instance_kv_bytes=kv,
+        max_instance_age_s=max_instance_age_of(args),
+        warm_runtimes=warm_runtimes_of(args),
+        **extra,
+    )
+
+
+def warm_runtimes_of(args: argparse.Namespace) -> int:
+    n = getattr(args, "warm_runtimes", 0)
+    if n < 0:
+        raise CLIError(f"--warm-runtimes must be 0 (off) or more, got {n}")
+    return n
+
+
+def max_instance_age_of(args: argparse.Namespace) -> float | None:
+    from warm_pool.recycle import max_age_error
+
+    age = getattr(args, "max_instance_age", None)
+    if age is not None and (message := max_age_error(age)) is not None:
+        raise CLIError(f"--max-instance-age {message.replace(repr(age), f'{age:g}s')}")
+    return age
+
+
+def prices_of(args: argparse.Namespace):
+    """The --prices table, or None (list prices); a bad file is one line naming the field."""
+    from stoker.control.prices import PriceError, load_prices
+
+    if getattr(args, "prices", None) is None:
+        return None
+    try:
+        return load_prices(args.prices)
+    except PriceError as exc:
+        raise CLIError(f"--prices {exc}") from None
+
+
+def gpu_devices():
+    from warm_pool.fleet import Devices
+    from warm_pool.launch import GpuInventory
+
+    gpus = GpuInventory.from_env().gpus
+    if not gpus:
+        raise CLIError("--share-gpus: no GPU found (set STOKER_GPUS or CUDA_VISIBLE_DEVICES)")
+    try:
+        return Devices.from_nvml(gpus)
+    except ImportError:
+        raise CLIError("--share-gpus reads the GPUs' memory with NVML: pip install 'stoker[gpu]'") from None
+    except Exception as exc:  # pynvml's NVMLError and its kin: no driver, no such device
+        raise CLIError(f"--share-gpus: NVML could not read the GPUs: {exc}") from None
+
+
+def access_of(args: argparse.Namespace, admin_key: str | None, default_limits):
+    import logging
+
+    from stoker.gateway.keys import KeyStore
+    from stoker.http import own_origins
+    from stoker.paths import data_dir
+    from stoker.serve.app import Access
+
+    keys = KeyStore(data_dir() / "stoker.db")
+    if admin_key is None:
+        log = logging.getLogger("stoker.up")
+        if len(keys) == 0:
+            log.warning(
+                "OPEN MODE: no STOKER_ADMIN_KEY and no API keys; anyone who can reach %s:%d may deploy "
+                "and call every model. Set STOKER_ADMIN_KEY to require keys.",
+                args.host,
+                args.port,
+            )
+        else:
+            log.warning(
+                "no STOKER_ADMIN_KEY: /v1 takes the %d API key(s), but the admin API is open to anyone "
+                "who can reach %s:%d",
+                len(keys),
+                args.host,
+                args.port,
+            )
+    return Access(admin_key, keys, own_origins(args.host, args.port), default_limits)
+
+
+def serve(app, args: argparse.Namespace, platform=None, holder: dict | None = None) -> int:
+    """Serve `app` until SIGTERM; `holder["server"]` is the server, for whoever must stop it."""
+    from stoker.http import make_server, run_server
+
+    server = make_server(app, host=args.host, port=args.port, log_level=args.log_level, grace_period_s=60)
+    if holder is not None:
+        holder["server"] = server
+    if platform is not None:
+        platform.stopping = lambda: server.should_exit
+    return 0 if run_server(server) else 1
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from stoker.serve.app import build_gateway
+
+    admin_key = admin_key_of(args)
+    log_setup(args)
+    holding, limits = activator_config(args), default_limits(args)
+    observer = request_observer(args)
+    platform = build_platform(args, activator_config=holding)
+    observer.register(platform.metrics_registry)
+    app = build_gateway(platform, access=access_of(args, admin_key, limits), observer=observer)
+    return serve(app, args, platform)

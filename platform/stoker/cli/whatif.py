@@ -1,0 +1,131 @@
+"""`stoker simulate --from-log FILE`: the platform's own arrivals, replayed through other policies
+and settings, priced with the price table, with the slow starts each would have caused.
+
+    stoker simulate --from-log ~/.stoker/arrivals/arrivals.jsonl [--deployment chat] \\
+        [--policy predictive --policy kpa ...] [--prices prices.yaml] [--profile cpu] [--idle-timeout 5m] [--json]
+
+The log is `stoker.control.arrival_log`'s (arrival times, tokens in and out; no content). Each policy runs
+through the same simulator as `stoker simulate --trace` (`warm_pool.simulate`) with the same
+instance model and scaling flags. Cost = READY (and draining) seconds × ready_hour + starting and
+waking seconds × starting_hour + SLEEPING seconds × sleeping_hour, at the prices of the engine the
+profile models (`gpu` and `vllm-cpu`: vllm, `cpu`: cpu), from `--prices FILE` or else
+`--gpu-price`/`--sleep-price`. Snapshot storage is left out: it is the same under every policy.
+A slow start is a request served by an instance that started or woke after it arrived (the
+simulator's `cold_starts`: what `stoker_cold_start_requests_total` counts live).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from stoker.errors import CLIError
+
+PROFILE_ENGINE = {"gpu": "vllm", "vllm-cpu": "vllm", "cpu": "cpu"}
+COLUMNS = (
+    ("policy", "policy", "{}"),
+    ("requests", "requests", "{}"),
+    ("slow_starts", "slow starts", "{}"),
+    ("cold_start_share", "cold share", "{:.2%}"),
+    ("p99_wait_s", "p99 wait s", "{:.2f}"),
+    ("gpu_seconds", "READY s", "{:.0f}"),
+    ("starting_seconds", "starting s", "{:.0f}"),
+    ("sleep_seconds", "sleep s", "{:.0f}"),
+    ("cost_usd", "cost $", "{:.4f}"),
+    ("cost_per_1k_requests", "$/1k req", "{:.4f}"),
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    w = p.add_argument_group("what-if over the platform's arrival log")
+    w.add_argument(
+        "--from-log",
+        type=Path,
+        metavar="FILE",
+        help="replay $STOKER_HOME/arrivals/arrivals.jsonl (or its .1) instead of a --trace",
+    )
+    w.add_argument(
+        "--deployment", metavar="NAME", help="only this deployment's arrivals (default: all in the log)"
+    )
+    w.add_argument(
+        "--prices",
+        type=Path,
+        metavar="FILE",
+        help="price table, YAML or JSON, as `stoker up --prices` takes (default: --gpu-price and --sleep-price)",
+    )
+
+
+def price_table(args: argparse.Namespace):
+    from stoker.control.prices import ENGINES, PriceError, PriceTable, load_prices
+
+    if args.prices is None:
+        gpu, sleep = dict.fromkeys(ENGINES, args.gpu_price), dict.fromkeys(ENGINES, args.sleep_price)
+        return PriceTable(gpu, gpu, sleep)
+    try:
+        return load_prices(args.prices)
+    except PriceError as exc:
+        raise CLIError(f"--prices {exc}") from None
+
+
+def row(report, prices, engine: str, tokens: int) -> dict:
+    """One policy's what-if: the simulator's report, priced (see the module)."""
+    cost = (
+        report.gpu_seconds * prices.per_second(engine, "READY")
+        + report.starting_seconds * prices.per_second(engine, "STARTING")
+        + report.sleep_seconds * prices.per_second(engine, "SLEEPING")
+    )
+    out = {k: v for k, v in report.summary().items() if k not in ("cost_usd", "cost_per_1k_requests")}
+    return out | {
+        "slow_starts": report.cold_starts,
+        "cost_usd": round(cost, 9),
+        "cost_per_1k_requests": round(cost / report.requests * 1000, 9),
+        "cost_per_1k_tokens": round(cost / tokens * 1000, 9) if tokens else None,
+    }
+
+
+def cmd_from_log(args: argparse.Namespace) -> int:
+    from stoker.cli.simulate import format_table, setup
+    from stoker.control.arrival_log import load_arrivals
+    from warm_pool.errors import PoolError
+    from warm_pool.simulate import simulate
+    from warm_pool.trace import TraceError, TraceRequest
+
+    if args.trace is not None or args.fleet is not None:
+        raise CLIError(
+            "--from-log replays the arrival log: give it instead of --trace or --fleet, not with them"
+        )
+    if args.plot is not None:
+        raise CLIError("--plot draws --trace runs only; leave it out with --from-log")
+    prices = price_table(args)
+    engine = PROFILE_ENGINE[args.profile]
+    try:
+        if not isinstance(args.thin, int) or args.thin < 1:
+            raise TraceError(f"--thin must be a whole number ≥ 1, got {args.thin!r}")
+        if not args.time_scale > 0:
+            raise TraceError(f"--time-scale must be a number > 0, got {args.time_scale!r}")
+        model, scaling, policies = setup(args)
+        kept = load_arrivals(args.from_log, args.deployment)[:: args.thin]
+        trace = tuple(
+            TraceRequest((r.t - kept[0].t) * args.time_scale, r.context_tokens, r.generated_tokens)
+            for r in kept
+        )
+        tokens = sum(r.context_tokens + r.generated_tokens for r in trace)
+        reports = [
+            simulate(trace, policy, scaling=scaling, model=model, seed=args.seed) for policy in policies
+        ]
+    except PoolError as exc:
+        raise CLIError(str(exc)) from None
+    rows = [row(report, prices, engine, tokens) for report in reports]
+    if args.json:
+        extra = {
+            "from_log": str(args.from_log),
+            "deployment": args.deployment,
+            "engine": engine,
+            "seed": args.seed,
+        }
+        for r in rows:
+            print(json.dumps(r | extra))
+    else:
+        print(format_table(rows, COLUMNS))
+    return 0

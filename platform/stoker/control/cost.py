@@ -1,0 +1,367 @@
+"""Live cost: the instance-seconds the pools count, priced, per deployment and revision; the tokens
+and requests the gateway answers; the share of instance-seconds spent idle.
+
+    Pool (one per revision) ──▶ PoolCostTap ──▶ PoolMetrics        (stoker_instance_seconds_total)
+                                     └────────▶ CostMeter ledgers   (stoker_cost_usd_total)
+    gateway ─▶ CostMeter.tap(...) ─▶ MeterTap (a `limits.UsageTap`) ─▶ deployment.serve
+    finally ─▶ CostMeter.done(tap) ─▶ tokens, requests, the arrival log (`stoker.control.arrival_log`)
+    gateways of their own ─▶ reports ─▶ CostMeter.record / .remote_in_flight (`stoker.gateway.metering`)
+
+**Cost.** Every instance-second a pool reports (`PoolMetrics.add_instance_seconds`, on each
+transition and each tick) is priced at once by the revision's engine and the state it was spent
+in (`stoker.control.prices`), plus the revision's snapshot storage for as long as its pool runs (its bytes
+× $/GB-month, accrued on each tick). So `stoker_cost_usd_total{deployment,revision,state}` is
+`stoker_instance_seconds_total{deployment,state}` × price, split by revision (state `storage` for
+the snapshot).
+
+**Tokens.** `stoker_tokens_total{deployment,revision,direction}` (direction `in`, `out`): what
+each 200 answer's `usage` reports (read as the rate limiter reads it, `UsageTap.tokens`); a stream
+without usage (no `stream_options.include_usage`) counts the prompt's estimate (its body's bytes /
+4) in and one token per event out. Requests to a cascade route are not counted (neither side is
+the deployment the gateway routed by name); requests refused before a revision took them (429,
+404) are not requests of any revision.
+
+**Idle share** of a deployment = idle instance-seconds / all its instance-seconds (every state but
+STOPPED), where idle = SLEEPING seconds + READY seconds with nothing in flight. The READY part is
+∫ max(0, R(t) − n(t)) dt, R the deployment's READY instances (every revision's), n its requests
+between arrival at the gateway and the end of their answers: the least-outstanding balancer puts
+concurrent requests on distinct instances first, so with n requests and R instances, min(n, R) are
+busy. It is kept as busy seconds ∫ min(n, R) dt, integrated exactly at every change of n or R
+(held requests while R = 0 add nothing), and idle = READY + SLEEPING − busy. E.g. one instance
+READY 100 s that answered 3 requests of 2 s each, one at a time, then asleep 50 s: busy 6 s, idle
+94 + 50 = 144 s of 150 s, idle share 0.96.
+
+**History.** Every amount goes into a total since the platform started and into per-minute
+buckets (by the platform's clock) of the last 24 h: `since` sums the buckets of the minutes that
+began at or after now − since, rounded down to the minute (so `5m` covers 5 to 6 minutes). In
+memory only: a restart starts both from zero (Prometheus keeps the long view). At most 1,441
+buckets of a few numbers per revision.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter
+
+from stoker.control.arrival_log import LOG_DIR, ArrivalLog
+from stoker.control.prices import PriceTable
+from stoker.gateway.limits import UsageTap
+
+HISTORY_S = 24 * 3600
+_MINUTES = HISTORY_S // 60 + 1  # the current minute too
+_UNCOUNTED = ("STOPPED",)
+
+
+class Ledger:
+    """Named amounts added over time: a total since start, and per-minute buckets of the last 24 h."""
+
+    __slots__ = ("minutes", "total")
+
+    def __init__(self) -> None:
+        self.total: dict[str, float] = {}
+        self.minutes: deque[tuple[int, dict[str, float]]] = deque(maxlen=_MINUTES)
+
+    def add(self, now: float, amounts: Mapping[str, float]) -> None:
+        minute = int(now // 60)
+        if not self.minutes or self.minutes[-1][0] != minute:
+            self.minutes.append((minute, {}))
+        bucket = self.minutes[-1][1]
+        for name, value in amounts.items():
+            self.total[name] = self.total.get(name, 0.0) + value
+            bucket[name] = bucket.get(name, 0.0) + value
+
+    def sum(self, since_minute: int | None) -> dict[str, float]:
+        """The total, or the sum of the buckets from `since_minute` on."""
+        if since_minute is None:
+            return dict(self.total)
+        out: dict[str, float] = {}
+        for minute, bucket in self.minutes:
+            if minute >= since_minute:
+                for name, value in bucket.items():
+                    out[name] = out.get(name, 0.0) + value
+        return out
+
+
+class _Load:
+    """A deployment's busy-second integral: requests in flight (n) and READY instances (R)."""
+
+    __slots__ = ("at", "in_flight", "ready", "remote")
+
+    def __init__(self, now: float) -> None:
+        self.in_flight = 0  # this process's gateway's
+        self.remote: dict[str, int] = {}  # each gateway of its own's, as last reported
+        self.ready: dict[str, int] = {}  # pool key -> READY
+        self.at = now
+
+    def advance(self, now: float) -> float:
+        """Busy instance-seconds since the last change: min(n, R) × elapsed."""
+        n = self.in_flight + sum(self.remote.values())
+        busy = min(n, sum(self.ready.values())) * max(0.0, now - self.at)
+        self.at = max(self.at, now)
+        return busy
+
+
+class MeterTap(UsageTap):
+    """`send` for one request to a deployment: the usage reading of `UsageTap`, no headers added."""
+
+    __slots__ = ("arrival", "deployment", "wall")
+
+    def __init__(self, send: Callable, deployment: str, prompt_estimate: int, arrival: float) -> None:
+        super().__init__(send, None, prompt_estimate)
+        self.deployment = deployment
+        self.arrival = arrival
+        self.wall = time.time()
+
+
+class CostMeter:
+    """Prices what the pools report and counts what the gateway answers (see the module)."""
+
+    def __init__(
+        self,
+        prices: PriceTable,
+        registry: CollectorRegistry,
+        clock: Callable[[], float] = time.monotonic,
+        snapshot_bytes: Callable[[str], int] = lambda snapshot_id: 0,
+        arrivals: ArrivalLog | None = None,
+    ) -> None:
+        self.prices = prices
+        self._clock = clock
+        self._snapshot_bytes = snapshot_bytes
+        self.arrivals = arrivals
+        self._cost = Counter(
+            "stoker_cost_usd",
+            "Dollars spent by deployment, revision and instance state (storage: the snapshot), at the price table.",
+            ["deployment", "revision", "state"],
+            registry=registry,
+        )
+        self._tokens = Counter(
+            "stoker_tokens",
+            "Tokens answered by deployment, revision and direction (in: prompt, out: completion).",
+            ["deployment", "revision", "direction"],
+            registry=registry,
+        )
+        self._revisions: dict[tuple[str, int], Ledger] = {}
+        self._deployments: dict[str, Ledger] = {}  # busy seconds
+        self._loads: dict[str, _Load] = {}
+
+    @classmethod
+    def of_platform(
+        cls,
+        prices: PriceTable | None,
+        registry: CollectorRegistry,
+        clock: Callable[[], float],
+        store: Any,
+        data_dir: Path,
+    ) -> CostMeter:
+        """`stoker.control.platform.Platform`'s: list prices unless given, snapshot sizes from its store,
+        the arrival log under its data dir."""
+        arrivals = ArrivalLog(data_dir / LOG_DIR)
+        return cls(prices or PriceTable(), registry, clock, store_bytes(store), arrivals)
+
+    # ---- from the pools ------------------------------------------------------------------------------
+
+    def pool_metrics(self, inner: Any, spec: Any) -> Any:
+        """What the pool of revision `spec` (a `stoker.control.registry.DeploymentSpec`) reports to,
+        instead of `inner` (a `PoolMetrics`)."""
+        self._ledger(spec.name, spec.revision)
+        size = self._snapshot_bytes(spec.snapshot_id)
+        return PoolCostTap(inner, self, spec.name, spec.revision, spec.engine, size)
+
+    def _ledger(self, deployment: str, revision: int) -> Ledger:
+        if (deployment, revision) not in self._revisions:
+            self._revisions[(deployment, revision)] = Ledger()
+            self._deployments.setdefault(deployment, Ledger())
+            self._loads.setdefault(deployment, _Load(self._clock()))
+        return self._revisions[(deployment, revision)]
+
+    def instance_seconds(
+        self, deployment: str, revision: int, engine: str, state: str, seconds: float
+    ) -> None:
+        if seconds <= 0 or state in _UNCOUNTED:
+            return
+        usd = seconds * self.prices.per_second(engine, state)
+        self._ledger(deployment, revision).add(self._clock(), {f"s:{state}": seconds, f"usd:{state}": usd})
+        if usd > 0:
+            self._cost.labels(deployment, str(revision), state).inc(usd)
+
+    def storage(self, deployment: str, revision: int, size_bytes: int, seconds: float) -> None:
+        usd = seconds * self.prices.storage_per_second(size_bytes)
+        if usd > 0:
+            self._ledger(deployment, revision).add(self._clock(), {"usd:storage": usd})
+            self._cost.labels(deployment, str(revision), "storage").inc(usd)
+
+    def ready_changed(self, deployment: str, pool: str, ready: int) -> None:
+        load = self._loads.get(deployment)
+        if load is None or load.ready.get(pool) == ready:
+            return
+        self._settle(deployment, load)
+        load.ready[pool] = ready
+
+    def _settle(self, deployment: str, load: _Load) -> None:
+        now = self._clock()
+        if busy := load.advance(now):
+            self._deployments[deployment].add(now, {"busy_s": busy})
+
+    # ---- from the gateway ----------------------------------------------------------------------------
+
+    def tap(self, send: Callable, name: str, prompt_estimate: int) -> MeterTap | None:
+        """A tap for a request to deployment `name`; None for a name with no pool here (a cascade
+        route). From here `done` follows in every case."""
+        load = self._loads.get(name)
+        if load is None:
+            return None
+        self._settle(name, load)
+        load.in_flight += 1
+        return MeterTap(send, name, prompt_estimate, self._clock())
+
+    def done(self, tap: MeterTap, scope: Mapping[str, Any]) -> None:
+        name = tap.deployment
+        load = self._loads[name]
+        self._settle(name, load)
+        load.in_flight -= 1
+        revision = scope.get("stoker.revision")
+        if not isinstance(revision, int):
+            return  # refused before a revision took it
+        tokens_in, tokens_out = tap.tokens() or (0, 0)
+        self.record(name, revision, tap.wall, tokens_in, tokens_out, tap.status or 499)
+
+    def record(
+        self, name: str, revision: int, wall: float, tokens_in: int, tokens_out: int, status: int
+    ) -> None:
+        """One answer of `revision`: its tokens, a request, a line of the arrival log. From `done`
+        in one process; from the gateways' reports when they are processes of their own
+        (`stoker.gateway.metering`)."""
+        self._ledger(name, revision).add(
+            self._clock(), {"requests": 1, "tokens_in": tokens_in, "tokens_out": tokens_out}
+        )
+        for direction, n in (("in", tokens_in), ("out", tokens_out)):
+            if n:
+                self._tokens.labels(name, str(revision), direction).inc(n)
+        if self.arrivals is not None:
+            self.arrivals.write(wall, name, revision, tokens_in, tokens_out, status)
+
+    def remote_in_flight(self, name: str, gateway: str, n: int, live: frozenset[str]) -> None:
+        """Gateway `gateway`'s requests to deployment `name` between arrival and the end of their
+        answers, as it last reported; the gateways not `live` any more count none."""
+        load = self._loads.get(name)
+        if load is None:
+            return
+        self._settle(name, load)
+        load.remote[gateway] = n
+        for gone in [g for g in load.remote if g not in live]:
+            del load.remote[gone]
+
+    # ---- reading -------------------------------------------------------------------------------------
+
+    def report(self, since_s: float | None = None) -> list[dict[str, Any]]:
+        """One row per deployment (`summarize`), over the last `since_s` seconds or since start."""
+        now = self._clock()
+        for name, load in self._loads.items():
+            self._settle(name, load)
+        since_minute = None if since_s is None else int((now - since_s) // 60)
+        rows = []
+        for name in sorted(self._deployments):
+            revisions = {
+                r: ledger.sum(since_minute) for (d, r), ledger in sorted(self._revisions.items()) if d == name
+            }
+            rows.append(summarize(name, revisions, self._deployments[name].sum(since_minute)))
+        return rows
+
+
+class PoolCostTap:
+    """One pool's `PoolMetrics`, passed through, with its instance-seconds and READY count also
+    told to the `CostMeter` under the pool's revision."""
+
+    def __init__(
+        self, inner: Any, meter: CostMeter, deployment: str, revision: int, engine: str, size: int
+    ) -> None:
+        self._inner = inner
+        self._meter = meter
+        self._key = (deployment, revision, engine)
+        self._size = size
+        self._stored_at: float | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def add_instance_seconds(self, deployment: str, state: Any, seconds: float) -> None:
+        self._inner.add_instance_seconds(deployment, state, seconds)
+        name, revision, engine = self._key
+        self._meter.instance_seconds(name, revision, engine, str(state.value), seconds)
+
+    def set_instances(self, pool: str, counts: Mapping[Any, int]) -> None:
+        self._inner.set_instances(pool, counts)
+        name, revision, _ = self._key
+        self._meter.ready_changed(name, pool, sum(n for s, n in counts.items() if s.value == "READY"))
+        now = self._meter._clock()
+        if self._stored_at is not None and self._size:
+            self._meter.storage(name, revision, self._size, now - self._stored_at)
+        self._stored_at = now
+
+
+def store_bytes(store: Any) -> Callable[[str], int]:
+    """A snapshot's bytes in `store` (a `snapshots.SnapshotStore`): its manifest's files; 0 for
+    one not in the store (in object storage only, not pulled yet)."""
+
+    def size(snapshot_id: str) -> int:
+        try:
+            return sum(f.size for f in store.manifest(snapshot_id).files)
+        except Exception:  # SnapshotError and its kin: nothing here to charge for
+            return 0
+
+    return size
+
+
+def _per_1k(cost: float, count: float) -> float | None:
+    return round(cost / count * 1000, 6) if count else None
+
+
+def summarize(
+    name: str, revisions: Mapping[int, Mapping[str, float]], deployment: Mapping[str, float]
+) -> dict:
+    """A deployment's row from its revisions' sums (`s:<STATE>`, `usd:<STATE>`, `usd:storage`,
+    `requests`, `tokens_in`, `tokens_out`) and its own (`busy_s`). Worked example: READY 100 s and
+    SLEEPING 50 s at $3.60 and $0.36 an hour, 3 requests of 10 + 20 tokens each, busy 6 s: cost
+    0.1 + 0.005 = $0.105, per 1k tokens 0.105 / 90 × 1000 = $1.1667, per 1k requests $35, idle
+    (100 + 50 − 6) / 150 = 0.96."""
+    rows = [_row(sums) | {"revision": r} for r, sums in revisions.items()]
+    seconds: dict[str, float] = {}
+    for sums in revisions.values():
+        for key, value in sums.items():
+            if key.startswith("s:"):
+                seconds[key[2:]] = seconds.get(key[2:], 0.0) + value
+    total_s = sum(seconds.values())
+    idle = max(0.0, seconds.get("READY", 0.0) + seconds.get("SLEEPING", 0.0) - deployment.get("busy_s", 0.0))
+    out = {"deployment": name}
+    for key in ("cost_usd", "storage_usd", "requests", "tokens_in", "tokens_out"):
+        out[key] = sum(row[key] for row in rows)
+    out["cost_usd"] = round(out["cost_usd"], 9)
+    out["storage_usd"] = round(out["storage_usd"], 9)
+    out["cost_per_1k_tokens"] = _per_1k(out["cost_usd"], out["tokens_in"] + out["tokens_out"])
+    out["cost_per_1k_requests"] = _per_1k(out["cost_usd"], out["requests"])
+    out["instance_seconds"] = {s: round(v, 6) for s, v in sorted(seconds.items())}
+    out["idle_seconds"] = round(idle, 6)
+    out["idle_share"] = round(min(1.0, idle / total_s), 6) if total_s else None
+    out["revisions"] = rows
+    return out
+
+
+def _row(sums: Mapping[str, float]) -> dict[str, Any]:
+    cost = sum(v for k, v in sums.items() if k.startswith("usd:"))
+    tokens_in, tokens_out = int(sums.get("tokens_in", 0)), int(sums.get("tokens_out", 0))
+    requests = int(sums.get("requests", 0))
+    return {
+        "cost_usd": round(cost, 9),
+        "storage_usd": round(sums.get("usd:storage", 0.0), 9),
+        "requests": requests,
+        "tokens_in": tokens_in,
+        "tokens_out": tokens_out,
+        "cost_per_1k_tokens": _per_1k(cost, tokens_in + tokens_out),
+        "cost_per_1k_requests": _per_1k(cost, requests),
+        "instance_seconds": {k[2:]: round(v, 6) for k, v in sorted(sums.items()) if k.startswith("s:")},
+    }
