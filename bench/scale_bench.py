@@ -1,8 +1,9 @@
 """Benchmark scale from zero for the embedded model (SmolLM2-135M-Instruct), split into its phases.
 
     python bench/scale_bench.py [--quick] [--out bench/results/scale.json] [--home DIR]
-    python bench/scale_bench.py --zero [zero_bench's options]   (bench/zero_bench.py: cold start, warm
-                                                              runtime, wake and Ray Serve from zero)
+
+(From zero side by side with Ray Serve, warm runtime and wake: `python bench/zero_bench.py`, which
+builds on this bench's platform and client.)
 
 1. **Cold start through the platform.** Runs `stoker up --stable-window 1` (its own `STOKER_HOME`,
    default `~/.cache/stoker-bench`, whose snapshot store engine_bench shares) on a free 127.0.0.1
@@ -500,11 +501,6 @@ def table(res: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args_in = sys.argv[1:] if argv is None else argv
-    if "--zero" in args_in:  # the side-by-side run from zero, with Ray Serve: bench/zero_bench.py
-        import zero_bench
-
-        return zero_bench.main([a for a in args_in if a != "--zero"])
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="2 repetitions instead of 3")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "scale.json")

@@ -2,7 +2,6 @@
 Stoker through a warm runtime, Stoker's wake from SLEEPING, and Ray Serve 2.60 from zero replicas.
 
     python bench/zero_bench.py [--quick] [--rounds N] [--warm-runtime] [--no-ray] [--out FILE]
-    python bench/scale_bench.py --zero [same options]      (the same run, from the scale bench)
 
 Same model (the SmolLM2 snapshot, `stoker snapshot import --builtin smollm2`), same streaming
 client (scale_bench.stream_chat: a ~20-token chat message with a fresh opening each time,
