@@ -62,7 +62,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_fleet(args: argparse.Namespace) -> int:
-    from stoker.cli.simulate import instance_model
+    from stoker.cli.sim_setup import instance_model
     from warm_pool.errors import PoolError
     from warm_pool.fleet_sim import simulate_fleet
 

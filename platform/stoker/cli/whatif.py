@@ -85,7 +85,7 @@ def row(report, prices, engine: str, tokens: int) -> dict:
 
 
 def cmd_from_log(args: argparse.Namespace) -> int:
-    from stoker.cli.simulate import format_table, setup
+    from stoker.cli.sim_setup import format_table, setup
     from stoker.control.arrival_log import load_arrivals
     from warm_pool.errors import PoolError
     from warm_pool.simulate import simulate
