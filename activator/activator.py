@@ -58,7 +58,6 @@ from activator.ejection import HEALTHY, EjectionRules, Health
 from activator.errors import (
     ActivatorError,
     DeadlineExceeded,
-    NoCapacity,
     QueueFull,
     Unavailable,
     UpstreamError,
@@ -227,11 +226,8 @@ class Activator:
                     watcher.exception()  # a failing receive() also ends the exchange: retrieved
             else:
                 work.result()
-        except NoCapacity:
-            ex.code = 503
-            raise
-        except UpstreamError:
-            ex.code = 502
+        except ActivatorError as exc:
+            ex.code = exc.status
             raise
         except Exception:
             ex.code = ex.code or 500
@@ -304,9 +300,8 @@ class Activator:
             if not ex.reply.started:
                 raise
             # A held stream already answered 200: the error can only travel as an SSE event.
-            ex.code = 503 if isinstance(exc, NoCapacity) else 502
-            kind = "service_unavailable_error" if isinstance(exc, NoCapacity) else "server_error"
-            await ex.reply.end(proxy.error_event(str(exc), kind, exc.code))
+            ex.code = exc.status
+            await ex.reply.end(proxy.error_event(str(exc), exc.type, exc.code))
 
     def _queue_full(self) -> QueueFull:
         return QueueFull(self._config.retry_after_s, self._config.max_queued)

@@ -7,7 +7,7 @@ One trivially fast upstream (a pure ASGI app under uvicorn, httptools, one worke
 `data: [DONE]` when the body says `"stream": true`, without delay. In front of it, each in its own
 process on a free 127.0.0.1 port:
 
-- **stoker**: the real gateway (`stoker.serve.app.build_gateway`) and a real `Activator`, whose
+- **stoker**: the real gateway (`stoker.serve.up.build_gateway`) and a real `Activator`, whose
   `InstanceSource` is one static endpoint (the upstream, `max_concurrency` 1024 so the limit never
   binds), with the shared aiohttp session configured as in `stoker.control.platform.Platform.start`, under
   uvicorn (httptools, uvloop, access log off). The warm pool is not on the hot path and is left out;
@@ -276,8 +276,9 @@ def serve_stoker(port: int, upstream: str, keys_db: Path | None) -> None:
     in `keys_db`."""
     import uvicorn
 
-    from stoker.gateway.keys import KeyStore
-    from stoker.serve.app import Access, build_gateway
+    from stoker.control.keys import KeyStore
+    from stoker.gateway.keys import Access
+    from stoker.serve.up import build_gateway
 
     access = None
     if keys_db is not None:
@@ -299,7 +300,7 @@ def make_keys(tmp: Path) -> tuple[str, str, Path]:
     (admin key, tenant key, the key store's path)."""
     import secrets
 
-    from stoker.gateway.keys import KeyStore
+    from stoker.control.keys import KeyStore
     from stoker.gateway.limits import Limits
 
     path = tmp / "keys.db"

@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry
 
 from activator import Activator, ActivatorConfig, ActivatorError, ActivatorMetrics
 from stoker.errors import error_response
-from stoker.serve.app import api_error
+from stoker.gateway.endpoint import api_error
 
 COMPLETION = {
     "id": "cmpl-1",
@@ -197,7 +197,7 @@ async def read_all(receive) -> bytes:
 
 class Front:
     """The smallest gateway: read the body, call the activator, answer its errors with the real
-    gateway's table (`stoker.serve.app.api_error`), so these tests see what clients will."""
+    gateway's table (`stoker.gateway.endpoint.api_error`), so these tests see what clients will."""
 
     def __init__(self) -> None:
         self.activator: Activator | None = None

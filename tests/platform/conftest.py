@@ -26,7 +26,7 @@ class PlatformProcess:
     log: Path | None = None
     env: dict = field(default_factory=dict)
     extra_env: dict = field(default_factory=dict)  # e.g. STOKER_ADMIN_KEY, for `up` and the CLI
-    command: str = "up"  # or "controller", "gateway" (`stoker.serve.planes`)
+    command: str = "up"  # or "controller", "gateway" (`stoker.serve.controller`, `stoker.serve.gateway`)
 
     @property
     def url(self) -> str:

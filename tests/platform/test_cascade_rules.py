@@ -14,9 +14,10 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from activator import QueueFull
-from stoker.control.routes import CascadeRoutes, SyncedRoutes
+from stoker.control.routes import CascadeRoutes
 from stoker.errors import APIError
 from stoker.gateway.cascade import Cascades
+from stoker.gateway.routes import SyncedRoutes
 from stoker.spec.routes import (
     DEFAULT_MIN_MEAN_LOGPROB,
     CascadeRoute,
@@ -289,7 +290,8 @@ def _rig(small: Scripted, large: Scripted, **route):
     for d in (small, large):
         if d is not None:
             d.clock = clock
-    cascades = Cascades(platform, registry, clock=lambda: clock[0])
+    table = lambda: CascadeRoutes(Path(platform.data_dir) / "stoker.db")  # noqa: E731
+    cascades = Cascades(platform, registry, clock=lambda: clock[0], table=table)
     return cascades, CascadeRoute("assist", "s", "l", **route), registry
 
 

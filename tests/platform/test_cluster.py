@@ -9,10 +9,11 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from stoker.control.cluster import GatewayLoad, RoutingTable, parse_report, share
+from stoker.control.cluster import GatewayLoad, RoutingTable
 from stoker.errors import APIError
 from stoker.gateway.keys import hash_key
 from stoker.gateway.plane import KeyTable, RemoteSource
+from stoker.spec.planes import parse_report, share
 
 
 @pytest.mark.parametrize(

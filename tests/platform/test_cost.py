@@ -295,6 +295,7 @@ def test_bad_cost_input_is_one_line(tmp_path, args, fragment):
 
 
 def test_the_price_table_knows_every_engine_a_deployment_can_name():
-    from stoker.control import prices, registry
+    from stoker.control import prices
+    from stoker.spec import deployment
 
-    assert tuple(prices.ENGINES) == tuple(registry.ENGINES)
+    assert tuple(prices.ENGINES) == tuple(deployment.ENGINES)

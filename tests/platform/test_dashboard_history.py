@@ -8,7 +8,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from activator import ActivatorMetrics
-from stoker.control.history import History, HistoryConfig, HistorySampler, point, read_registry
+from stoker.control.history import History, HistoryConfig, HistorySampler, point
+from stoker.gateway.metering import read_registry
 from warm_pool.metrics import PoolMetrics
 from warm_pool.states import InstanceState
 

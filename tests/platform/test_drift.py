@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from stoker.control.drift import STATS, Drift, DriftCollector, is_refusal, psi
+from stoker.gateway.drift import STATS, Drift, DriftCollector, is_refusal, psi
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from activator import DeadlineExceeded, QueueFull, Unavailable, UpstreamError
-from stoker.serve.app import api_error
+from stoker.gateway.endpoint import api_error
 
 
 @pytest.mark.parametrize(

@@ -7,8 +7,9 @@ import sqlite3
 
 import pytest
 
+from stoker.control.keys import KeyStore
 from stoker.errors import APIError
-from stoker.gateway.keys import PREFIX, KeyStore, Principal, hash_key, validate_key_request
+from stoker.gateway.keys import PREFIX, Principal, hash_key, validate_key_request
 from stoker.gateway.limits import Limits
 
 

@@ -20,9 +20,9 @@ from types import SimpleNamespace
 import httpx
 from prometheus_client import CollectorRegistry
 
-from stoker.control.drift import Drift
+from stoker.gateway.drift import Drift
 from stoker.gateway.request_log import Observer
-from stoker.serve.app import build_gateway
+from stoker.serve.up import build_gateway
 
 ST = Path(sys.executable).with_name("st")
 

@@ -35,7 +35,7 @@ def test_off_without_an_endpoint_and_nothing_imported():
     code = (
         "import sys, argparse\n"
         "from prometheus_client import CollectorRegistry\n"
-        "import stoker.serve.app, stoker.cli.up as s\n"
+        "import stoker.serve.up, stoker.cli.up as s\n"
         "p = argparse.ArgumentParser(); s.add_request_log_args(p)\n"
         "o = s.request_observer(p.parse_args([])); o.register(CollectorRegistry())\n"
         "assert o.tracing is None\n"

@@ -11,11 +11,11 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from stoker.control.cluster import parse_report
 from stoker.control.cost import CostMeter
 from stoker.control.prices import PriceTable
 from stoker.errors import APIError
 from stoker.gateway.metering import GatewaySeries, changed_samples, parse_series
+from stoker.spec.planes import parse_report
 from warm_pool.metrics import PoolMetrics
 from warm_pool.states import InstanceState as S
 

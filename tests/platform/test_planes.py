@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.conftest import build_tiny_model
 from tests.engine.conftest import free_port
 from tests.platform.conftest import PlatformProcess, pid_alive
 
@@ -167,3 +168,42 @@ def test_a_gateway_killed_loses_only_its_own_requests(planes, tiny_model_dir: Pa
         what="b's share growing to the whole instance",
     )
     assert chat(b.url).status_code == 200
+
+
+def test_the_admins_pinned_revision_answers_through_a_gateway(planes, tiny_model_dir: Path, tmp_path) -> None:
+    """`stoker eval --revision N` through a `stoker gateway`: the admin's `x-stoker-revision: N`
+    picks that revision there too, whatever the split would pick (the one step both planes share,
+    `stoker.gateway.revisions.pick_revision`), and one it cannot answer with is a 400 naming it."""
+    controller, (a, _), _ = planes
+    model_b = build_tiny_model(tmp_path / "tiny-b", seed=1)
+    flags = ("--min-warm", "1", "--max", "1", "--idle-timeout", "600")
+    a.deploy("m", tiny_model_dir, *flags)
+    a.deploy("m", model_b, *flags, "--canary", "50")  # revision 2 takes half, once warm
+    a.wait_for(
+        lambda: (
+            {r["revision"]: r["ready"] for r in a.admin_get("/admin/v1/deployments/m/revisions")["data"]}
+            == {1: 1, 2: 1}
+        ),
+        timeout=240,
+        what="both revisions READY",
+    )
+    units = lambda: routes(controller, "gw-0")["deployments"]["m"]["units"]  # noqa: E731
+    a.wait_for(lambda: all(u["endpoints"] for u in units().values()), what="gw-0 routing to both revisions")
+    for pinned in ("1", "2"):
+        answered = [
+            httpx.post(
+                f"{a.url}/v1/chat/completions",
+                json={"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+                headers={**H, "x-stoker-revision": pinned},
+                timeout=120,
+            )
+            for _ in range(8)  # the split alone would pick both sides: 1 in 128 to pass by chance
+        ]
+        assert [(r.status_code, r.headers.get("x-stoker-revision")) for r in answered] == [(200, pinned)] * 8
+    missing = httpx.post(
+        f"{a.url}/v1/chat/completions",
+        json={"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        headers={**H, "x-stoker-revision": "9"},
+        timeout=120,
+    )
+    assert missing.status_code == 400 and missing.json()["error"]["param"] == "x-stoker-revision"

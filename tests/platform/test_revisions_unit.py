@@ -9,10 +9,11 @@ from dataclasses import replace
 
 import pytest
 
-from stoker.control.registry import DeploymentSpec, Registry, validate
+from stoker.control.registry import Registry
 from stoker.control.rollout import _to_100
 from stoker.errors import APIError
 from stoker.gateway.revisions import BUCKETS, Answer, bucket_of, canary_verdict, choose, parse_traffic
+from stoker.spec.deployment import DeploymentSpec, validate
 
 SPEC = DeploymentSpec(name="chat", model="a", snapshot_id="a" * 64)
 
@@ -202,7 +203,7 @@ async def test_a_revision_that_never_warms_fails_at_its_deadline_though_no_start
     from stoker.control.rollout import Rollout, _Failed
 
     ticks = iter(range(0, 10_000, 100))  # each look at the clock: 100 s later
-    platform = SimpleNamespace(_unavailable_after=3, clock=lambda: float(next(ticks)))
+    platform = SimpleNamespace(unavailable_after=3, clock=lambda: float(next(ticks)))
     pool = SimpleNamespace(unavailable=None, failed_starts=0, last_failure=None)
     unit = SimpleNamespace(ready=1, pool=pool)
     rollout = Rollout(platform, poll_s=0, warm_timeout_s=450)

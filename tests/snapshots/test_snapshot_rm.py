@@ -7,7 +7,8 @@ import json
 from pathlib import Path
 
 from snapshots import SnapshotStore
-from stoker.control.registry import DeploymentSpec, Registry
+from stoker.control.registry import Registry
+from stoker.spec.deployment import DeploymentSpec
 from tests.snapshots.support import RunCLI, assert_one_line_error
 
 

@@ -21,8 +21,8 @@ from collections.abc import Callable
 from starlette.datastructures import QueryParams
 from starlette.types import Receive, Scope, Send
 
-from stoker.control.registry import not_found
 from stoker.errors import APIError, error_response, invalid
+from stoker.spec.deployment import not_found
 from warm_pool.instance_logs import (
     MAX_TAIL_LINES,
     LogUnreadable,

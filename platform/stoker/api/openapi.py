@@ -2,7 +2,7 @@
 
 Written out rather than derived: the routes are pure ASGI endpoints that read bodies themselves,
 so no framework knows their shapes. It says what the platform accepts and answers, with the ranges
-its validation enforces (the engines' `protocol.py` for generation, `registry.FIELDS` for deploys),
+its validation enforces (the engines' `protocol.py` for generation, `stoker.spec.deployment.FIELDS` for deploys),
 so a client generator or a fuzzer (schemathesis, in the tests) can be pointed at a running platform.
 Every error is OpenAI's error object.
 """
@@ -15,9 +15,9 @@ from stoker.api.cost import cost_paths
 from stoker.api.dashboard import dashboard_paths
 from stoker.api.logs import DEFAULT_TAIL
 from stoker.api.revisions import revision_paths
-from stoker.control.drift import drift_paths
-from stoker.control.registry import BALANCES, ENGINES, FIELDS, NAME
 from stoker.engine.protocol import MAX_STOP_SEQUENCES
+from stoker.gateway.drift import drift_paths
+from stoker.spec.deployment import BALANCES, ENGINES, FIELDS, NAME
 from stoker.spec.routes import DEFAULT_MIN_MEAN_LOGPROB, LOGPROB_FLOOR
 from warm_pool.instance_logs import MAX_TAIL_LINES
 from warm_pool.policies import POLICIES

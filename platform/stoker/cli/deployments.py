@@ -179,7 +179,7 @@ def _lines(value: str) -> int:
 
 
 def cmd_deploy(args: argparse.Namespace) -> int:
-    from stoker.control.registry import policy_error
+    from stoker.spec.deployment import policy_error
 
     if (message := policy_error(args.policy)) is not None:
         close = difflib.get_close_matches(args.policy, POLICIES, n=1)

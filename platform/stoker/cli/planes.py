@@ -1,5 +1,5 @@
 """`stoker controller` and `stoker gateway`: the two planes as processes of their own
-(`stoker.serve.planes`). Their flags are `stoker up`'s, each plane taking its own part."""
+(`stoker.serve.controller`, `stoker.serve.gateway`). Their flags are `stoker up`'s, each plane taking its own part."""
 
 from __future__ import annotations
 
@@ -109,7 +109,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def cmd_controller(args: argparse.Namespace) -> int:
     from stoker.gateway.limits import NO_LIMITS
-    from stoker.serve.planes import build_controller
+    from stoker.serve.controller import build_controller
 
     if args.data_dir:
         os.environ["STOKER_HOME"] = args.data_dir
@@ -174,10 +174,10 @@ def _kubernetes(args: argparse.Namespace) -> tuple[dict, object]:
 def cmd_gateway(args: argparse.Namespace) -> int:
     from prometheus_client import CollectorRegistry
 
+    from stoker.gateway.keys import Access
     from stoker.gateway.plane import GatewayPlane
     from stoker.http import own_origins
-    from stoker.serve.app import Access
-    from stoker.serve.planes import build_data_gateway
+    from stoker.serve.gateway import build_data_gateway
 
     if args.data_dir:
         os.environ["STOKER_HOME"] = args.data_dir

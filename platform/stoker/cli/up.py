@@ -186,7 +186,7 @@ def add_limit_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_request_log_args(p: argparse.ArgumentParser) -> None:
-    """The request log and drift (`stoker.gateway.request_log`, `stoker.control.drift`)."""
+    """The request log and drift (`stoker.gateway.request_log`, `stoker.gateway.drift`)."""
     group = p.add_argument_group("request log and drift")
     group.add_argument(
         "--request-log",
@@ -216,8 +216,8 @@ def request_observer(args: argparse.Namespace):
     """The gateway's request log, drift and traces (`stoker.gateway.request_log.Observer`); its gauges are
     registered with `Observer.register`."""
     from snapshots.sizes import parse_size
-    from stoker.control.drift import Drift
     from stoker.gateway import otel  # imports no OpenTelemetry package unless an endpoint is set
+    from stoker.gateway.drift import Drift
     from stoker.gateway.request_log import LOG_DIR, Observer, RequestLogFile
     from stoker.paths import data_dir
 
@@ -393,10 +393,10 @@ def gpu_devices():
 def access_of(args: argparse.Namespace, admin_key: str | None, default_limits):
     import logging
 
-    from stoker.gateway.keys import KeyStore
+    from stoker.control.keys import KeyStore
+    from stoker.gateway.keys import Access
     from stoker.http import own_origins
     from stoker.paths import data_dir
-    from stoker.serve.app import Access
 
     keys = KeyStore(data_dir() / "stoker.db")
     if admin_key is None:
@@ -432,7 +432,7 @@ def serve(app, args: argparse.Namespace, platform=None, holder: dict | None = No
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from stoker.serve.app import build_gateway
+    from stoker.serve.up import build_gateway
 
     admin_key = admin_key_of(args)
     log_setup(args)

@@ -50,7 +50,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from stoker.control.arrival_log import LOG_DIR, ArrivalLog
 from stoker.control.prices import PriceTable
-from stoker.gateway.limits import UsageTap
+from stoker.gateway.limits import MeterTap
 
 HISTORY_S = 24 * 3600
 _MINUTES = HISTORY_S // 60 + 1  # the current minute too
@@ -106,18 +106,6 @@ class _Load:
         return busy
 
 
-class MeterTap(UsageTap):
-    """`send` for one request to a deployment: the usage reading of `UsageTap`, no headers added."""
-
-    __slots__ = ("arrival", "deployment", "wall")
-
-    def __init__(self, send: Callable, deployment: str, prompt_estimate: int, arrival: float) -> None:
-        super().__init__(send, None, prompt_estimate)
-        self.deployment = deployment
-        self.arrival = arrival
-        self.wall = time.time()
-
-
 class CostMeter:
     """Prices what the pools report and counts what the gateway answers (see the module)."""
 
@@ -166,7 +154,7 @@ class CostMeter:
     # ---- from the pools ------------------------------------------------------------------------------
 
     def pool_metrics(self, inner: Any, spec: Any) -> Any:
-        """What the pool of revision `spec` (a `stoker.control.registry.DeploymentSpec`) reports to,
+        """What the pool of revision `spec` (a `stoker.spec.deployment.DeploymentSpec`) reports to,
         instead of `inner` (a `PoolMetrics`)."""
         self._ledger(spec.name, spec.revision)
         size = self._snapshot_bytes(spec.snapshot_id)

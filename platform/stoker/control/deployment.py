@@ -17,11 +17,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from activator import Activator, ActivatorError, UpstreamError
+from activator import Activator
 from stoker.control.cluster import GatewayLoad
-from stoker.control.registry import DeploymentSpec
-from stoker.errors import invalid
-from stoker.gateway.revisions import Recorder, RevisionStats, bucket_of, choose
+from stoker.gateway.revisions import RevisionStats, answer_on, pick_revision
+from stoker.spec.deployment import DeploymentSpec
 from warm_pool.pool import Pool
 
 
@@ -90,16 +89,7 @@ class Deployment:
     async def serve(self, scope, receive, send, body: bytes, parsed: dict, stream: bool, owner: str) -> None:
         """Answer one request on the revision the split gives it (or the one the admin pinned:
         `pin_revision`), with `x-stoker-revision`."""
-        if (pinned := scope.get(PINNED)) is not None:
-            if pinned not in self.units:
-                have = ", ".join(str(r) for r in sorted(self.units))
-                raise invalid(
-                    f"Revision {pinned} of {self.name!r} has no instances to answer with; these do: {have}.",
-                    "x-stoker-revision",
-                )
-            revision = pinned
-        else:
-            revision = choose(self.traffic, bucket_of(parsed, scope.get("headers", [])))
+        revision = pick_revision(self.name, self.traffic, self.units, scope, parsed)
         unit = self.units.get(revision) or self.primary  # a split names only revisions with units
         request = (scope, receive, send, body, parsed, stream, owner)
         await answer_on(unit.activator, unit.spec.revision, self.stats, self.clock, *request)
@@ -136,49 +126,3 @@ class Deployment:
                 }
             )
         return rows
-
-
-PINNED = "stoker.pinned_revision"  # the scope's key for a revision the admin asked for
-
-
-def pin_revision(scope) -> None:
-    """Read a request's `x-stoker-revision: N` into the scope, for `Deployment.serve` to route by
-    (the gateway calls this for the admin's requests only: `stoker eval --revision`). A value that
-    is no revision number is a 400 naming the header."""
-    for name, value in scope.get("headers", ()):
-        if name == b"x-stoker-revision":
-            if not (value.isdigit() and len(value) <= 10 and 1 <= int(value) <= 1_000_000_000):
-                shown = value.decode("latin-1")
-                raise invalid(
-                    f"'x-stoker-revision' must be a revision number (1, 2, ...), got {shown!r}.",
-                    "x-stoker-revision",
-                )
-            scope[PINNED] = int(value)
-
-
-async def answer_on(
-    activator: Activator,
-    revision: int,
-    stats: RevisionStats,
-    clock: Callable[[], float],
-    scope,
-    receive,
-    send,
-    body: bytes,
-    parsed: dict,
-    stream: bool,
-    owner: str,
-) -> tuple[int, float | None]:
-    """One request on one revision's activator: `x-stoker-revision` on the answer, its status and
-    first-byte time recorded (and returned); an `ActivatorError` (no header sent yet) is counted as
-    the status the gateway will answer with, and raised for it."""
-    scope["stoker.revision"] = revision  # for the gateway's error answers
-    recorder = Recorder(send, revision, clock, clock())
-    try:
-        await activator.serve(scope, receive, recorder, body, stream, owner, parsed=parsed)
-    except ActivatorError as exc:
-        stats.record(revision, 502 if isinstance(exc, UpstreamError) else 503, None)
-        raise
-    status = recorder.status or 499  # the client left before any answer
-    stats.record(revision, status, recorder.ttft_s)
-    return status, recorder.ttft_s

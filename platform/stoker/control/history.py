@@ -31,10 +31,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-# A reading: (sample name, its labels sorted) → value, e.g.
-# ("stoker_requests_total", (("code", "200"), ("deployment", "chat"))) → 135.0
-Labels = tuple[tuple[str, str], ...]
-Reading = Mapping[tuple[str, Labels], float]
+from stoker.gateway.metering import Reading, read_registry
 
 INTERVAL_ENV = "STOKER_HISTORY_INTERVAL"  # seconds between samples (default 5)
 
@@ -67,15 +64,6 @@ class HistoryConfig:
         except ValueError:
             raise ValueError(f"{INTERVAL_ENV} must be a number of seconds, got {text!r}") from None
         return cls(interval_s=interval)
-
-
-def read_registry(registry: CollectorRegistry) -> dict[tuple[str, Labels], float]:
-    """Every sample the registry holds now, flattened to a `Reading`."""
-    out: dict[tuple[str, Labels], float] = {}
-    for family in registry.collect():
-        for s in family.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
 
 
 def _by(reading: Reading, name: str, key: str | None = None, **prefix: str) -> dict[tuple[str, str], float]:

@@ -36,12 +36,13 @@ from stoker.control.cost import CostMeter
 from stoker.control.deployment import Deployment, Unit
 from stoker.control.federate import EngineFederation, Target
 from stoker.control.prices import PriceTable
-from stoker.control.registry import DeploymentSpec, Registry, not_found, validate
+from stoker.control.registry import Registry
 from stoker.control.rollout import Rollout, canary_percent
 from stoker.control.vllm import VllmOptions, VllmSetup
 from stoker.errors import APIError, invalid
 from stoker.gateway.revisions import RevisionMetrics, RevisionStats
 from stoker.paths import snapshot_budget
+from stoker.spec.deployment import DeploymentSpec, not_found, validate
 from warm_pool.backend import Backend, Running
 from warm_pool.errors import PoolError
 from warm_pool.fleet import Devices, Fleet, Footprint, footprint
@@ -121,7 +122,7 @@ class Platform:
         self._lock = asyncio.Lock()  # deploys and removals one at a time
         # The vLLM this platform runs: found at the first vLLM deployment, then kept.
         self._vllm_setup = VllmSetup(vllm or VllmOptions(), self.gpus, self._keeper)
-        self._unavailable_after = unavailable_after
+        self.unavailable_after = unavailable_after
         # Whether the server is draining (`stoker up` sets it to its uvicorn's should_exit): open
         # `stoker logs --follow` streams end then, instead of holding the drain for its grace period.
         self.stopping: Callable[[], bool] = lambda: False
@@ -162,7 +163,7 @@ class Platform:
                 d = self._deployments.get(spec.name)
                 if d is None:
                     d = self._deployment(latest[spec.name], {})
-                d.units[spec.revision] = self._unit(spec, adopt=mine)
+                d.units[spec.revision] = self.new_unit(spec, adopt=mine)
                 d.traffic = self.registry.traffic(spec.name)
                 running = [r for r in running if r not in mine]
             except PoolError as exc:  # e.g. a policy this version no longer has
@@ -252,7 +253,7 @@ class Platform:
             if current is None:
                 spec = self.registry.put(spec)
                 d = self._deployment(spec, {spec.revision: 100})
-                d.units[spec.revision] = self._unit(spec)
+                d.units[spec.revision] = self.new_unit(spec)
                 self.rollout.publish(d, d.traffic)
                 return spec, True
             spec = self.registry.create_revision(spec)
@@ -272,7 +273,7 @@ class Platform:
         async with self._lock:
             d = self._existing(name)
             target = self.rollout.rollback_target(d, to, self.registry.revisions(name))
-            self._check_snapshot(target)
+            self.check_snapshot(target)
             self.rollout.switch_to(d, target)
             return target
 
@@ -286,7 +287,7 @@ class Platform:
             raise not_found(name)
         return d
 
-    def _check_snapshot(self, spec: DeploymentSpec) -> None:
+    def check_snapshot(self, spec: DeploymentSpec) -> None:
         source = self._source(spec.snapshot_id, spec.model)
         if source.remote is None and not source.is_local():
             raise APIError(
@@ -321,7 +322,7 @@ class Platform:
         self._deployments[latest.name] = d
         return d
 
-    def _unit(self, spec: DeploymentSpec, adopt: list[Running] = (), min_warm: int | None = None) -> Unit:
+    def new_unit(self, spec: DeploymentSpec, adopt: list[Running] = (), min_warm: int | None = None) -> Unit:
         """A pool (and, in one process, an activator) for one revision; running at once."""
         pool = Pool(
             PoolSpec(
@@ -332,7 +333,7 @@ class Platform:
                 policy=spec.policy,
                 grace_period_s=spec.grace_period_s,
                 vllm=self._vllm_setup.found if spec.engine == "vllm" else None,
-                unavailable_after=self._unavailable_after,
+                unavailable_after=self.unavailable_after,
                 footprint=self._footprint(spec) if self.fleet is not None else None,
                 revision=spec.revision,
                 max_instance_age_s=self.max_instance_age(spec),

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ENGINES = ("cpu", "vllm")  # `stoker.control.registry.ENGINES`, kept here so the simulator's CLI stays light
+ENGINES = ("cpu", "vllm")  # `stoker.spec.deployment.ENGINES`, kept here so the simulator's CLI stays light
 HOURLY = ("ready_hour", "starting_hour", "sleeping_hour")
 FIELDS = (*HOURLY, "snapshot_gb_month")
 MONTH_S = 30 * 86400

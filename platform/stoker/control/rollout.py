@@ -26,18 +26,49 @@ import asyncio
 import contextlib
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from activator import Balance
 from stoker.control.deployment import Deployment, Unit
-from stoker.control.registry import DeploymentSpec
 from stoker.errors import APIError, invalid
 from stoker.gateway.revisions import canary_verdict, parse_traffic
+from stoker.spec.deployment import DeploymentSpec
 
 if TYPE_CHECKING:
     from activator import Activator
-    from stoker.control.platform import Platform
+    from stoker.control.cluster import RoutingTable
+    from stoker.control.registry import Registry
+    from stoker.gateway.revisions import RevisionMetrics
+    from warm_pool.policies.base import ScalingConfig
+
+
+class Units(Protocol):
+    """What a rollout needs of whoever owns the deployments and makes their units (the platform:
+    `stoker.control.platform.Platform`). Declared here, by its consumer."""
+
+    clock: Callable[[], float]
+    registry: Registry
+    routes: RoutingTable
+    revision_metrics: RevisionMetrics
+    hold_deadline_s: float
+    unavailable_after: int  # failed starts in a row before held requests hear why (0: never)
+
+    def list(self) -> list[Deployment]: ...
+
+    def scaling(self, spec: DeploymentSpec, min_warm: int | None = None) -> ScalingConfig: ...
+
+    def max_instance_age(self, spec: DeploymentSpec) -> float: ...
+
+    def check_snapshot(self, spec: DeploymentSpec) -> None: ...
+
+    def new_unit(self, spec: DeploymentSpec, min_warm: int | None = None) -> Unit: ...
+
+    async def stop_unit(self, unit: Unit) -> None: ...
+
+    def pool_gone(self, unit: Unit) -> None: ...
+
 
 log = logging.getLogger("stoker.rollout")
 FAILED_STARTS = 3  # starts in a row that fail a warming revision (when the pool's own bound is off)
@@ -53,7 +84,7 @@ class _Failed(Exception):
 class Rollout:
     def __init__(
         self,
-        platform: Platform,
+        platform: Units,
         *,
         check_interval_s: float = 1.0,
         poll_s: float = 0.05,
@@ -136,7 +167,7 @@ class Rollout:
         traffic = parse_traffic(body, set(specs))
         for r in traffic:
             if r not in d.units:
-                self._p._check_snapshot(specs[r])
+                self._p.check_snapshot(specs[r])
         if d.switch is not None:
             d.switch.cancel()
             d.switch = None
@@ -150,7 +181,7 @@ class Rollout:
                     code="revision_draining",
                 )
             if r not in d.units:
-                d.units[r] = self._p._unit(specs[r])
+                d.units[r] = self._p.new_unit(specs[r])
         self.publish(d, traffic)
         for r in list(d.units):
             if r not in traffic:
@@ -188,7 +219,7 @@ class Rollout:
             need = min(spec.max, math.ceil(live * percent / 100))
             unit = d.units.get(r)
             if unit is None:
-                unit = d.units[r] = self._p._unit(spec, min_warm=need)
+                unit = d.units[r] = self._p.new_unit(spec, min_warm=need)
             else:
                 unit.pool.reconfigure(self._p.scaling(spec, need), spec.policy)
             log.info("deployment %s: revision %d warming %d instance(s) before the switch", d.name, r, need)
@@ -217,7 +248,7 @@ class Rollout:
             self.publish(d, {**rest, r: percent})
 
     async def _until_ready(self, unit: Unit, need: int) -> None:
-        bound = self._p._unavailable_after or FAILED_STARTS
+        bound = self._p.unavailable_after or FAILED_STARTS
         deadline = self._p.clock() + self._warm_timeout
         while unit.ready < need:
             if self._p.clock() >= deadline:

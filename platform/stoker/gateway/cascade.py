@@ -54,10 +54,8 @@ import time
 from collections import deque
 from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from stoker.control.routes import CascadeRoutes
 from stoker.errors import UNAVAILABLE, APIError
 from stoker.spec.routes import (
     ESCALATED_CONTEXT,
@@ -97,6 +95,16 @@ class RouteSource(Protocol):
     def get(self, name: str) -> CascadeRoute | None: ...
 
     def all(self) -> list[CascadeRoute]: ...
+
+
+class RouteTable(RouteSource, Protocol):
+    """The routes a process owns and the admin API writes (`stoker.control.routes.CascadeRoutes`)."""
+
+    def put(self, route: CascadeRoute) -> bool: ...
+
+    def delete(self, name: str) -> CascadeRoute: ...
+
+    def close(self) -> None: ...
 
 
 # ---- metrics -----------------------------------------------------------------------------------
@@ -148,8 +156,8 @@ class Cascades:
     """The routes as a gateway serves them: the lookup on the request path, each route's two-step
     serving, the metrics. `platform` needs `get(name)` (a deployment with `spec` and `serve`).
 
-    Where the routes come from: by default the table this process owns (opened at first use, in
-    the platform's `stoker.db`, so `platform` needs `data_dir`), and the small deployment's context
+    Where the routes come from: the table this process owns (`table`: opens it at first use, e.g.
+    `stoker.control.routes.CascadeRoutes` in the platform's `stoker.db`), and the small deployment's context
     from its snapshot (with a `store`, a `SnapshotStore`; without one, no pre-check). A gateway of
     its own passes `routes` (its synced copy; then `table` refuses: a gateway never writes routes)
     and `contexts` (each route's small context, as the controller published it)."""
@@ -160,11 +168,13 @@ class Cascades:
         registry: CollectorRegistry,
         clock: Callable[[], float] = time.monotonic,
         *,
+        table: Callable[[], RouteTable] | None = None,
         routes: RouteSource | None = None,
         contexts: Callable[[CascadeRoute], int | None] | None = None,
     ) -> None:
         self._platform = platform
-        self._table: CascadeRoutes | None = None
+        self._open_table = table
+        self._table: RouteTable | None = None
         self._synced = routes
         self._context_of = contexts if contexts is not None else self.small_context
         self.metrics = CascadeMetrics(registry)
@@ -174,12 +184,12 @@ class Cascades:
         self._contexts: dict[str, int] = {}  # snapshot id -> context, read once
 
     @property
-    def table(self) -> CascadeRoutes:
+    def table(self) -> RouteTable:
         """The routes this process owns, to read and write (the admin API's)."""
-        if self._synced is not None:
+        if self._synced is not None or self._open_table is None:
             raise RuntimeError("this process serves a synced copy of the routes; the controller owns them")
         if self._table is None:
-            self._table = CascadeRoutes(Path(self._platform.data_dir) / "stoker.db")
+            self._table = self._open_table()
         return self._table
 
     @property

@@ -258,9 +258,9 @@ def drift_routes(drift: Drift, platform: Any, clock: Callable[[], float] = time.
     from starlette.responses import JSONResponse
     from starlette.routing import Route
 
-    from stoker.control.registry import not_found
     from stoker.errors import APIError, invalid
     from stoker.http import parse_json_object, read_body
+    from stoker.spec.deployment import not_found
 
     def existing(request: Request) -> str:
         name = request.path_params["name"]

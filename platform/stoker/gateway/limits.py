@@ -349,3 +349,15 @@ class UsageTap:
         if self.events:
             return self.prompt_estimate, self.events - 1
         return None
+
+
+class MeterTap(UsageTap):
+    """`send` for one request to a deployment: the usage reading of `UsageTap`, no headers added."""
+
+    __slots__ = ("arrival", "deployment", "wall")
+
+    def __init__(self, send: Callable, deployment: str, prompt_estimate: int, arrival: float) -> None:
+        super().__init__(send, None, prompt_estimate)
+        self.deployment = deployment
+        self.arrival = arrival
+        self.wall = time.time()

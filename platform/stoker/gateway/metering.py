@@ -33,9 +33,10 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from stoker.control.cost import MeterTap
-from stoker.control.history import Labels, Reading, read_registry
+from prometheus_client import CollectorRegistry
+
 from stoker.errors import invalid
+from stoker.gateway.limits import MeterTap
 
 COUNTERS = frozenset(
     {"stoker_requests_total", "stoker_queue_wait_seconds_sum", "stoker_queue_wait_seconds_count"}
@@ -45,6 +46,20 @@ SERIES = COUNTERS | GAUGES
 MAX_SERIES = 20_000  # samples one report may carry
 MAX_LABELS, MAX_LABEL_LEN = 8, 256
 MAX_GATEWAYS = 256  # gateways kept one by one; the least recently heard beyond it are folded together
+
+# A reading: (sample name, its labels sorted) → value, e.g.
+# ("stoker_requests_total", (("code", "200"), ("deployment", "chat"))) → 135.0
+Labels = tuple[tuple[str, str], ...]
+Reading = Mapping[tuple[str, Labels], float]
+
+
+def read_registry(registry: CollectorRegistry) -> dict[tuple[str, Labels], float]:
+    """Every sample the registry holds now, flattened to a `Reading`."""
+    out: dict[tuple[str, Labels], float] = {}
+    for family in registry.collect():
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
 
 
 class GatewayMeter:

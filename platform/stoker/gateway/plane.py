@@ -14,7 +14,7 @@ drops the oldest completions, which only feed the scaler's statistics).
 
 Tenant keys come with the table as SHA-256 hashes (`KeyTable`): a gateway never sees a key. Each
 key's limits are split between the live gateways, so the sum over gateways is the key's limit.
-Cascade routes come with it too (`stoker.control.routes.SyncedRoutes`), each with its small
+Cascade routes come with it too (`stoker.gateway.routes.SyncedRoutes`), each with its small
 deployment's context; the gateway serves that copy and never writes a route.
 """
 
@@ -35,13 +35,12 @@ from prometheus_client import CollectorRegistry
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
 
 from activator import Activator, ActivatorConfig, ActivatorMetrics, Balance
-from stoker.control.cluster import MAX_REPORT_EVENTS, MAX_REPORT_FINISHED
-from stoker.control.deployment import answer_on
-from stoker.control.routes import SyncedRoutes
 from stoker.gateway.keys import KeyRecord, hash_key
 from stoker.gateway.limits import Limits
 from stoker.gateway.metering import GatewayMeter, changed_samples
-from stoker.gateway.revisions import RevisionMetrics, RevisionStats, bucket_of, choose
+from stoker.gateway.revisions import RevisionMetrics, RevisionStats, answer_on, pick_revision
+from stoker.gateway.routes import SyncedRoutes
+from stoker.spec.planes import MAX_REPORT_EVENTS, MAX_REPORT_FINISHED
 
 log = logging.getLogger("stoker.gateway")
 POLL_TIMEOUT_S = 20.0  # the controller holds a routes request this long when nothing changes
@@ -163,8 +162,9 @@ class RemoteDeployment:
         return self.units[revision].spec
 
     async def serve(self, scope, receive, send, body: bytes, parsed: dict, stream: bool, owner: str) -> None:
-        """Answer one request on the revision the split gives it, as `Deployment.serve` does."""
-        revision = choose(self.traffic, bucket_of(parsed, scope.get("headers", [])))
+        """Answer one request on the revision the split gives it (or the one the admin pinned), as
+        `Deployment.serve` does."""
+        revision = pick_revision(self.name, self.traffic, self.units, scope, parsed)
         unit = self.units.get(revision) or self.units[self.spec.revision]
         request = (scope, receive, send, body, parsed, stream, owner)
         status, ttft_s = await answer_on(unit.activator, unit.spec.revision, self.stats, self.clock, *request)

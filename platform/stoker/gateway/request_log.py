@@ -1,5 +1,5 @@
 """The request log: one de-identified JSON line per inference request, opt-in, and the taps that
-measure each request for it, for drift (`stoker.control.drift`) and for traces (`stoker.gateway.otel`).
+measure each request for it, for drift (`stoker.gateway.drift`) and for traces (`stoker.gateway.otel`).
 
     gateway ─▶ Observer.tap(...) ─▶ RequestTap (wraps `send`) ─▶ deployment.serve
                  └─ None: nobody wants this request (no log, no trace): nothing runs per chunk
@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from stoker.control.drift import Drift, is_refusal
+from stoker.gateway.drift import Drift, is_refusal
 from stoker.gateway.limits import TAIL, UsageTap
 from warm_pool.failures import redact
 
@@ -318,15 +318,15 @@ class Observer:
                 self._failed = True
 
     def register(self, registry: Any) -> None:
-        """The drift gauges (`stoker.control.drift.DriftCollector`) in the platform's metrics registry."""
-        from stoker.control.drift import DriftCollector
+        """The drift gauges (`stoker.gateway.drift.DriftCollector`) in the platform's metrics registry."""
+        from stoker.gateway.drift import DriftCollector
 
         if self.drift is not None:
             registry.register(DriftCollector(self.drift, self._clock))
 
     def routes(self, platform: Any) -> list:
-        """The drift admin routes (`stoker.control.drift.drift_routes`), when drift is kept."""
-        from stoker.control.drift import drift_routes
+        """The drift admin routes (`stoker.gateway.drift.drift_routes`), when drift is kept."""
+        from stoker.gateway.drift import drift_routes
 
         return drift_routes(self.drift, platform, self._clock) if self.drift is not None else []
 

@@ -1,7 +1,8 @@
 """Revisions on the request path: which revision answers a request, what each one's answers were
 like, and when a canary has failed.
 
-    request ──▶ TrafficSplit.choose(bucket of `user` / x-stoker-session) ──▶ revision N's activator
+    request ──▶ pick_revision: the admin's pin, else choose(bucket of `user` / x-stoker-session)
+            ──▶ answer_on(revision N's activator)
                  answer ──▶ + `x-stoker-revision: N` ──▶ RevisionStats (metrics, canary window)
 
 A split is whole percents per revision, summing to 100. A request with a `user` field or an
@@ -21,14 +22,15 @@ import hashlib
 import random
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Collection, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from stoker.control.registry import DeploymentSpec
+from activator import Activator, ActivatorError
 from stoker.errors import invalid
+from stoker.spec.deployment import DeploymentSpec
 
 BUCKETS = 10_000
 SESSION_HEADER = b"x-stoker-session"
@@ -205,3 +207,66 @@ class Recorder:
             if body and not body.startswith(b":"):  # an SSE comment is a held stream's keep-alive
                 self.ttft_s = self._clock() - self._started
         await self._send(message)
+
+
+PINNED = "stoker.pinned_revision"  # the scope's key for a revision the admin asked for
+
+
+def pin_revision(scope) -> None:
+    """Read a request's `x-stoker-revision: N` into the scope, for `pick_revision` to route by
+    (the gateway calls this for the admin's requests only: `stoker eval --revision`). A value that
+    is no revision number is a 400 naming the header."""
+    for name, value in scope.get("headers", ()):
+        if name == b"x-stoker-revision":
+            if not (value.isdigit() and len(value) <= 10 and 1 <= int(value) <= 1_000_000_000):
+                shown = value.decode("latin-1")
+                raise invalid(
+                    f"'x-stoker-revision' must be a revision number (1, 2, ...), got {shown!r}.",
+                    "x-stoker-revision",
+                )
+            scope[PINNED] = int(value)
+
+
+async def answer_on(
+    activator: Activator,
+    revision: int,
+    stats: RevisionStats,
+    clock: Callable[[], float],
+    scope,
+    receive,
+    send,
+    body: bytes,
+    parsed: dict,
+    stream: bool,
+    owner: str,
+) -> tuple[int, float | None]:
+    """One request on one revision's activator: `x-stoker-revision` on the answer, its status and
+    first-byte time recorded (and returned); an `ActivatorError` (no header sent yet) is counted as
+    the status the gateway will answer with, and raised for it."""
+    scope["stoker.revision"] = revision  # for the gateway's error answers
+    recorder = Recorder(send, revision, clock, clock())
+    try:
+        await activator.serve(scope, receive, recorder, body, stream, owner, parsed=parsed)
+    except ActivatorError as exc:
+        stats.record(revision, exc.status, None)
+        raise
+    status = recorder.status or 499  # the client left before any answer
+    stats.record(revision, status, recorder.ttft_s)
+    return status, recorder.ttft_s
+
+
+def pick_revision(
+    name: str, traffic: Mapping[int, int], units: Collection[int], scope, parsed: Mapping[str, Any]
+) -> int:
+    """The revision that answers one request: the one the admin pinned (`pin_revision`; a 400 if it
+    has no instances here), else the split's pick for the request's bucket. One step for both planes:
+    `stoker up`'s deployments and a `stoker gateway`'s."""
+    if (pinned := scope.get(PINNED)) is not None:
+        if pinned not in units:
+            have = ", ".join(str(r) for r in sorted(units))
+            raise invalid(
+                f"Revision {pinned} of {name!r} has no instances to answer with; these do: {have}.",
+                "x-stoker-revision",
+            )
+        return pinned
+    return choose(traffic, bucket_of(parsed, scope.get("headers", [])))

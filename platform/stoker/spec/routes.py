@@ -32,8 +32,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from stoker.control.registry import NAME
 from stoker.errors import APIError, invalid
+from stoker.spec.deployment import NAME
 
 LOGPROB_FLOOR = -9999.0  # what both engines write for -inf
 BYTES_PER_TOKEN = 8  # the context estimate's, a generous undercount (typical text: about 4)

@@ -1,0 +1,187 @@
+"""One inference request on the data plane: OpenAI's routes by deployment name.
+
+The request path is pure ASGI (no `BaseHTTPMiddleware`, nothing that buffers): the endpoint reads
+the body (bounded), looks at `model` and `stream`, and hands the request to that deployment's
+revision (`stoker.gateway.revisions.pick_revision`) and its activator, which streams the answer
+through. No timeout here cuts a long generation. The activator's errors become HTTP by their own
+table (`activator.errors`: each carries its status, OpenAI type and code).
+
+Who may call what is decided before any of that, by `keys.KeyAuth` (bearer keys: the admin's, or a
+tenant's limited to its deployments) and `http.AdminGuard` (the admin API takes JSON from no
+foreign origin); the handlers only ask the caller's `Principal` whether a deployment is theirs.
+How much it may call is `limits.Limiter`'s, per key, before the activator sees the request.
+The same routes serve `stoker up` (its `Platform`) and `stoker gateway` (its `GatewayPlane`):
+both are a `Router`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from activator import ActivatorError
+from stoker.errors import (
+    APIError,
+    error_response,
+    invalid,
+)
+from stoker.gateway.cascade import Cascades
+from stoker.gateway.keys import principal_of
+from stoker.gateway.limits import Limiter, UsageTap, estimate_tokens
+from stoker.gateway.request_log import Observer
+from stoker.gateway.revisions import pin_revision
+from stoker.http import (
+    ClientGone,
+    parse_json_object,
+    read_body,
+)
+
+MAX_BODY_BYTES = 4 << 20
+
+
+def api_error(exc: ActivatorError) -> APIError:
+    """The activator's error as the client sees it: its own status, OpenAI type and code
+    (`activator.errors`, the one table), with `Retry-After` where it says when to try again."""
+    headers = {}
+    retry_after = getattr(exc, "retry_after_s", None)
+    if retry_after is not None:
+        headers["retry-after"] = str(retry_after)
+    return APIError(exc.status, str(exc), type=exc.type, code=exc.code, headers=headers)
+
+
+class InferenceEndpoint:
+    """`POST /v1/chat/completions` and `POST /v1/completions`, routed by the body's `model`, within
+    the caller's limits (`limits.Limiter`): a limited key's answer goes out through a `UsageTap`,
+    which adds its x-ratelimit-* headers and settles its token charge."""
+
+    def __init__(
+        self,
+        platform: Router,
+        limiter: Limiter,
+        cascades: Cascades | None = None,
+        observer: Observer | None = None,
+    ) -> None:
+        self.platform = platform
+        self.limiter = limiter
+        self.cascades = cascades  # routes by name (`stoker.gateway.cascade`); None: deployments only
+        self.observer = observer  # request log, drift, traces (`stoker.gateway.request_log`); None: off
+        self.meter = getattr(
+            platform, "cost", None
+        )  # tokens, idle share, arrival log (`stoker.control.cost`)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        ticket = tap = observed = metered = None
+        try:
+            body = await read_body(receive, scope, MAX_BODY_BYTES)
+            parsed, name, stream = _route_fields(body)
+            deployment = self.platform.get(name)
+            principal = principal_of(scope)
+            if deployment is None and self.cascades is not None:
+                # A cascade route: None unless the caller may call both its deployments too.
+                deployment = self.cascades.lookup(name, principal.may_call)
+            # Not the caller's: the same 404 as a deployment that does not exist (no existence leak).
+            if deployment is None or not principal.may_call(name):
+                raise APIError(
+                    404, f"The model `{name}` does not exist.", param="model", code="model_not_found"
+                )
+            if (
+                self.meter is not None
+            ):  # counted for cost: tokens, requests, in flight (`stoker.control.cost`)
+                metered = self.meter.tap(send, name, estimate_tokens(parsed, len(body))[0])
+                send = metered or send
+            if self.observer is not None:  # measured for the request log and traces, 429s included
+                observed = self.observer.tap(send, name, deployment, principal.key_id, parsed, stream)
+                send = observed or send
+            if principal.admin:  # `x-stoker-revision: N` from the admin: that revision answers
+                pin_revision(scope)
+            if not principal.admin:  # the admin's key is never limited
+                estimate = estimate_tokens(parsed, len(body))
+                ticket = self.limiter.admit(
+                    principal.key_id, principal.limits, estimate, principal.tenant or ""
+                )
+            if ticket is not None:
+                send = tap = UsageTap(send, ticket)
+            await deployment.serve(scope, receive, send, body, parsed, stream, principal.key_id)
+        except APIError as exc:
+            await error_response(exc)(scope, receive, send)
+        except ActivatorError as exc:
+            error = api_error(exc)
+            if (revision := scope.get("stoker.revision")) is not None:  # the revision that failed it
+                error.headers["x-stoker-revision"] = str(revision)
+            await error_response(error)(scope, receive, send)
+        except ClientGone:
+            return
+        finally:
+            if ticket is not None:
+                if tap is not None and (used := tap.used()) is not None:
+                    ticket.settle(used)
+                ticket.close()
+            if observed is not None:
+                self.observer.done(observed, scope)
+            if metered is not None:
+                self.meter.done(metered, scope)
+
+
+def _route_fields(body: bytes) -> tuple[dict, str, bool]:
+    parsed = parse_json_object(body)
+    model = parsed.get("model")
+    if not isinstance(model, str) or not model:
+        raise invalid("'model' is required and must be a non-empty string.", param="model")
+    stream = parsed.get("stream", False)
+    if not isinstance(stream, bool):
+        raise invalid(f"'stream' must be a boolean, got {stream!r}.", param="stream")
+    return parsed, model, stream
+
+
+class Router(Protocol):
+    """What the data routes need: each deployment's `spec` (name, snapshot id) and activator. The
+    `Platform` in one process; `stoker.gateway.plane.GatewayPlane` in a gateway of its own."""
+
+    def get(self, name: str) -> Any: ...
+
+    def list(self) -> list[Any]: ...
+
+
+def data_routes(
+    platform: Router, limiter: Limiter, cascades: Cascades | None = None, observer: Observer | None = None
+) -> list[Route]:
+    """OpenAI's routes."""
+
+    async def models(request: Request) -> Response:
+        principal = principal_of(request.scope)
+        cards = [
+            {
+                "id": d.spec.name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "stoker",
+                "root": d.spec.snapshot_id,
+            }
+            for d in platform.list()
+            if principal.may_call(d.spec.name)
+        ]
+        return JSONResponse({"object": "list", "data": cards})
+
+    async def model(request: Request) -> Response:
+        """OpenAI's `GET /v1/models/{model}`: one deployment, if the caller's key may call it;
+        another tenant's is the same 404 as one that does not exist (no existence leak)."""
+        principal = principal_of(request.scope)
+        name = request.path_params["model"]
+        d = platform.get(name)
+        if d is None or not principal.may_call(name):
+            message = f"The model `{name}` does not exist."
+            return error_response(APIError(404, message, param="model", code="model_not_found"))
+        card = {"id": d.spec.name, "object": "model", "created": 0, "owned_by": "stoker"}
+        return JSONResponse({**card, "root": d.spec.snapshot_id})
+
+    inference = InferenceEndpoint(platform, limiter, cascades, observer)
+    return [
+        Route("/v1/chat/completions", inference, methods=["POST"]),
+        Route("/v1/completions", inference, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model:path}", model, methods=["GET"]),
+    ]

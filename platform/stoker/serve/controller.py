@@ -1,0 +1,237 @@
+"""`stoker controller`: the control plane as a process of its own. The registry, pools, policies and
+the backend; the admin API; what gateways learn (`routing_table`, long-polled) and what they report
+(`stoker.control.cluster`). `stoker up` runs both planes in one process (`stoker.serve.up`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from stoker.api.cost import cost_routes
+from stoker.api.dashboard import dashboard_routes
+from stoker.api.deployments import admin_routes
+from stoker.api.routes import cascade_routes
+from stoker.control.history import HistoryConfig, HistorySampler
+from stoker.control.platform import Platform
+from stoker.control.routes import CascadeRoutes
+from stoker.errors import invalid
+from stoker.gateway.cascade import Cascades
+from stoker.gateway.keys import Access
+from stoker.gateway.limits import NO_LIMITS, Limiter
+from stoker.gateway.metering import GatewaySeries, parse_series
+from stoker.http import openai_exception_handlers, parse_json_object, read_body
+from stoker.node.gpu_metrics import register_gpu_metrics
+from stoker.serve.common import common_routes, middleware_for
+from stoker.spec.planes import parse_gateway_id, parse_report, share
+
+log = logging.getLogger("stoker.planes")
+MAX_REPORT_BYTES = 8 << 20
+# The request headers a gateway passes through to the controller's admin API, and back.
+_PASS_REQUEST = ("authorization", "content-type", "origin", "accept")
+_PASS_RESPONSE = ("content-type", "retry-after", "cache-control")
+
+
+def routing_table(
+    platform: Platform, access: Access | None, gateway: str, cascades: Cascades | None = None
+) -> dict[str, Any]:
+    """What one gateway routes by: every deployment's traffic split and, per revision, its READY
+    endpoints with their keys and this gateway's share of each one's concurrency, and why it
+    cannot start (if so); the tenant keys' hashes; and the cascade routes, each with its small
+    deployment's context for the gateway's pre-check (`stoker.gateway.routes.SyncedRoutes`)."""
+    gateways = platform.routes.live()
+    if gateway not in gateways:
+        gateways = sorted([*gateways, gateway])
+    deployments = {}
+    for d in platform.list():
+        units = {}
+        for revision, unit in d.units.items():
+            endpoints = [
+                {
+                    "id": inst.id,
+                    "url": inst.url,
+                    "key": inst.secret,
+                    "max_concurrency": share(inst.max_concurrency, gateways, gateway),
+                }
+                for inst in unit.pool.endpoints()
+            ]
+            units[str(revision)] = {
+                "snapshot_id": unit.spec.snapshot_id,
+                "unavailable": unit.demand.unavailable if unit.demand is not None else None,
+                "balance": unit.spec.balance,  # how the gateway picks among them (`activator.affinity`)
+                "affinity_bound": unit.spec.affinity_bound,
+                "log_requests": unit.spec.log_requests,  # the gateway's request log
+                "log_content": unit.spec.log_content,
+                "endpoints": endpoints,
+            }
+        deployments[d.name] = {
+            "snapshot_id": d.spec.snapshot_id,
+            "revision": d.spec.revision,
+            "traffic": {str(r): p for r, p in d.traffic.items()},
+            "units": units,  # one per revision that serves, warms or drains, with its READY endpoints
+        }
+    keys = access.keys.hashed() if access is not None else []
+    routes = cascades.table.all() if cascades is not None else []
+    return {
+        "epoch": platform.routes.epoch,
+        "version": platform.routes.version,
+        "gateways": len(gateways),
+        "deployments": deployments,
+        "keys": keys,
+        "cascades": [{**r.to_dict(), "small_context": cascades.small_context(r)} for r in routes],
+    }
+
+
+def build_controller(
+    platform: Platform,
+    *,
+    access: Access | None = None,
+    poll_timeout_s: float = 20.0,
+    leave_instances: bool = True,
+    on_shutdown: Callable[[], object] | None = None,
+    leader: Any = None,  # a `stoker.control.leader.LeaderElector`: act only while holding its Lease
+    on_lost_lease: Callable[[], object] | None = None,
+) -> Starlette:
+    """The control plane's app: the admin API, and the cluster API gateways and node agents use.
+
+    With a `leader`, the app starts nothing before it holds the Lease (a standby serves nothing,
+    so the Service sends gateways to the leader only), and on losing it calls `on_lost_lease`
+    (the process exits) leaving every instance to the next leader, whatever `leave_instances`."""
+    limiter = Limiter(NO_LIMITS, registry=platform.metrics_registry)  # keys are revoked here too
+    # The cascade routes are owned here and served by the gateways, from the routing table.
+    cascades = Cascades(
+        platform,
+        platform.metrics_registry,
+        table=lambda: CascadeRoutes(Path(platform.data_dir) / "stoker.db"),
+    )
+    platform.name_taken = cascades.conflict
+    register_gpu_metrics(platform.metrics_registry)  # the local backend's GPUs, where NVML sees any
+    # The dashboard's last hour: the pools' figures from here, the requests' from the gateways.
+    gateway_series = GatewaySeries()
+    sampler = HistorySampler(
+        platform.metrics_registry,
+        HistoryConfig.from_env(),
+        extra=lambda: gateway_series.reading(platform.routes.live()),
+    )
+
+    async def routes(request: Request) -> Response:
+        gateway = parse_gateway_id(request.query_params.get("gateway"))
+        try:
+            after = int(request.query_params.get("after", "-1"))
+        except ValueError:
+            raise invalid("'after' must be an integer.", "after") from None
+        platform.routes.seen(gateway)
+        epoch, waited = request.query_params.get("epoch"), 0.0
+        # In slices: a controller shutting down answers at once, rather than holding its drain
+        # until every gateway's poll times out.
+        while waited < poll_timeout_s and not platform.stopping():
+            if await platform.routes.wait(epoch, after, min(1.0, poll_timeout_s - waited)):
+                break
+            waited += 1.0
+        return JSONResponse(routing_table(platform, access, gateway, cascades))
+
+    async def load(request: Request) -> Response:
+        body = parse_json_object(await read_body(request.receive, request.scope, MAX_REPORT_BYTES))
+        gateway, reports = parse_report(body)
+        series = parse_series(body.get("series"))
+        platform.routes.seen(gateway)
+        now, live, busy = platform.clock(), frozenset(platform.routes.live()), {}
+        for key, report in reports.items():
+            name, _, revision = key.rpartition("@")
+            d = platform.get(name)
+            unit = d.units.get(int(revision)) if d is not None else None
+            if unit is not None and unit.demand is not None:  # one gone meanwhile: its news is moot
+                unit.demand.report(gateway, report, now)
+                for status, ttft_s in report["answers"]:  # for the canary check; counted there
+                    d.stats.record(int(revision), status, ttft_s, count=False)
+                for wall, tokens_in, tokens_out, status in report["usage"]:  # `stoker.gateway.metering`
+                    platform.cost.record(name, int(revision), wall, tokens_in, tokens_out, status)
+                busy[name] = busy.get(name, 0) + report["in_flight"] + report["queued"]
+        for name, n in busy.items():
+            platform.cost.remote_in_flight(name, gateway, n, live)
+        gateway_series.update(gateway, series)
+        return JSONResponse({"version": platform.routes.version})
+
+    async def snapshots(request: Request) -> Response:
+        """Which snapshots the deployments use, for the node agents (`stoker node`)."""
+        by_id: dict[str, dict[str, Any]] = {}
+        for d in platform.list():
+            uri = d.spec.model if d.spec.model.startswith("s3://") else None
+            entry = by_id.setdefault(
+                d.spec.snapshot_id, {"id": d.spec.snapshot_id, "uri": uri, "deployments": []}
+            )
+            entry["deployments"].append(d.spec.name)
+        return JSONResponse({"snapshots": list(by_id.values())})
+
+    async def healthz(request: Request) -> Response:
+        return JSONResponse({"status": "ok", "role": "controller", "deployments": len(platform.list())})
+
+    cluster = [
+        Route("/cluster/v1/routes", routes, methods=["GET"]),
+        Route("/cluster/v1/load", load, methods=["POST"]),
+        Route("/cluster/v1/snapshots", snapshots, methods=["GET"]),
+    ]
+    own = [r for r in common_routes(platform, platform.metrics_registry) if r.path != "/healthz"]
+
+    lost: list[bool] = []
+
+    async def lead() -> None:
+        await asyncio.Event().wait()  # leads until cancelled by the elector
+
+    async def step_down() -> None:
+        log.error("lost the lease %s: stopping, instances left to the next leader", leader.name)
+        lost.append(True)
+        if on_lost_lease is not None:
+            on_lost_lease()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        election = None
+        if leader is not None:
+            election = asyncio.create_task(leader.run(lead, step_down), name="leader-election")
+            log.info("waiting for the lease %s as %s", leader.name, leader.identity)
+            while not leader.is_leader:
+                if election.done():
+                    election.result()  # raises what ended it
+                    raise RuntimeError(f"the election for {leader.name} ended before this replica led")
+                await asyncio.sleep(0.1)
+            log.info("leading (lease %s)", leader.name)
+        await platform.start()
+        sampler.start()
+        try:
+            yield
+        finally:
+            await sampler.stop()
+            await platform.shutdown(stop_instances=not leave_instances and not lost)
+            cascades.close()
+            if election is not None:
+                election.cancel()  # releases the lease: the next replica need not wait it out
+                await asyncio.gather(election, return_exceptions=True)
+            if access is not None:
+                access.keys.close()
+            if on_shutdown is not None:
+                on_shutdown()
+
+    return Starlette(
+        routes=[
+            Route("/healthz", healthz, methods=["GET"]),
+            *own,
+            *cluster,
+            *admin_routes(platform, access, limiter),
+            *cascade_routes(platform, cascades, on_change=platform.routes.bump),
+            *cost_routes(platform),
+            *dashboard_routes(sampler.history),
+        ],
+        exception_handlers=openai_exception_handlers(),
+        middleware=middleware_for(access, "controller"),
+        lifespan=lifespan,
+    )

@@ -1,0 +1,167 @@
+"""A deployment, as a user asks for it with `stoker deploy`: a name, the model (as they wrote it and
+as the snapshot id it resolved to), the engine, the scaling policy and its bounds. Every field's
+type, default, range and validation, written once; the admin API, the registry, the CLI and the
+planes all read them from here.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from stoker.errors import APIError, invalid
+from warm_pool.policies import DEFAULT_POLICY, POLICIES
+from warm_pool.policies.settings import idle_timeout_error
+from warm_pool.recycle import max_age_error
+
+NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")
+ENGINES = ("cpu", "vllm")
+
+
+@dataclass(frozen=True)
+class DeploymentSpec:
+    name: str
+    model: str  # as the user gave it: a snapshot name or id, or a local path
+    snapshot_id: str
+    engine: str = "cpu"
+    policy: str = DEFAULT_POLICY  # a name in warm_pool.policies.POLICIES
+    min_warm: int = 0
+    max: int = 1
+    idle_timeout_s: float = 300.0
+    target_concurrency: int = 4
+    grace_period_s: float = 30.0
+    revision: int = 0  # given by the registry when the revision is created (1, 2, ...)
+    balance: str = "least-outstanding"  # which READY instance takes a request (`activator.affinity`)
+    affinity_bound: float = 1.25  # prefix mode: no instance above this × the mean load
+    # A canary of this revision rolled back by itself when, over `rollback_window_s` (and at least
+    # `rollback_min_requests`), its 5xx share or its share of TTFTs over `rollback_ttft_s` (0: no
+    # TTFT objective) exceeds `rollback_error_rate`.
+    auto_rollback: bool = False
+    rollback_error_rate: float = 0.05
+    rollback_ttft_s: float = 0.0
+    rollback_window_s: float = 60.0
+    rollback_min_requests: int = 10
+    # The request log (`stoker.gateway.request_log`): this deployment's requests, de-identified; with
+    # `log_content` also their prompts and answers, credentials masked.
+    log_requests: bool = False
+    log_content: bool = False
+    # Instances older than this (from their first READY) are replaced without a dip
+    # (`warm_pool.recycle`); 0: the platform's `--max-instance-age`, off unless it sets one.
+    max_instance_age_s: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def serves_like(self, other: DeploymentSpec) -> bool:
+        """Whether instances of `other` can serve this revision as they are: the same bytes on the
+        same engine (settings apply to running instances; a model or engine change needs new ones)."""
+        return (self.snapshot_id, self.engine) == (other.snapshot_id, other.engine)
+
+
+# field -> (kind, low, high, default); the one table of what a deploy accepts
+FIELDS: dict[str, tuple[type, float, float, Any]] = {
+    "min_warm": (int, 0, 64, 0),
+    "max": (int, 1, 64, 1),
+    "idle_timeout_s": (float, 1.0, 7 * 86400.0, 300.0),
+    "target_concurrency": (int, 1, 1024, 4),
+    "grace_period_s": (float, 0.0, 3600.0, 30.0),
+    "affinity_bound": (float, 1.0, 10.0, 1.25),
+    "rollback_error_rate": (float, 0.0, 1.0, 0.05),
+    "rollback_ttft_s": (float, 0.0, 3600.0, 0.0),
+    "rollback_window_s": (float, 1.0, 86400.0, 60.0),
+    "rollback_min_requests": (int, 1, 1_000_000, 10),
+    "max_instance_age_s": (float, 0.0, 365 * 86400.0, 0.0),
+}
+BALANCES = ("least-outstanding", "prefix")
+LOG_FLAGS = ("log_requests", "log_content")  # true or false, default false
+
+
+def validate(body: Any) -> dict[str, Any]:
+    """Check a deploy request; returns its fields (model not yet resolved). Raises 400 naming the field."""
+    if not isinstance(body, dict):
+        raise invalid("The request body must be a JSON object.")
+    # `canary_percent` is the deploy's, not the revision's: the platform reads it (`stoker.control.rollout`).
+    allowed = {"name", "model", "engine", "policy", "balance", "auto_rollback", "canary_percent", *FIELDS}
+    allowed |= set(LOG_FLAGS)
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise invalid(
+            f"Unknown field(s) {unknown}; allowed: name, model, engine, policy, balance, auto_rollback, "
+            f"canary_percent, {', '.join(LOG_FLAGS)}, {', '.join(FIELDS)}.",
+            unknown[0],
+        )
+    name = body.get("name")
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        raise invalid(
+            f"'name' must be 1-63 lowercase letters, digits, '.', '_' or '-', starting with a letter or digit; got {name!r}.",
+            "name",
+        )
+    model = body.get("model")
+    if not isinstance(model, str) or not model.strip():
+        raise invalid(
+            "'model' is required: a snapshot name or id, an s3://bucket/prefix snapshot, or a local model directory or .gguf file.",
+            "model",
+        )
+    engine = body.get("engine", "cpu")
+    if engine not in ENGINES:
+        raise invalid(f"'engine' must be one of {list(ENGINES)}, got {engine!r}.", "engine")
+    policy = body.get("policy", DEFAULT_POLICY)
+    if (message := policy_error(policy)) is not None:
+        raise invalid(message, "policy")
+    balance = body.get("balance", BALANCES[0])
+    if balance not in BALANCES:
+        raise invalid(f"'balance' must be one of {list(BALANCES)}, got {balance!r}.", "balance")
+    auto_rollback = body.get("auto_rollback", False)
+    if not isinstance(auto_rollback, bool):
+        raise invalid(f"'auto_rollback' must be true or false, got {auto_rollback!r}.", "auto_rollback")
+    out: dict[str, Any] = {
+        "name": name,
+        "model": model.strip(),
+        "engine": engine,
+        "policy": policy,
+        "balance": balance,
+        "auto_rollback": auto_rollback,
+    }
+    for flag in LOG_FLAGS:
+        value = body.get(flag, False)
+        if not isinstance(value, bool):
+            raise invalid(f"'{flag}' must be true or false, got {value!r}.", flag)
+        out[flag] = value
+    for field, (kind, low, high, default) in FIELDS.items():
+        value = body.get(field, default)
+        if value is None:
+            value = default
+        ok_type = isinstance(value, int) if kind is int else isinstance(value, int | float)
+        if isinstance(value, bool) or not ok_type or (kind is float and not math.isfinite(value)):
+            raise invalid(
+                f"'{field}' must be {'an integer' if kind is int else 'a number'}, got {value!r}.", field
+            )
+        if not low <= value <= high:
+            raise invalid(f"'{field}' must be in {low:g}..{high:g}, got {value}.", field)
+        out[field] = kind(value)
+    if out["min_warm"] > out["max"]:
+        raise invalid(f"'min_warm' must be in 0..max (0..{out['max']}), got {out['min_warm']}.", "min_warm")
+    if (message := idle_timeout_error(out["policy"], out["idle_timeout_s"])) is not None:
+        raise invalid(message[0].upper() + message[1:] + ".", "idle_timeout_s")
+    if (message := max_age_error(out["max_instance_age_s"], allow_zero=True)) is not None:
+        raise invalid(f"'max_instance_age_s' {message}.", "max_instance_age_s")
+    return out
+
+
+def policy_error(policy: object) -> str | None:
+    """Why `policy` is no scaling policy's name, or None if it is one (shared with the CLI)."""
+    if isinstance(policy, str) and policy in POLICIES:
+        return None
+    return f"'policy' must be one of {', '.join(POLICIES)}; got {policy!r}."
+
+
+def not_found(name: str) -> APIError:
+    return APIError(
+        404,
+        f"No deployment named {name!r}.",
+        type="not_found_error",
+        param="name",
+        code="deployment_not_found",
+    )
