@@ -1,4 +1,5 @@
-"""Copy the benchmark tables from bench/results/*.md into README.md, between their markers."""
+"""Copy the benchmark tables from bench/results/*.md into the docs' benchmark pages
+(docs/benchmarks/*.md), between their `<!-- bench:NAME -->` markers."""
 
 from __future__ import annotations
 
@@ -9,16 +10,16 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def main() -> None:
-    readme = ROOT / "README.md"
-    text = readme.read_text()
-    for name in ("engine", "constrained", "engines", "vllm_start", "proxy", "s3", "scale", "policies"):
-        source = ROOT / "bench" / "results" / f"{name}.md"
-        if not source.exists():
-            continue
-        table = source.read_text().strip()
-        pattern = re.compile(rf"(<!-- bench:{name} -->\n).*?(<!-- /bench:{name} -->)", re.S)
-        text = pattern.sub(lambda m, t=table: m.group(1) + t + "\n" + m.group(2), text)
-    readme.write_text(text)
+    for page in sorted((ROOT / "docs" / "benchmarks").glob("*.md")):
+        text = page.read_text()
+        for name in ("engine", "constrained", "engines", "vllm_start", "proxy", "s3", "scale", "policies"):
+            source = ROOT / "bench" / "results" / f"{name}.md"
+            if not source.exists():
+                continue
+            table = source.read_text().strip()
+            pattern = re.compile(rf"(<!-- bench:{name} -->\n).*?(<!-- /bench:{name} -->)", re.S)
+            text = pattern.sub(lambda m, t=table: m.group(1) + t + "\n" + m.group(2), text)
+        page.write_text(text)
 
 
 if __name__ == "__main__":
