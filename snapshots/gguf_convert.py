@@ -17,6 +17,13 @@ gguf's whole tensor-name table for every module of the model while mapping names
 SmolLM2 file that was ~80 s, two thirds of it those repeats. During a conversion the reader is
 shared per file and the name table memoized; both are read-only to transformers. If a later
 transformers imports them differently the patch does nothing and the conversion is only slower.
+
+The conversion's progress bar: transformers' GGUF loader draws it with `tqdm` itself, not through
+`transformers.utils.logging.tqdm`, so it ignored the switch that turns transformers' bars off (which
+`stoker` throws whenever stderr is not a terminal: `stoker.cli.parser.quiet_progress_bars`) and
+redrew its line, carriage return after carriage return, into pipes and log files. During a
+conversion the loader's `tqdm` is transformers' own, which obeys that switch; on a terminal the bar
+is drawn as before.
 """
 
 from __future__ import annotations
@@ -36,8 +43,14 @@ _PATCH_LOCK = threading.Lock()  # the patch is module-wide: one conversion at a 
 @contextlib.contextmanager
 def _one_parse() -> Iterator[None]:
     import gguf
+    from transformers.utils import logging as hf_logging
 
+    try:
+        from transformers import modeling_gguf_pytorch_utils as loader
+    except ImportError:  # moved in a later transformers: its bar is its own business then
+        loader = None
     real_reader, real_name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    real_bar = getattr(loader, "tqdm", None)
     readers: dict[tuple, object] = {}
 
     def shared_reader(path, *args, **kwargs):
@@ -48,10 +61,14 @@ def _one_parse() -> Iterator[None]:
 
     with _PATCH_LOCK:
         gguf.GGUFReader, gguf.get_tensor_name_map = shared_reader, functools.cache(real_name_map)
+        if real_bar is not None:
+            loader.tqdm = hf_logging.tqdm  # the bar that honours disable_progress_bar()
         try:
             yield
         finally:
             gguf.GGUFReader, gguf.get_tensor_name_map = real_reader, real_name_map
+            if real_bar is not None:
+                loader.tqdm = real_bar
             readers.clear()
 
 

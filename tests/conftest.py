@@ -35,6 +35,7 @@ SLOW_FILES = (
     "tests/platform/test_openapi_fuzz.py",
     "tests/platform/test_planes.py",
     "tests/platform/test_vllm_bench_client.py",
+    "tests/platform/test_live_vs_simulated.py",  # a 61 s real-time trace replay, ~75 s in all
     "tests/platform/test_fleet_live.py",
     "tests/platform/test_compat_clients.py",
     "tests/warm_pool/test_runtime_live.py",
