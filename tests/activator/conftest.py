@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry
 from activator import Activator, ActivatorConfig, ActivatorError, ActivatorMetrics
 from stoker.errors import error_response
 from stoker.gateway.endpoint import api_error
+from tests.deadlines import deadline
 
 COMPLETION = {
     "id": "cmpl-1",
@@ -281,11 +282,11 @@ class Rig:
 async def rig() -> AsyncIterator[Rig]:
     a, b, front = Upstream(), Upstream(), Front()
     async with running(a, b, front) as (a_url, b_url, front_url), aiohttp.ClientSession() as session:
-        async with httpx.AsyncClient(base_url=front_url, timeout=5) as client:
+        async with httpx.AsyncClient(base_url=front_url, timeout=deadline(5)) as client:
             yield Rig(a, b, a_url, b_url, front, client, session)
 
 
-async def eventually(condition: Callable[[], bool], timeout_s: float = 2.0) -> None:
+async def eventually(condition: Callable[[], bool], timeout_s: float = deadline(2)) -> None:
     """Wait until `condition()` holds (it is about another task's progress, not about time)."""
     async with asyncio.timeout(timeout_s):
         while True:

@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from tests.conftest import STOKER
+from tests.deadlines import ENGINE_START, STOP, deadline
 
 
 def free_port() -> int:
@@ -33,26 +34,37 @@ class EngineProcess:
     url: str
     log: Path
 
-    def wait_ready(self, timeout: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+    def wait_ready(self, timeout: float = ENGINE_START) -> None:
+        """Until /health is 200; `timeout` is a bound from tests/deadlines.py (it scales)."""
+        end = time.monotonic() + timeout
+        last = "no answer yet"
+        while time.monotonic() < end:
             if self.proc.poll() is not None:
                 raise RuntimeError(
-                    f"engine exited with {self.proc.returncode}:\n{self.log.read_text()[-3000:]}"
+                    f"engine exited with {self.proc.returncode} before {self.url}/health answered 200:\n"
+                    f"{self.log_tail()}"
                 )
             try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                r = httpx.get(f"{self.url}/health", timeout=1)
+                if r.status_code == 200:
                     return
-            except httpx.TransportError:
-                pass
+                last = f"status {r.status_code}: {r.text[:200]}"
+            except httpx.TransportError as exc:
+                last = f"{type(exc).__name__}: {exc}"
             time.sleep(0.1)
-        raise TimeoutError(f"engine not ready after {timeout}s:\n{self.log.read_text()[-3000:]}")
+        raise TimeoutError(
+            f"engine: {self.url}/health not 200 within {timeout:g} s (last: {last}); its log:\n"
+            f"{self.log_tail()}"
+        )
+
+    def log_tail(self, chars: int = 3000) -> str:
+        return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else ""
 
     def stop(self) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
-                return self.proc.wait(timeout=30)
+                return self.proc.wait(timeout=STOP)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
         return self.proc.wait()
@@ -64,7 +76,7 @@ class OneConnection:
 
     def __init__(self, url: str) -> None:
         parts = urlsplit(url)
-        self.conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=120)
+        self.conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=deadline(120))
         self.sock = None
 
     def post(self, path: str, body: dict | bytes) -> tuple[int, dict, dict]:
@@ -100,6 +112,7 @@ def tiny_snapshot(tiny_model_dir: Path, stoker_env: dict) -> Path:
         capture_output=True,
         text=True,
         check=True,
+        timeout=deadline(300),
     )
     return Path(json.loads(out.stdout)["path"])
 

@@ -11,6 +11,8 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
+from tests.deadlines import HTTP_READ
+
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 
@@ -227,7 +229,7 @@ def test_the_role_chunk_comes_with_the_first_token(engine):
         "stream": True,
     }
     before = ttft_count(engine.url)
-    with httpx.stream("POST", f"{engine.url}/v1/chat/completions", json=body, timeout=60) as r:
+    with httpx.stream("POST", f"{engine.url}/v1/chat/completions", json=body, timeout=HTTP_READ) as r:
         events = (line[len("data: ") :] for line in r.iter_lines() if line.startswith("data: "))
         first = json.loads(next(events))
         counted_at_first_chunk = ttft_count(engine.url)  # before reading any further

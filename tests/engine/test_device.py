@@ -19,6 +19,7 @@ import torch
 from stoker.engine import weights
 from stoker.engine.core import EngineConfig
 from tests.conftest import STOKER
+from tests.deadlines import HTTP_READ
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where there is no GPU")
@@ -191,5 +192,5 @@ def test_on_a_gpu_the_engine_serves_sleeps_and_wakes_with_the_same_answers(fresh
     before = httpx.post(f"{e.url}/v1/completions", json=GREEDY).json()["choices"][0]["text"]
     for level in (1, 2):
         assert httpx.post(f"{e.url}/sleep?level={level}").status_code == 200
-        assert httpx.post(f"{e.url}/wake_up", timeout=60).status_code == 200
+        assert httpx.post(f"{e.url}/wake_up", timeout=HTTP_READ).status_code == 200
         assert httpx.post(f"{e.url}/v1/completions", json=GREEDY).json()["choices"][0]["text"] == before

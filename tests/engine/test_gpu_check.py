@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from stoker.engine import weights
+from tests.deadlines import deadline
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "bench" / "gpu_check.py"
@@ -51,7 +52,9 @@ def test_the_8b_snapshot_has_every_tensor_of_llama_3_8b_by_its_name(gpu_check, t
 def test_tiny_check_runs_end_to_end_and_reports_every_figure(tmp_path: Path, stoker_env):
     out = tmp_path / "check.json"
     cmd = [sys.executable, str(SCRIPT), "--tiny", "--device", "cpu", "--dir", str(tmp_path / "snapshot")]
-    r = subprocess.run([*cmd, "--out", str(out)], env=stoker_env, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [*cmd, "--out", str(out)], env=stoker_env, capture_output=True, text=True, timeout=deadline(600)
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads(r.stdout)  # one JSON object on stdout, progress on stderr
     assert json.loads(out.read_text()) == result

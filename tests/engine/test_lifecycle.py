@@ -11,18 +11,20 @@ import time
 import httpx
 import pytest
 
+from tests.deadlines import HTTP_READ, deadline
+
 GREEDY = {"model": "tiny", "prompt": "The capital of France", "max_tokens": 12, "temperature": 0}
 
 
 def metric(url: str, name: str, **labels: str) -> float:
-    text = httpx.get(f"{url}/metrics").text
+    text = httpx.get(f"{url}/metrics", timeout=HTTP_READ).text
     for line in text.splitlines():
         if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
             return float(line.split()[-1])
     return 0.0
 
 
-def stream_lines(url: str, body: dict, timeout: float = 60):
+def stream_lines(url: str, body: dict, timeout: float = HTTP_READ):
     """Open a streaming completion; returns (client, response) for the caller to read and close."""
     client = httpx.Client(timeout=timeout)
     request = client.build_request("POST", f"{url}/v1/completions", json={**body, "stream": True})
@@ -88,7 +90,9 @@ def test_waiting_request_is_served_when_a_slot_frees(fresh_engine):
     results = []
 
     def call():
-        results.append(httpx.post(f"{e.url}/v1/completions", json={**GREEDY, "max_tokens": 30}, timeout=60))
+        results.append(
+            httpx.post(f"{e.url}/v1/completions", json={**GREEDY, "max_tokens": 30}, timeout=HTTP_READ)
+        )
 
     threads = [threading.Thread(target=call) for _ in range(3)]
     for t in threads:
@@ -107,8 +111,8 @@ def test_client_disconnect_cancels_generation(engine):
     next(line for line in lines if line.startswith("data:"))
     resp.close()
     client.close()
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
+    end = time.monotonic() + deadline(10)
+    while time.monotonic() < end:
         if metric(engine.url, "vllm:request_success_total", finished_reason="abort") > aborted:
             break
         time.sleep(0.05)
@@ -133,7 +137,7 @@ def test_sigterm_lets_the_stream_in_flight_finish(fresh_engine):
     events = [json.loads(line[6:]) for line in [first, *rest[:-1]]]
     assert rest[-1] == "data: [DONE]"
     assert events[-1]["choices"][0]["finish_reason"] in ("stop", "length")
-    assert e.proc.wait(timeout=30) == 0
+    assert e.proc.wait(timeout=deadline(30)) == 0
     with pytest.raises(httpx.TransportError):
         httpx.get(f"{e.url}/health", timeout=2)
 

@@ -15,6 +15,8 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
+from tests.deadlines import deadline
+
 CHAT = [{"role": "user", "content": "Describe a city as JSON."}]
 
 
@@ -110,7 +112,7 @@ async def test_constrained_and_free_requests_share_a_batch_without_leaking(engin
     free_body = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 24, "temperature": 0}
     fmt_body = {"model": "tiny", "prompt": "JSON:", "max_tokens": 400, "temperature": 1.0,
                 "response_format": FORMAT}  # fmt: skip
-    async with httpx.AsyncClient(base_url=engine.url, timeout=120) as http:
+    async with httpx.AsyncClient(base_url=engine.url, timeout=deadline(120)) as http:
 
         async def text(body: dict, seed: int | None = None) -> dict:
             r = await http.post("/v1/completions", json={**body, "seed": seed} if seed else body)

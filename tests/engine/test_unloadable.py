@@ -9,6 +9,7 @@ import shutil
 import subprocess
 
 from tests.conftest import STOKER
+from tests.deadlines import deadline
 from tests.engine.conftest import free_port
 
 
@@ -23,7 +24,7 @@ def test_a_load_that_fails_exits_1_in_one_line(tmp_path, tiny_model_dir, stoker_
         env=stoker_env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=deadline(300),
     )
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr

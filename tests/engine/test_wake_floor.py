@@ -13,6 +13,8 @@ from pathlib import Path
 
 import httpx
 
+from tests.deadlines import COLD_ANSWER
+
 # A prompt of several full 32-token KV blocks: the manager's prefix cache hashes them, and a woken
 # engine must not match them against blocks whose memory sleep handed back (they read zeros).
 PROMPT = " ".join(["the model reads a long prompt about the capital of France"] * 12)
@@ -43,7 +45,7 @@ def mapped_rss(pid: int, directory: Path, suffix: str = ".safetensors") -> int:
 
 
 def answer(url: str) -> dict:
-    r = httpx.post(f"{url}/v1/completions", json=GREEDY, timeout=120)
+    r = httpx.post(f"{url}/v1/completions", json=GREEDY, timeout=COLD_ANSWER)
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     return {"text": choice["text"], "logprobs": choice["logprobs"]}
@@ -55,8 +57,8 @@ def test_woken_engine_answers_as_one_that_never_slept(engine, fresh_engine):
     reference = answer(never.url)
     assert answer(woken.url) == reference  # its prefix cache now holds the prompt's blocks
     for level in (1, 2, 1, 2):
-        assert httpx.post(f"{woken.url}/sleep?level={level}", timeout=120).status_code == 200
-        assert httpx.post(f"{woken.url}/wake_up", timeout=120).status_code == 200
+        assert httpx.post(f"{woken.url}/sleep?level={level}", timeout=COLD_ANSWER).status_code == 200
+        assert httpx.post(f"{woken.url}/wake_up", timeout=COLD_ANSWER).status_code == 200
         assert answer(woken.url) == reference, f"after a level-{level} wake"
     assert answer(never.url) == reference
 
@@ -71,12 +73,12 @@ def test_sleep_hands_back_the_kv_cache_and_wake_does_not_allocate_it_again(fresh
     assert mapped_rss(pid, tiny_snapshot) >= 0.9 * size  # mapped in by the load, before READY
     answer(e.url)
     awake = status_kib(pid, "RssAnon") * 1024
-    assert httpx.post(f"{e.url}/sleep?level=1", timeout=120).status_code == 200
+    assert httpx.post(f"{e.url}/sleep?level=1", timeout=COLD_ANSWER).status_code == 200
     asleep = status_kib(pid, "RssAnon") * 1024
     assert awake - asleep >= 0.75 * KV_BYTES, (awake / MIB, asleep / MIB)
     assert mapped_rss(pid, tiny_snapshot) == 0  # the weights are unmapped too
 
-    assert httpx.post(f"{e.url}/wake_up", timeout=120).status_code == 200
+    assert httpx.post(f"{e.url}/wake_up", timeout=COLD_ANSWER).status_code == 200
     # The weights are in the page tables before the first request: it takes no page faults on them.
     assert mapped_rss(pid, tiny_snapshot) >= 0.9 * size
     answer(e.url)  # the kept manager serves; a new one would have written its whole cache by now
@@ -91,14 +93,14 @@ def test_sleep_hands_back_the_kv_cache_and_wake_does_not_allocate_it_again(fresh
         "temperature": 0,
         "response_format": {"type": "json_object"},
     }
-    r = httpx.post(f"{e.url}/v1/completions", json=body, timeout=120)
+    r = httpx.post(f"{e.url}/v1/completions", json=body, timeout=COLD_ANSWER)
     assert r.status_code == 200, r.text
     assert llguidance_loaded(pid)
     bad = {
         **body,
         "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 7}}},
     }
-    r = httpx.post(f"{e.url}/v1/completions", json=bad, timeout=120)
+    r = httpx.post(f"{e.url}/v1/completions", json=bad, timeout=COLD_ANSWER)
     assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
 
 

@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from stoker.engine import weights
+from tests.deadlines import HTTP_READ
 from tests.engine.conftest import launch_engine
 
 GREEDY = {"model": "tiny", "prompt": "The capital of France", "max_tokens": 12, "temperature": 0}
@@ -107,7 +108,7 @@ def test_the_fallback_engine_serves_the_same_model_and_wakes(
         assert "loading through transformers' from_pretrained instead" in e.log.read_text()
         assert httpx.post(f"{e.url}/v1/completions", json=GREEDY).json()["choices"][0]["text"] == expected
         assert httpx.post(f"{e.url}/sleep?level=1").status_code == 200
-        assert httpx.post(f"{e.url}/wake_up", timeout=60).status_code == 200
+        assert httpx.post(f"{e.url}/wake_up", timeout=HTTP_READ).status_code == 200
         assert httpx.post(f"{e.url}/v1/completions", json=GREEDY).json()["choices"][0]["text"] == expected
     finally:
         assert e.stop() == 0

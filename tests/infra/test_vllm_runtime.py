@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
+from tests.deadlines import VLLM_START
 from warm_pool.handoff import SOCKET_NAME, TOKEN_ENV, Handoff, HandoffError, hand_off
 from warm_pool.launch import vllm_spec
 
@@ -30,7 +31,7 @@ needs_vllm = pytest.mark.skipif(
     not VLLM.exists() and not os.environ.get("CI"),  # in CI `make test` builds it: there it must run
     reason="vLLM's CPU build is not installed: `make vllm`",
 )
-DEADLINE_S = 600  # a vLLM start on a busy 2-core machine: generous, never asserted
+DEADLINE_S = VLLM_START  # a vLLM start on a busy 2-core machine: generous, never asserted
 
 
 def load_runtime_module():
@@ -77,10 +78,12 @@ def start_runtime(tmp_path: Path, token: str) -> tuple[subprocess.Popen, Path, P
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
-    deadline = time.monotonic() + DEADLINE_S
+    end = time.monotonic() + DEADLINE_S
     while not (sock_dir / SOCKET_NAME).exists():
         assert proc.poll() is None, log.read_text()[-3000:]
-        assert time.monotonic() < deadline, "the runtime did not listen"
+        assert time.monotonic() < end, (
+            f"the runtime did not listen within {DEADLINE_S:g} s:\n{log.read_text()[-3000:]}"
+        )
         time.sleep(0.2)
     return proc, sock_dir, log
 

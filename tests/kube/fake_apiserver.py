@@ -46,6 +46,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from tests.deadlines import SERVER_START
+
 SCHEMA_VERSION = "1.33.0"
 HISTORY = 1000  # watch events kept for resumption; older versions answer 410 Expired
 
@@ -489,9 +491,14 @@ class FakeApiServer:
         config = uvicorn.Config(self.app, log_level="warning", lifespan="off", timeout_graceful_shutdown=1)
         server = uvicorn.Server(config)
         task = asyncio.create_task(server.serve(sockets=[sock]))
+        end = asyncio.get_running_loop().time() + SERVER_START
         while not server.started:
             if task.done():
-                task.result()
+                task.result()  # its exception, if it failed to start
+                raise RuntimeError("the fake API server's uvicorn ended before it started serving")
+            if asyncio.get_running_loop().time() > end:
+                task.cancel()
+                raise TimeoutError(f"the fake API server did not start serving within {SERVER_START:g} s")
             await asyncio.sleep(0.01)
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
         try:

@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.deadlines import ENGINE_START, HTTP_READ, deadline
 from tests.kube.conftest import NAMESPACE, Cluster_, TinyStore, kube_config
 from tests.snapshots.s3_support import free_port
 from warm_pool.backend import Placement
@@ -18,7 +19,7 @@ from warm_pool.errors import PoolError, StartFailed
 from warm_pool.kube import KubeBackend, PodHandle, snapshot_label
 from warm_pool.launch import LaunchSpec, cpu_engine_spec
 
-READY_S = 120.0  # generous: a loaded 2-core machine imports torch slowly
+READY_S = ENGINE_START  # an engine pod READY: a loaded 2-core machine imports torch slowly
 
 
 def placement(store: TinyStore, instance_id: str, secret: str = "", uri: str | None = None) -> Placement:
@@ -50,7 +51,7 @@ def web_spec() -> LaunchSpec:
 async def completion(url: str, key: str | None) -> httpx.Response:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     body = {"model": "tiny", "prompt": "Hello", "max_tokens": 4}
-    async with httpx.AsyncClient(timeout=60) as http:
+    async with httpx.AsyncClient(timeout=HTTP_READ) as http:
         return await http.post(f"{url}/v1/completions", json=body, headers=headers)
 
 
@@ -73,19 +74,19 @@ async def test_a_pod_starts_serves_with_its_secret_and_stops_leaving_nothing(
 
         url = await backend.wait_ready(handle, READY_S, health_path="/health")
         assert backend.is_alive(handle)
-        async with httpx.AsyncClient(timeout=30) as http:
+        async with httpx.AsyncClient(timeout=deadline(30)) as http:
             assert (await http.get(f"{url}/health")).status_code == 200
         assert (await completion(url, None)).status_code == 401
         answer = await completion(url, key)
         assert answer.status_code == 200, answer.text
         assert answer.json()["choices"][0]["text"] is not None
 
-        code = await backend.stop(handle, term_timeout_s=10)
+        code = await backend.stop(handle, term_timeout_s=deadline(10))
         assert code == 0
         assert not backend.is_alive(handle)
         assert cluster.api.get("pods", NAMESPACE, "tiny-0a1b2c3d") is None
         assert cluster.api.get("secrets", NAMESPACE, "tiny-0a1b2c3d-key") is None
-        assert await backend.stop(handle, term_timeout_s=10) is None  # safe to repeat
+        assert await backend.stop(handle, term_timeout_s=deadline(10)) is None  # safe to repeat
     finally:
         await backend.aclose()
 
@@ -112,7 +113,7 @@ async def test_a_restarted_controller_adopts_its_pods_and_no_other_owners(
         assert (found.url, found.secret, found.handle) == (url, key, handle)
         assert (await completion(found.url, found.secret)).status_code == 200
         assert restarted.is_alive(found.handle)
-        assert await restarted.stop(found.handle, term_timeout_s=10) == 0
+        assert await restarted.stop(found.handle, term_timeout_s=deadline(10)) == 0
         await other.stop(strangers, term_timeout_s=5)
     finally:
         for backend in (first, other, restarted):

@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import yaml
 
+from tests.deadlines import ENGINE_START, deadline
 from tests.engine.conftest import free_port
 from tests.kube.conftest import NAMESPACE, TOKEN, TinyStore
 from tests.platform.conftest import PlatformProcess
@@ -44,13 +45,13 @@ def kubeconfig(path: Path, server: str) -> Path:
 
 def chat(url: str) -> httpx.Response:
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
-    return httpx.post(f"{url}/v1/chat/completions", json=body, headers=H, timeout=180)
+    return httpx.post(f"{url}/v1/chat/completions", json=body, headers=H, timeout=deadline(180))
 
 
-async def until(condition, what: str, within_s: float = 120) -> None:
-    deadline = time.monotonic() + within_s
+async def until(condition, what: str, within_s: float = ENGINE_START) -> None:
+    end = time.monotonic() + within_s
     while not await asyncio.to_thread(condition):
-        if time.monotonic() > deadline:
+        if time.monotonic() > end:
             raise TimeoutError(f"{what}: not within {within_s:g} s")
         await asyncio.sleep(0.2)
 

@@ -9,13 +9,14 @@ from lightkube import AsyncClient
 from lightkube.resources.coordination_v1 import Lease
 
 from stoker.control.leader import LeaderElector
+from tests.deadlines import deadline
 from tests.kube.conftest import NAMESPACE, TOKEN, Cluster_
 
 # Renewals come fast, but a leader tolerates a stall of renew_deadline_s (5.75 s) before it steps
 # down: on a loaded CI machine the event loop can stop for a second, and a test must not read
 # that as a lost lease. Only the takeover test waits out a whole lease.
 FAST = {"lease_s": 6.0, "renew_s": 0.25}
-WITHIN_S = 30.0  # generous bound on any event-driven wait
+WITHIN_S = deadline(30)  # generous bound on any event-driven wait
 
 
 class Replica:

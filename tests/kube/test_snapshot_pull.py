@@ -16,6 +16,7 @@ import pytest
 from lightkube.resources.core_v1 import Secret
 
 from tests.conftest import STOKER
+from tests.deadlines import deadline
 from tests.kube.conftest import NAMESPACE, Cluster_
 from tests.kube.test_backend import READY_S, Source, completion
 from tests.snapshots.s3_support import ACCESS_KEY, SECRET_KEY, MotoServer, aws_env
@@ -95,7 +96,7 @@ async def test_the_init_container_pulls_the_snapshot_onto_the_node_then_the_engi
         url = await backend.wait_ready(handle, READY_S, health_path="/health")
         assert (node_store / published / "config.json").is_file()
         assert (await completion(url, key)).status_code == 200
-        await backend.stop(handle, term_timeout_s=10)
+        await backend.stop(handle, term_timeout_s=deadline(10))
     finally:
         await backend.aclose()
 

@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from tests.conftest import STOKER
+from tests.deadlines import FACTOR, HOLD, HTTP_READ, PLATFORM_START, STOP, WAIT, deadline
 from tests.engine.conftest import free_port
 
 
@@ -43,21 +44,42 @@ class PlatformProcess:
         self.log = self.home / f"up-{time.monotonic_ns()}.log"
         self.home.mkdir(parents=True, exist_ok=True)
         with self.log.open("wb") as out:
-            cmd = [STOKER, self.command, "--port", str(self.port), *self.args, *self._runtimes()]
+            defaults = (*self._hold(), *self._runtimes())
+            cmd = [STOKER, self.command, "--port", str(self.port), *self.args, *defaults]
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=self.env)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
+        end = time.monotonic() + PLATFORM_START
+        last = "no answer yet"
+        while time.monotonic() < end:
             if self.proc.poll() is not None:
                 raise RuntimeError(
-                    f"stoker {self.command} exited {self.proc.returncode}:\n{self.log.read_text()[-3000:]}"
+                    f"stoker {self.command} exited {self.proc.returncode} before {self.url}/healthz "
+                    f"answered 200:\n{self.log_tail()}"
                 )
             try:
-                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
+                r = httpx.get(f"{self.url}/healthz", timeout=1)
+                if r.status_code == 200:
                     return self
-            except httpx.TransportError:
-                pass
+                last = f"status {r.status_code}: {r.text[:200]}"
+            except httpx.TransportError as exc:
+                last = f"{type(exc).__name__}: {exc}"
             time.sleep(0.05)
-        raise TimeoutError(self.log.read_text()[-3000:])
+        raise TimeoutError(
+            f"stoker {self.command}: {self.url}/healthz not 200 within {PLATFORM_START:g} s "
+            f"(last: {last}); its log:\n{self.log_tail()}"
+        )
+
+    def log_tail(self, chars: int = 3000) -> str:
+        return self.log.read_text(errors="replace")[-chars:] if self.log and self.log.exists() else ""
+
+    def _hold(self) -> tuple[str, ...]:
+        """A hold deadline scaled like every other bound (STOKER_TEST_TIMEOUT_FACTOR), unless the test
+        chose one: held requests wait out engine starts, which a loaded machine makes longer. At a
+        factor of 1 nothing is added, and the platform's default (120 s, HOLD) applies."""
+        if FACTOR == 1 or self.command not in ("up", "gateway"):
+            return ()
+        if any(a == "--hold-deadline" or a.startswith("--hold-deadline=") for a in self.args):
+            return ()
+        return ("--hold-deadline", f"{HOLD:g}s")
 
     def _runtimes(self) -> tuple[str, ...]:
         """No warm runtime unless a test asks (`--warm-runtimes N`): each is a process importing
@@ -72,14 +94,14 @@ class PlatformProcess:
             return self.proc.returncode if self.proc else 0
         self.proc.send_signal(sig)
         try:
-            return self.proc.wait(timeout=90)
+            return self.proc.wait(timeout=STOP)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             return self.proc.wait()
 
     def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
         return subprocess.run(
-            [STOKER, *args], env=self.env, capture_output=True, text=True, check=check, timeout=600
+            [STOKER, *args], env=self.env, capture_output=True, text=True, check=check, timeout=deadline(600)
         )
 
     def deploy(self, name: str, model: Path | str, *flags: str) -> dict:
@@ -91,7 +113,7 @@ class PlatformProcess:
         the engine start being waited for (the CLI's own output is tested in test_cli_*.py)."""
         admin = self.extra_env.get("STOKER_ADMIN_KEY")
         headers = {"authorization": f"Bearer {admin}"} if admin else {}
-        r = httpx.get(f"{self.url}{path}", headers=headers, timeout=60)
+        r = httpx.get(f"{self.url}{path}", headers=headers, timeout=HTTP_READ)
         r.raise_for_status()
         return r.json()
 
@@ -112,18 +134,29 @@ class PlatformProcess:
         total = 0.0
         admin = self.extra_env.get("STOKER_ADMIN_KEY")
         headers = {"authorization": f"Bearer {admin}"} if admin else {}
-        for line in httpx.get(f"{self.url}/metrics", headers=headers).text.splitlines():
+        for line in httpx.get(f"{self.url}/metrics", headers=headers, timeout=HTTP_READ).text.splitlines():
             if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
                 total += float(line.split()[-1])
         return total
 
-    def wait_for(self, condition, timeout: float = 60, what: str = "condition") -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if condition():
-                return
+    def wait_for(self, condition, timeout: float = WAIT, what: str = "condition") -> None:
+        """Poll `condition` until it is true, for `timeout` seconds: a bound from tests/deadlines.py
+        (WAIT, ENGINE_START, `deadline(n)`), so that it scales on a loaded machine. A condition whose
+        HTTP read fails (a platform too busy to answer in time) counts as not yet true."""
+        end = time.monotonic() + timeout
+        last = "never checked"
+        while time.monotonic() < end:
+            try:
+                if condition():
+                    return
+                last = "false"
+            except httpx.TransportError as exc:
+                last = f"{type(exc).__name__}: {exc}"
             time.sleep(0.1)
-        raise TimeoutError(f"{what} not reached in {timeout}s:\n{self.log.read_text()[-3000:]}")
+        raise TimeoutError(
+            f"{what} not reached within {timeout:g} s (last check: {last}); stoker {self.command}'s "
+            f"log:\n{self.log_tail()}"
+        )
 
 
 def pid_alive(pid: int) -> bool:

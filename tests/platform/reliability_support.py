@@ -27,6 +27,8 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
+from tests.deadlines import deadline
+
 COMPLETE, REFUSED, LOST = "complete", "refused", "lost"
 ERROR_FIELDS = {"message", "type", "param", "code"}
 
@@ -163,11 +165,21 @@ class Load:
         """No new request from now on; those in flight run to their end (or their bound)."""
         self._stopping.set()
 
-    async def wait_finished(self, n: int, since: float = 0.0, within_s: float = 120.0) -> None:
+    async def wait_finished(self, n: int, since: float = 0.0, within_s: float = deadline(120)) -> None:
         """Until `n` requests that began at or after `since` have an outcome."""
-        async with asyncio.timeout(within_s):
-            async with self._done:
-                await self._done.wait_for(lambda: sum(o.started >= since for o in self.outcomes) >= n)
+
+        def finished() -> int:
+            return sum(o.started >= since for o in self.outcomes)
+
+        try:
+            async with asyncio.timeout(within_s):
+                async with self._done:
+                    await self._done.wait_for(lambda: finished() >= n)
+        except TimeoutError:
+            raise TimeoutError(
+                f"{n} requests finished not within {within_s:g} s: {finished()} did "
+                f"({len(self.outcomes)} in all); the last: {[(o.kind, o.status) for o in self.outcomes[-5:]]}"
+            ) from None
 
     async def _worker(self) -> None:
         while not self._stopping.is_set():

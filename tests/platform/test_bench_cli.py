@@ -15,6 +15,7 @@ import pytest
 from stoker.cli.loadgen import poisson_arrivals
 from stoker.cli.main import build_parser
 from tests.conftest import STOKER
+from tests.deadlines import CLI
 from tests.snapshots.support import assert_one_line_error
 
 SMALL = ("--prompt-tokens", "8", "--output-tokens", "4")
@@ -87,7 +88,7 @@ def test_bench_then_plan(shared_platform, tmp_path):
 
 def stoker(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "STOKER_URL": "http://127.0.0.1:1"}
-    return subprocess.run([STOKER, *args], capture_output=True, text=True, timeout=60, env=env)
+    return subprocess.run([STOKER, *args], capture_output=True, text=True, timeout=CLI, env=env)
 
 
 @pytest.fixture

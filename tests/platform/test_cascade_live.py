@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from tests.conftest import build_tiny_model
+from tests.deadlines import COLD_ANSWER, HTTP_READ, deadline
 from tests.engine.conftest import free_port
 from tests.platform.conftest import PlatformProcess
 from tests.snapshots.support import assert_one_line_error
@@ -54,13 +55,16 @@ def p(tmp_path_factory, tiny_model_dir):
 
 
 def admin(p, method: str, path: str, body: dict | None = None) -> httpx.Response:
-    return httpx.request(method, p.url + path, json=body, headers=AUTH, timeout=60)
+    return httpx.request(method, p.url + path, json=body, headers=AUTH, timeout=HTTP_READ)
 
 
 def chat(p, model: str, content: str = "Hello", key: str = ADMIN, **extra) -> httpx.Response:
     body = {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 4, **extra}
     return httpx.post(
-        f"{p.url}/v1/chat/completions", json=body, headers={"authorization": f"Bearer {key}"}, timeout=120
+        f"{p.url}/v1/chat/completions",
+        json=body,
+        headers={"authorization": f"Bearer {key}"},
+        timeout=COLD_ANSWER,
     )
 
 
@@ -81,7 +85,7 @@ def test_a_sure_answer_stays_on_small_and_an_unsure_one_escalates(p):
         f"{p.url}/v1/completions",
         json={"model": "strict", "prompt": "Hello", "max_tokens": 3},
         headers=AUTH,
-        timeout=120,
+        timeout=deadline(120),
     )
     assert legacy.headers["x-stoker-cascade"] == "escalated-unsure" and legacy.json()["model"] == "big"
     assert p.metric("stoker_cascade_requests_total", route="assist", outcome="small") == 1
@@ -118,7 +122,9 @@ def _stream(p, model: str, content: str) -> tuple[httpx.Headers, list[str]]:
         "max_tokens": 4,
         "stream": True,
     }
-    with httpx.stream("POST", f"{p.url}/v1/chat/completions", json=body, headers=AUTH, timeout=120) as r:
+    with httpx.stream(
+        "POST", f"{p.url}/v1/chat/completions", json=body, headers=AUTH, timeout=COLD_ANSWER
+    ) as r:
         assert r.status_code == 200
         lines = [line for line in r.iter_lines() if line.startswith("data:")]
         return r.headers, lines

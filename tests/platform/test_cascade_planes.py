@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 
 from tests.conftest import build_tiny_model
+from tests.deadlines import HTTP_READ, deadline, flag
 from tests.engine.conftest import free_port
 from tests.platform.conftest import PlatformProcess
 
@@ -26,12 +27,12 @@ FAR_TOO_LONG = TOO_LONG * 3
 
 
 def admin(p: PlatformProcess, method: str, path: str, body: dict | None = None) -> httpx.Response:
-    return httpx.request(method, p.url + path, json=body, headers=H, timeout=60)
+    return httpx.request(method, p.url + path, json=body, headers=H, timeout=HTTP_READ)
 
 
 def chat(p: PlatformProcess, model: str, content: str = "Hello", **extra) -> httpx.Response:
     body = {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 4, **extra}
-    return httpx.post(f"{p.url}/v1/chat/completions", json=body, headers=H, timeout=180)
+    return httpx.post(f"{p.url}/v1/chat/completions", json=body, headers=H, timeout=deadline(180))
 
 
 def test_a_gateway_serves_the_controllers_routes(tmp_path: Path, tiny_model_dir: Path) -> None:
@@ -41,7 +42,7 @@ def test_a_gateway_serves_the_controllers_routes(tmp_path: Path, tiny_model_dir:
     ).start()
     started = [controller]
     try:
-        gw_args = ("--controller", controller.url, "--gateway-id", "gw-0", "--hold-deadline", "150s")
+        gw_args = ("--controller", controller.url, "--gateway-id", "gw-0", "--hold-deadline", flag(150))
         gateway = PlatformProcess(tmp_path / "gw", free_port(), gw_args, extra_env=ENV, command="gateway")
         started.append(gateway.start())
 
@@ -58,13 +59,13 @@ def test_a_gateway_serves_the_controllers_routes(tmp_path: Path, tiny_model_dir:
 
         # The routing table carries the route with the small one's context, for the pre-check.
         table = httpx.get(
-            f"{controller.url}/cluster/v1/routes", params={"gateway": "gw-0"}, headers=H, timeout=30
+            f"{controller.url}/cluster/v1/routes", params={"gateway": "gw-0"}, headers=H, timeout=deadline(30)
         ).json()
         assert table["cascades"] == [{**route, "escalate_on_context": True, "small_context": 64}]
 
         # Served by the gateway from its copy: held while both instances start, then answered.
         gateway.wait_for(
-            lambda: chat(gateway, "assist").status_code == 200, timeout=240, what="a first answer"
+            lambda: chat(gateway, "assist").status_code == 200, timeout=deadline(240), what="a first answer"
         )
         sure = chat(gateway, "assist", temperature=0)
         assert sure.status_code == 200, sure.text

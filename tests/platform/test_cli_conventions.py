@@ -16,6 +16,7 @@ import pytest
 
 from stoker.cli.main import build_parser
 from tests.conftest import STOKER
+from tests.deadlines import CLI, deadline
 from tests.snapshots.support import assert_one_line_error
 
 CLIENT_COMMANDS = (
@@ -41,7 +42,7 @@ CLIENT_COMMANDS = (
 
 def stoker(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "STOKER_URL": "http://127.0.0.1:1", **(env or {})}
-    return subprocess.run([STOKER, *args], capture_output=True, text=True, timeout=60, env=env)
+    return subprocess.run([STOKER, *args], capture_output=True, text=True, timeout=CLI, env=env)
 
 
 def test_version():
@@ -135,5 +136,7 @@ def test_no_progress_bars_when_stderr_is_not_a_terminal():
         "print(logging.is_progress_bar_enabled(), hub.are_progress_bars_disabled())"
     )
     env = {k: v for k, v in os.environ.items() if k != "HF_HUB_DISABLE_PROGRESS_BARS"}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=deadline(120), env=env
+    )
     assert proc.stdout.split() == ["False", "True"], proc.stderr

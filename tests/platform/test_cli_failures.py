@@ -21,13 +21,16 @@ import httpx
 import pytest
 
 from tests.conftest import STOKER
+from tests.deadlines import CLI, ENGINE_START, HTTP_READ, deadline
 from tests.engine.conftest import free_port
 from tests.platform.conftest import PlatformProcess
 from tests.snapshots.support import assert_one_line_error
 from tests.snapshots.test_hf_cache import cache_model
 
 ADMIN = "sk-admin-for-the-failure-tests"
-HOLD_DEADLINE_S = 300  # far beyond the two failed starts (about 12 s here) the 503 must come after
+HOLD_DEADLINE_S = deadline(300)  # far beyond the two failed starts (about 12 s here) the 503 must come after
+# An age as `stoker describe` prints it (`format_duration`, whole seconds): 0s, 59s, 1m14s, 2h3m, 1d5s.
+AGE = r"(?:\d+[dhms])+ ago"
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +45,7 @@ def platform(tmp_path_factory, tiny_model_dir: Path):
     p = PlatformProcess(
         root / "home",
         free_port(),
-        ("--unavailable-after", "2", "--hold-deadline", f"{HOLD_DEADLINE_S}s", "--stable-window", "2s"),
+        ("--unavailable-after", "2", "--hold-deadline", f"{HOLD_DEADLINE_S:g}s", "--stable-window", "2s"),
         extra_env={"STOKER_ADMIN_KEY": ADMIN, "HF_HOME": str(root / "hf")},
     ).start()
     try:
@@ -65,7 +68,7 @@ def test_failed_starts_are_a_503_that_says_why_before_the_hold_deadline(platform
         f"{p.url}/v1/completions",
         json={"model": "broken", "prompt": "x", "max_tokens": 2},
         headers=headers,
-        timeout=HOLD_DEADLINE_S + 30,
+        timeout=HOLD_DEADLINE_S + HTTP_READ,
     )
     assert time.monotonic() - started < HOLD_DEADLINE_S / 2
     assert r.status_code == 503 and "retry-after" in r.headers
@@ -128,7 +131,7 @@ def test_a_ready_deployment_shows_its_instances_and_a_follow_runs_until_the_clie
     platform: PlatformProcess,
 ):
     p = platform
-    p.wait_for(lambda: p.deployments()["tiny"]["instances"]["READY"] == 1, timeout=120, what="tiny READY")
+    p.wait_for(lambda: p.deployments()["tiny"]["instances"]["READY"] == 1, ENGINE_START, "tiny READY")
     d = describe(p, "tiny")
     [inst] = d["instance_list"]
     assert (
@@ -139,7 +142,7 @@ def test_a_ready_deployment_shows_its_instances_and_a_follow_runs_until_the_clie
     assert d["last_failure"] is None and d["unavailable"] is None
     text = p.cli("describe", "tiny").stdout
     # DEVICE is "-": no shared device (`stoker up --device-memory`).
-    assert re.search(rf"\n  {inst['id']} +READY +\d+[smh]+ ago +- +{inst['url']}\n", text), text
+    assert re.search(rf"\n  {inst['id']} +READY +{AGE} +- +{inst['url']}\n", text), text
     assert "Last failure:    none" in text
 
     with subprocess.Popen(
@@ -149,12 +152,12 @@ def test_a_ready_deployment_shows_its_instances_and_a_follow_runs_until_the_clie
         time.sleep(0.5)
         assert follow.poll() is None  # the instance lives: the follow goes on
         follow.terminate()  # the client leaves
-        follow.wait(timeout=10)
+        follow.wait(timeout=deadline(10))
     assert httpx.get(f"{p.url}/healthz").status_code == 200
     # --url wins over $STOKER_URL.
     moved = {**p.env, "STOKER_URL": "http://127.0.0.1:1"}
     ls = subprocess.run(
-        [STOKER, "ls", "tiny", "--url", p.url], env=moved, capture_output=True, text=True, timeout=60
+        [STOKER, "ls", "tiny", "--url", p.url], env=moved, capture_output=True, text=True, timeout=CLI
     )
     assert ls.returncode == 0 and ls.stdout.splitlines()[1].startswith("tiny ")
 

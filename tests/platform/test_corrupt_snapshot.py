@@ -8,6 +8,8 @@ import time
 
 import httpx
 
+from tests.deadlines import deadline
+
 
 def test_a_truncated_snapshot_file_is_a_clear_503_and_no_restart_loop(platform_factory, tiny_model_dir):
     p = platform_factory("--hold-deadline", "60")
@@ -18,7 +20,7 @@ def test_a_truncated_snapshot_file_is_a_clear_503_and_no_restart_loop(platform_f
 
     body = {"model": "tiny", "prompt": "x", "max_tokens": 2}
     started = time.monotonic()
-    r = httpx.post(f"{p.url}/v1/completions", json=body, timeout=90)
+    r = httpx.post(f"{p.url}/v1/completions", json=body, timeout=deadline(90))
     assert time.monotonic() - started < 30  # not the 60 s hold deadline
     assert r.status_code == 503 and "retry-after" in r.headers
     error = r.json()["error"]
@@ -29,7 +31,7 @@ def test_a_truncated_snapshot_file_is_a_clear_503_and_no_restart_loop(platform_f
     # More requests are refused at once, and nothing more is started (the backoff would have
     # retried after 1 s, 2 s, 4 s ... and each retry failed the same way).
     for _ in range(3):
-        again = httpx.post(f"{p.url}/v1/completions", json=body, timeout=90)
+        again = httpx.post(f"{p.url}/v1/completions", json=body, timeout=deadline(90))
         assert again.status_code == 503 and again.json()["error"]["code"] == "deployment_unavailable"
     time.sleep(3)
     assert p.metric("stoker_instance_starts_total", deployment="tiny", outcome="failed") == 1

@@ -17,6 +17,7 @@ from stoker.control.cost import CostMeter, Ledger, summarize
 from stoker.control.prices import PriceError, PriceTable, load_prices
 from stoker.errors import APIError
 from tests.conftest import STOKER
+from tests.deadlines import CLI
 from tests.snapshots.support import assert_one_line_error
 from warm_pool.metrics import PoolMetrics
 from warm_pool.states import InstanceState as S
@@ -290,7 +291,7 @@ def test_bad_cost_input_is_one_line(tmp_path, args, fragment):
     fragment = fragment.replace("PRICES", str(prices)).replace("NONE", str(tmp_path / "none.yaml"))
     env = {**os.environ, "STOKER_URL": "http://127.0.0.1:1", "STOKER_HOME": str(tmp_path / "home")}
     env.pop("STOKER_ADMIN_KEY", None)
-    proc = subprocess.run([STOKER, *args], capture_output=True, text=True, timeout=60, env=env)
+    proc = subprocess.run([STOKER, *args], capture_output=True, text=True, timeout=CLI, env=env)
     assert_one_line_error(proc, fragment)
 
 

@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from stoker.control.prices import STATE_PRICE
+from tests.deadlines import COLD_ANSWER
 
 PRICES = {
     "ready_hour": {"cpu": 3.6, "vllm": 36},
@@ -23,7 +24,7 @@ PER_SECOND = {"ready_hour": 0.001, "starting_hour": 0.002, "sleeping_hour": 0.00
 
 def _post(url: str, body: dict) -> tuple[bytes, httpx.Response, int]:
     raw = json.dumps(body).encode()
-    response = httpx.post(url, content=raw, headers={"content-type": "application/json"}, timeout=120)
+    response = httpx.post(url, content=raw, headers={"content-type": "application/json"}, timeout=COLD_ANSWER)
     assert response.status_code == 200, response.text
     return response.content, response, len(raw)
 

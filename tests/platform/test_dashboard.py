@@ -21,6 +21,8 @@ import aiohttp
 import httpx
 import pytest
 
+from tests.deadlines import HTTP_READ, WAIT, deadline
+
 ADMIN = "sk-admin-dashboard-test"
 AUTH = {"authorization": f"Bearer {ADMIN}"}
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -41,17 +43,17 @@ def served(tmp_path_factory, tiny_model_dir):
         p.deploy("tiny", tiny_model_dir, "--idle-timeout", "600")
         body = {"model": "tiny", "prompt": "The quick", "max_tokens": 4}
         for _ in range(6):  # the first one waits for the cold start
-            answer = httpx.post(f"{p.url}/v1/completions", json=body, headers=AUTH, timeout=300)
+            answer = httpx.post(f"{p.url}/v1/completions", json=body, headers=AUTH, timeout=deadline(300))
             assert answer.status_code == 200, answer.text
             time.sleep(0.2)  # spread over a few of the history's points
-        p.wait_for(lambda: busy_points(p) >= 2, timeout=60, what="two points with requests")
+        p.wait_for(lambda: busy_points(p) >= 2, timeout=WAIT, what="two points with requests")
         yield p
     finally:
         p.stop()
 
 
 def history(p) -> dict:
-    return httpx.get(f"{p.url}/admin/v1/history", headers=AUTH, timeout=10).json()
+    return httpx.get(f"{p.url}/admin/v1/history", headers=AUTH, timeout=HTTP_READ).json()
 
 
 def busy_points(p) -> int:
@@ -118,10 +120,10 @@ class DevTools:
         )
         return result["result"].get("value")
 
-    async def until(self, expression: str, within_s: float = 60) -> None:
-        deadline = time.monotonic() + within_s
+    async def until(self, expression: str, within_s: float = WAIT) -> None:
+        end = time.monotonic() + within_s
         while not await self.js(expression):
-            if time.monotonic() > deadline:
+            if time.monotonic() > end:
                 state = await self.js("document.body && document.body.outerHTML.slice(0, 2000)")
                 raise TimeoutError(f"{expression} not true in {within_s}s: {state}")
             await asyncio.sleep(0.1)
@@ -135,7 +137,10 @@ class DevTools:
 @pytest.fixture
 async def browser(tmp_path: Path):
     if CHROMIUM is None:
-        pytest.skip("chromium not found: `make test` installs Debian's package where apt may (root)")
+        why = "chromium not found: `make test` installs Debian's package where apt may (root)"
+        if os.environ.get("CI"):  # in CI `make test` installs it: there the test must run
+            pytest.fail(why)
+        pytest.skip(why)
     profile = tmp_path / "chromium"
     proc = await asyncio.create_subprocess_exec(
         *[
@@ -155,10 +160,13 @@ async def browser(tmp_path: Path):
     )
     try:
         active = profile / "DevToolsActivePort"
-        deadline = time.monotonic() + 60
+        end = time.monotonic() + deadline(60)
         while not (active.exists() and active.read_text().strip()):
-            if proc.returncode is not None or time.monotonic() > deadline:
-                pytest.fail(f"chromium did not start (exit {proc.returncode})")
+            if proc.returncode is not None or time.monotonic() > end:
+                pytest.fail(
+                    f"chromium did not write its DevTools port to {active} within {deadline(60):g} s "
+                    f"(exit status {proc.returncode}; its output went to /dev/null)"
+                )
             await asyncio.sleep(0.1)
         port = int(active.read_text().split()[0])
         async with aiohttp.ClientSession() as session:
@@ -172,7 +180,7 @@ async def browser(tmp_path: Path):
     finally:
         proc.terminate()
         try:
-            await asyncio.wait_for(proc.wait(), 30)
+            await asyncio.wait_for(proc.wait(), deadline(30))
         except TimeoutError:
             proc.kill()
             await proc.wait()

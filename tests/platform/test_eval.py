@@ -11,12 +11,13 @@ import httpx
 import pytest
 
 from tests.conftest import STOKER
+from tests.deadlines import COLD_ANSWER, deadline
 from tests.snapshots.support import assert_one_line_error
 
 
 def stoker(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "STOKER_URL": "http://127.0.0.1:1", **(env or {})}
-    return subprocess.run([STOKER, *args], capture_output=True, text=True, timeout=300, env=env)
+    return subprocess.run([STOKER, *args], capture_output=True, text=True, timeout=deadline(300), env=env)
 
 
 @pytest.mark.parametrize(
@@ -63,7 +64,7 @@ def test_a_set_against_the_tiny_model(shared_platform, tmp_path):
         "max_tokens": 4,
         "temperature": 0,
     }
-    answered = httpx.post(f"{p.url}/v1/chat/completions", json=body, timeout=120)
+    answered = httpx.post(f"{p.url}/v1/chat/completions", json=body, timeout=COLD_ANSWER)
     assert answered.status_code == 200, answered.text
     answer = answered.json()["choices"][0]["message"]["content"]
     revision = int(answered.headers["x-stoker-revision"])

@@ -8,6 +8,7 @@ import subprocess
 import pytest
 
 from tests.conftest import STOKER
+from tests.deadlines import CLI
 from tests.snapshots.support import assert_one_line_error
 
 KEYS = {
@@ -58,7 +59,7 @@ def fleet(tmp_path):
 
 
 def stoker(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([STOKER, "simulate", *args], capture_output=True, text=True, timeout=60)
+    return subprocess.run([STOKER, "simulate", *args], capture_output=True, text=True, timeout=CLI)
 
 
 def test_json_lines_for_the_fleet_and_the_dedicated_baseline(fleet):

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 
+from tests.deadlines import deadline
 from tests.platform.conftest import PlatformProcess
 
 MIB = 1 << 20
@@ -18,7 +19,7 @@ MIB = 1 << 20
 
 def ask(p: PlatformProcess, model: str) -> httpx.Response:
     body = {"model": model, "prompt": "hello", "max_tokens": 3}
-    return httpx.post(f"{p.url}/v1/completions", json=body, timeout=180)
+    return httpx.post(f"{p.url}/v1/completions", json=body, timeout=deadline(180))
 
 
 class Watch:
@@ -40,7 +41,7 @@ class Watch:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                data = httpx.get(f"{self.p.url}/admin/v1/deployments", timeout=5).json()["data"]
+                data = httpx.get(f"{self.p.url}/admin/v1/deployments", timeout=deadline(5)).json()["data"]
             except httpx.HTTPError:
                 continue
             awake = sum(

@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from tests.conftest import STOKER
+from tests.deadlines import CLI, COLD_ANSWER, deadline
 from tests.engine.conftest import free_port
 
 ADMIN = "admin-secret-for-tests"
@@ -25,7 +26,9 @@ def bearer(key: str) -> dict[str, str]:
 
 def completion(p, key: str | None, model: str) -> httpx.Response:
     body = {"model": model, "prompt": "hi", "max_tokens": 2}
-    return httpx.post(f"{p.url}/v1/completions", json=body, headers=bearer(key) if key else {}, timeout=120)
+    return httpx.post(
+        f"{p.url}/v1/completions", json=body, headers=bearer(key) if key else {}, timeout=COLD_ANSWER
+    )
 
 
 def test_open_mode_needs_no_key_and_says_so(platform_factory):
@@ -59,7 +62,7 @@ def test_with_an_admin_key_the_admin_api_and_data_path_need_it(platform_factory)
 def test_the_cli_without_the_admin_key_gets_one_line(platform_factory):
     p = platform_factory(env={"STOKER_ADMIN_KEY": ADMIN})
     env = {k: v for k, v in p.env.items() if k != "STOKER_ADMIN_KEY"}
-    run = subprocess.run([STOKER, "ls"], env=env, capture_output=True, text=True, timeout=60)
+    run = subprocess.run([STOKER, "ls"], env=env, capture_output=True, text=True, timeout=CLI)
     assert run.returncode == 1
     assert run.stderr.strip().splitlines() == [
         "stoker: error: This route takes the admin key (STOKER_ADMIN_KEY)."
@@ -152,7 +155,7 @@ def test_a_public_bind_without_an_admin_key_is_refused_before_binding(tmp_path):
         env=env,
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=deadline(60),
     )
     assert run.returncode == 1
     lines = run.stderr.strip().splitlines()

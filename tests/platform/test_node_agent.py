@@ -51,6 +51,7 @@ from stoker.node.agent import (
     label_patch,
     parse_wanted,
 )
+from tests.deadlines import WAIT, deadline
 from tests.kube.fake_apiserver import FakeApiServer
 from tests.snapshots.s3_support import MotoServer, aws_env, free_port
 from warm_pool.kube import snapshot_label
@@ -313,7 +314,9 @@ class RunningAgent:
 
     async def get(self, path: str, key: str | None = None) -> httpx.Response:
         headers = {"Authorization": f"Bearer {key}"} if key else {}
-        async with httpx.AsyncClient(timeout=10) as client:  # async: the agent serves from this loop
+        async with httpx.AsyncClient(
+            timeout=deadline(10)
+        ) as client:  # async: the agent serves from this loop
             return await client.get(f"{self.url}{path}", headers=headers)
 
     async def health(self) -> dict:
@@ -326,7 +329,7 @@ class RunningAgent:
         assert r.status_code == 200, r.text
         return r.text
 
-    async def next_sync(self, within_s: float = 60) -> dict:
+    async def next_sync(self, within_s: float = WAIT) -> dict:
         """/healthz after a whole sync that began after this call."""
         before = self.agent.last_sync_at
         await until(lambda: self.agent.last_sync_at != before, "a sync to end", within_s)
@@ -355,11 +358,11 @@ async def running_agent(scene: Scene, *, warm: bool = True) -> AsyncIterator[Run
         await kube.close()
 
 
-async def until(condition: Callable[[], bool], what: str, within_s: float = 60) -> None:
-    deadline = time.monotonic() + within_s
+async def until(condition: Callable[[], bool], what: str, within_s: float = WAIT) -> None:
+    end = time.monotonic() + within_s
     while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {what}: not within {within_s:g} s")
         await asyncio.sleep(0.02)
 
 

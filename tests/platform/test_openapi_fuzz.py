@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry
 from stoker.gateway.drift import Drift
 from stoker.gateway.request_log import Observer
 from stoker.serve.up import build_gateway
+from tests.deadlines import COLD_ANSWER, deadline
 
 ST = Path(sys.executable).with_name("st")
 
@@ -43,7 +44,7 @@ def test_fuzzing_the_api_finds_no_server_error_and_breaks_nothing(platform_facto
     p = platform_factory("--stable-window", "600")
     p.deploy("tiny", tiny_model_dir, "--idle-timeout", "600")
     body = {"model": "tiny", "prompt": "hello", "max_tokens": 2}
-    before = httpx.post(f"{p.url}/v1/completions", json=body, timeout=120)
+    before = httpx.post(f"{p.url}/v1/completions", json=body, timeout=COLD_ANSWER)
     assert before.status_code == 200
     instance = before.headers["x-stoker-instance"]
 
@@ -73,10 +74,10 @@ def test_fuzzing_the_api_finds_no_server_error_and_breaks_nothing(platform_facto
             "--phases", "examples,coverage,fuzzing",
             "--workers", "1",
         ],
-        capture_output=True, text=True, timeout=420,
+        capture_output=True, text=True, timeout=deadline(420),
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
 
-    after = httpx.post(f"{p.url}/v1/completions", json=body, timeout=120)
+    after = httpx.post(f"{p.url}/v1/completions", json=body, timeout=COLD_ANSWER)
     assert after.status_code == 200 and after.headers["x-stoker-instance"] == instance
     assert httpx.get(f"{p.url}/healthz").status_code == 200

@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from stoker.gateway import otel
+from tests.deadlines import COLD_ANSWER, WAIT, deadline
 
 trace_service = pytest.importorskip(
     "opentelemetry.proto.collector.trace.v1.trace_service_pb2",
@@ -125,10 +126,10 @@ def test_spans_arrive_with_the_gen_ai_names(platform_factory, receiver, tiny_mod
     p = platform_factory(env=env)
     p.deploy("tiny", tiny_model_dir, "--max", "1", "--idle-timeout", "600")
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6}
-    answered = httpx.post(f"{p.url}/v1/chat/completions", json=body, timeout=120)
+    answered = httpx.post(f"{p.url}/v1/chat/completions", json=body, timeout=COLD_ANSWER)
     assert answered.status_code == 200, answered.text
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not any(s["name"] == "chat tiny" for s in receiver.spans):
+    end = time.monotonic() + WAIT
+    while time.monotonic() < end and not any(s["name"] == "chat tiny" for s in receiver.spans):
         time.sleep(0.1)
     roots = [s for s in receiver.spans if s["name"] == "chat tiny"]
     assert len(roots) == 1, receiver.spans
@@ -148,8 +149,8 @@ def test_spans_arrive_with_the_gen_ai_names(platform_factory, receiver, tiny_mod
     assert a["stoker.cold_start"] == (answered.headers["x-stoker-cold-start"] == "true")
     assert a["http.response.status_code"] == 200 and "gen_ai.client.token.usage" not in a
     assert root["end"] - root["start"] == pytest.approx(a["gen_ai.server.request.duration"] * 1e9, abs=1e3)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and not any(s["name"] == "stoker.instance" for s in receiver.spans):
+    end = time.monotonic() + deadline(30)
+    while time.monotonic() < end and not any(s["name"] == "stoker.instance" for s in receiver.spans):
         time.sleep(0.1)
     (instance,) = [s for s in receiver.spans if s["name"] == "stoker.instance"]
     assert instance["trace"] == root["trace"] and instance["parent"] == root["id"]
@@ -167,7 +168,7 @@ def test_spans_arrive_with_the_gen_ai_names(platform_factory, receiver, tiny_mod
     names = {"gen_ai.server.request.duration", "gen_ai.server.time_to_first_token"}
     if usage["completion_tokens"] > 1:
         names.add("gen_ai.server.time_per_output_token")
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and not names <= receiver.metrics:
+    end = time.monotonic() + deadline(30)
+    while time.monotonic() < end and not names <= receiver.metrics:
         time.sleep(0.1)
     assert names <= receiver.metrics and "gen_ai.client.token.usage" not in receiver.metrics

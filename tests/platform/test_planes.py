@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from tests.conftest import build_tiny_model
+from tests.deadlines import COLD_ANSWER, deadline, flag
 from tests.engine.conftest import free_port
 from tests.platform.conftest import PlatformProcess, pid_alive
 
@@ -29,7 +30,7 @@ def chat(
     model: str = "m",
     max_tokens: int = 4,
     stream: bool = False,
-    timeout: float = 120,
+    timeout: float = COLD_ANSWER,
 ):
     body = {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens}
     return httpx.post(
@@ -38,7 +39,9 @@ def chat(
 
 
 def routes(controller: PlatformProcess, gateway: str) -> dict:
-    r = httpx.get(f"{controller.url}/cluster/v1/routes", params={"gateway": gateway}, headers=H, timeout=30)
+    r = httpx.get(
+        f"{controller.url}/cluster/v1/routes", params={"gateway": gateway}, headers=H, timeout=deadline(30)
+    )
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -58,7 +61,7 @@ def planes(tmp_path: Path):
         extra_env=ENV,
         command="controller",
     ).start()
-    gw_args = ("--controller", controller.url, "--report-interval", "0.2s", "--hold-deadline", "120s")
+    gw_args = ("--controller", controller.url, "--report-interval", "0.2s", "--hold-deadline", flag(120))
     gateways = [
         PlatformProcess(
             tmp_path / f"gw{i}",
@@ -80,7 +83,8 @@ def test_two_gateways_share_one_instance_and_survive_the_controller(planes, tiny
     # The admin API through a gateway: the CLI may name either plane.
     deployed = a.deploy("m", tiny_model_dir, "--min-warm", "0", "--max", "1", "--idle-timeout", "600")
     assert deployed["name"] == "m"
-    assert httpx.get(f"{b.url}/admin/v1/deployments/m", timeout=10).status_code == 401  # the caller's key
+    # The caller's key.
+    assert httpx.get(f"{b.url}/admin/v1/deployments/m", timeout=deadline(10)).status_code == 401
     a.wait_for(lambda: any(c["id"] == "m" for c in httpx.get(f"{a.url}/v1/models", headers=H).json()["data"]))
 
     # Held at zero on both gateways at once: one instance comes up and serves both.
@@ -141,8 +145,8 @@ def test_two_gateways_share_one_instance_and_survive_the_controller(planes, tiny
 def test_a_gateway_killed_loses_only_its_own_requests(planes, tiny_model_dir: Path) -> None:
     controller, (a, b), _ = planes
     a.deploy("m", tiny_model_dir, "--min-warm", "1", "--max", "1", "--idle-timeout", "600")
-    a.wait_for(lambda: chat(a.url).status_code == 200, timeout=120, what="a first answer")
-    b.wait_for(lambda: chat(b.url).status_code == 200, timeout=60, what="an answer on b")
+    a.wait_for(lambda: chat(a.url).status_code == 200, timeout=deadline(120), what="a first answer")
+    b.wait_for(lambda: chat(b.url).status_code == 200, timeout=deadline(60), what="an answer on b")
 
     outcome: dict[str, object] = {}
 

@@ -15,6 +15,7 @@ import httpx
 
 from stoker.control.arrival_log import LOG_DIR as ARRIVALS_DIR
 from stoker.gateway.request_log import LOG_DIR, LOG_FILE
+from tests.deadlines import HTTP_READ, deadline, flag
 from tests.engine.conftest import free_port
 from tests.platform.conftest import PlatformProcess
 
@@ -26,11 +27,11 @@ PRICES = {"ready_hour": {"default": 3.6}, "starting_hour": 3.6, "sleeping_hour":
 
 def chat(p: PlatformProcess, content: str, **extra) -> httpx.Response:
     body = {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": 3, **extra}
-    return httpx.post(f"{p.url}/v1/chat/completions", json=body, headers=H, timeout=180)
+    return httpx.post(f"{p.url}/v1/chat/completions", json=body, headers=H, timeout=deadline(180))
 
 
 def admin(p: PlatformProcess, method: str, path: str, body: dict | None = None) -> httpx.Response:
-    return httpx.request(method, p.url + path, json=body, headers=H, timeout=60)
+    return httpx.request(method, p.url + path, json=body, headers=H, timeout=HTTP_READ)
 
 
 def test_the_controller_meters_what_its_gateway_answers(tmp_path: Path, tiny_model_dir: Path) -> None:
@@ -43,7 +44,7 @@ def test_the_controller_meters_what_its_gateway_answers(tmp_path: Path, tiny_mod
     started = [controller]
     try:
         gw_args = (
-            "--controller", controller.url, "--gateway-id", "gw-0", "--hold-deadline", "150s",
+            "--controller", controller.url, "--gateway-id", "gw-0", "--hold-deadline", flag(150),
             "--request-log", "--drift-window", "1h", "--drift-min-requests", "2",
             "--data-dir", str(tmp_path / "gw-data"),
         )  # fmt: skip

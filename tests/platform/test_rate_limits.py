@@ -16,6 +16,7 @@ import httpx
 import openai
 import pytest
 
+from tests.deadlines import ENGINE_START, WAIT, deadline
 from tests.platform.test_keys import ADMIN, bearer
 
 BODY = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
@@ -27,7 +28,7 @@ def key(p, *flags: str) -> str:
 
 
 def post(p, key: str, body: dict = BODY) -> httpx.Response:
-    return httpx.post(f"{p.url}/v1/completions", json=body, headers=bearer(key), timeout=300)
+    return httpx.post(f"{p.url}/v1/completions", json=body, headers=bearer(key), timeout=deadline(300))
 
 
 @pytest.fixture
@@ -39,7 +40,7 @@ def platform(platform_factory, tiny_model_dir):
         env={"STOKER_ADMIN_KEY": ADMIN},
     )  # fmt: skip
     p.deploy("tiny", tiny_model_dir, "--min-warm", "1", "--max", "1", "--idle-timeout", "600")
-    p.wait_for(lambda: p.deployments()["tiny"]["instances"]["READY"] == 1, 120, "a READY instance")
+    p.wait_for(lambda: p.deployments()["tiny"]["instances"]["READY"] == 1, ENGINE_START, "a READY instance")
     return p
 
 
@@ -84,7 +85,7 @@ def test_a_key_holding_its_cap_is_refused_while_others_are_not(platform):
     try:
         # The admin fills the instance's 8 slots and one more waits: from here on, anything held stays held.
         admin = [pool.submit(post, p, ADMIN) for _ in range(9)]
-        p.wait_for(lambda: p.metric("stoker_queue_length", deployment="tiny") == 1, 60, "a held request")
+        p.wait_for(lambda: p.metric("stoker_queue_length", deployment="tiny") == 1, WAIT, "a held request")
         held = pool.submit(held_stream, p, capped)
         p.wait_for(
             lambda: p.metric("stoker_queue_length", deployment="tiny") == 2, 60, "the key's request held"
@@ -93,18 +94,22 @@ def test_a_key_holding_its_cap_is_refused_while_others_are_not(platform):
         assert over.status_code == 429 and over.json()["error"]["code"] == "concurrency_limit_exceeded"
         assert over.headers["retry-after"] == "1"
         other = pool.submit(post, p, key(p))  # another key of the same tenant has its own cap
-        p.wait_for(lambda: p.metric("stoker_queue_length", deployment="tiny") == 3, 60, "the other key held")
+        p.wait_for(
+            lambda: p.metric("stoker_queue_length", deployment="tiny") == 3, WAIT, "the other key held"
+        )
     finally:
         os.kill(pid, signal.SIGCONT)
-    assert [f.result(timeout=300).status_code for f in admin] == [200] * 9
-    assert held.result(timeout=300).endswith("data: [DONE]")
-    assert other.result(timeout=300).status_code == 200
+    assert [f.result(timeout=deadline(300)).status_code for f in admin] == [200] * 9
+    assert held.result(timeout=deadline(300)).endswith("data: [DONE]")
+    assert other.result(timeout=deadline(300)).status_code == 200
     assert post(p, capped).status_code == 200  # its place came back when its request finished
     pool.shutdown()
 
 
 def held_stream(p, key: str) -> str:
     body = {**BODY, "stream": True}
-    with httpx.stream("POST", f"{p.url}/v1/completions", json=body, headers=bearer(key), timeout=300) as r:
+    with httpx.stream(
+        "POST", f"{p.url}/v1/completions", json=body, headers=bearer(key), timeout=deadline(300)
+    ) as r:
         assert r.status_code == 200
         return "\n".join(line for line in r.iter_lines() if line.startswith("data:"))

@@ -14,8 +14,10 @@ import time
 
 import httpx
 
+from tests.deadlines import deadline
+
 MAX_AGE = "10s"  # the shortest the platform takes (`warm_pool.recycle.MIN_MAX_AGE_S`)
-WITHIN_S = 300  # generous: two engine starts on a loaded 2-core machine
+WITHIN_S = deadline(300)  # generous: two engine starts on a loaded 2-core machine
 
 
 def test_instances_past_their_age_are_replaced_under_load_without_a_refusal_or_a_dip(
@@ -48,7 +50,7 @@ def test_instances_past_their_age_are_replaced_under_load_without_a_refusal_or_a
 
     def load() -> None:
         body = {"model": "tiny", "prompt": "The quick", "max_tokens": 4}
-        with httpx.Client(base_url=p.url, timeout=120) as client:
+        with httpx.Client(base_url=p.url, timeout=deadline(120)) as client:
             while not stop.is_set():
                 try:
                     r = client.post("/v1/completions", json=body)
@@ -57,7 +59,7 @@ def test_instances_past_their_age_are_replaced_under_load_without_a_refusal_or_a
                     errors.append(exc)
 
     def sample() -> None:
-        with httpx.Client(base_url=p.url, timeout=30) as client:
+        with httpx.Client(base_url=p.url, timeout=deadline(30)) as client:
             while not stop.is_set():
                 data = client.get("/admin/v1/deployments").json()["data"]
                 ready_seen.append(next(d for d in data if d["name"] == "tiny")["instances"]["READY"])
@@ -76,7 +78,7 @@ def test_instances_past_their_age_are_replaced_under_load_without_a_refusal_or_a
     finally:
         stop.set()
         for t in threads:
-            t.join(timeout=180)
+            t.join(timeout=deadline(180))
 
     assert not errors, errors[:3]
     statuses = {status for status, _ in answers}

@@ -37,6 +37,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.deadlines import deadline, flag
 from tests.platform.conftest import PlatformProcess, pid_alive
 from tests.platform.reliability_support import (
     COMPLETE,
@@ -50,8 +51,9 @@ from tests.platform.reliability_support import (
     tally,
 )
 
-SCENARIO_S = 150  # hard bound on a whole scenario, start-ups included (a busy 2-core machine: ~15-25 s)
-REQUEST_S = 60  # one request's bound: past it, it is a hang (counted lost)
+# A hard bound on a whole scenario, start-ups included (a busy 2-core machine: ~15-25 s).
+SCENARIO_S = deadline(150)
+REQUEST_S = deadline(60)  # one request's bound: past it, it is a hang (counted lost)
 RESULTS: list[ScenarioResult] = []
 # A stopped instance: probes every 0.5 s eject it after two failures; out for longer than a scenario
 # (SIGCONT comes at its end); a stream's headers within 2 s or it is retried elsewhere.
@@ -105,7 +107,7 @@ def result(
 
 
 async def deploy(p: PlatformProcess, model: Path, **fields) -> dict:
-    async with httpx.AsyncClient(timeout=120) as c:
+    async with httpx.AsyncClient(timeout=deadline(120)) as c:
         r = await c.post(
             f"{p.url}/admin/v1/deployments", json={"name": "tiny", "model": str(model), **fields}
         )
@@ -114,24 +116,24 @@ async def deploy(p: PlatformProcess, model: Path, **fields) -> dict:
 
 
 async def counts(p: PlatformProcess) -> dict[str, int]:
-    async with httpx.AsyncClient(timeout=10) as c:
+    async with httpx.AsyncClient(timeout=deadline(10)) as c:
         r = await c.get(f"{p.url}/admin/v1/deployments/tiny")
     r.raise_for_status()
     return r.json()["instances"]
 
 
 async def until(
-    condition: Callable[[], object], what: str, within_s: float = 90, every: float = 0.05
+    condition: Callable[[], object], what: str, within_s: float = deadline(90), every: float = 0.05
 ) -> None:
     """Poll `condition` (sync or async) until it is true; TimeoutError naming `what` after `within_s`."""
-    deadline = time.monotonic() + within_s
+    end = time.monotonic() + within_s
     while True:
         value = condition()
         if asyncio.iscoroutine(value):
             value = await value
         if value:
             return
-        if time.monotonic() > deadline:
+        if time.monotonic() > end:
             raise TimeoutError(f"{what}: not within {within_s:g} s")
         await asyncio.sleep(every)
 
@@ -186,7 +188,7 @@ async def test_churn_through_scale_to_zero_loses_nothing(platform_factory, tiny_
     left at all; the middle one sends its burst the moment the instance leaves READY, while it
     drains and stops. Every request complete."""
     began = time.monotonic()
-    p = platform_factory("--stable-window", "1", "--keepalive-interval", "0.2", "--hold-deadline", "90")
+    p = platform_factory("--stable-window", "1", "--keepalive-interval", "0.2", "--hold-deadline", flag(90))
     outcomes: list[Outcome] = []
     async with asyncio.timeout(SCENARIO_S):
         await deploy(p, tiny_model_dir, policy="reactive", max=1, idle_timeout_s=1)
@@ -296,7 +298,8 @@ async def test_a_stream_mid_answer_on_a_stopped_instance_ends_within_the_bounds(
                 c.stream("POST", f"{p.url}/v1/completions", json=body) as r,
             ):
                 lines = []
-                async with asyncio.timeout(30):  # ejection (~1.5 s) + 2 s of silence, on a busy machine
+                # Ejection (~1.5 s) + 2 s of silence, on a busy machine.
+                async with asyncio.timeout(deadline(30)):
                     async for line in r.aiter_lines():
                         if line.startswith("data:") and stopped is None:
                             stopped = pids[r.headers["x-stoker-instance"]]
@@ -333,7 +336,7 @@ async def test_control_plane_sigkill_under_load_and_restart(platform_factory, ti
                 p.proc.kill()
                 killed_at = time.monotonic()
                 load.stop()
-            p.proc.wait(timeout=30)
+            p.proc.wait(timeout=deadline(30))
             first_run |= engines_of(home)  # an engine spawned between the look and the kill, if any
             before = [o for o in load.outcomes if o.ended < killed_at]
             at_kill = [o for o in load.outcomes if o.ended >= killed_at]
@@ -402,12 +405,14 @@ async def test_control_plane_killed_between_spawning_an_engine_and_recording_it(
             await until(lambda: engines_of(home) and not p.engine_pids(), "an engine spawned, not recorded")
             orphan = engines_of(home)
             p.proc.kill()
-            p.proc.wait(timeout=30)
+            p.proc.wait(timeout=deadline(30))
             deploying.cancel()
             # Up: its start-up has stopped what the records name.
             again = platform_factory("--warm-runtimes", "0", home=home)
             # Never named in a record, it is found by the owner mark in its environment.
-            await until(lambda: not any(pid_alive(pid) for pid in orphan), "the orphan stopped", within_s=5)
+            await until(
+                lambda: not any(pid_alive(pid) for pid in orphan), "the orphan stopped", within_s=deadline(5)
+            )
     finally:
         stop_strays(home, again)
 
@@ -429,7 +434,7 @@ async def test_a_full_hold_queue_refuses_exactly_the_excess(platform_factory, ti
     start, seven refused at once with 503, Retry-After and OpenAI's error object (code queue_full),
     every refusal before the first answer."""
     began = time.monotonic()
-    p = platform_factory("--max-queued", "3", "--hold-deadline", "90", "--keepalive-interval", "0.2")
+    p = platform_factory("--max-queued", "3", "--hold-deadline", flag(90), "--keepalive-interval", "0.2")
     async with asyncio.timeout(SCENARIO_S):
         await deploy(p, tiny_model_dir, max=1, idle_timeout_s=600)
         outcomes = await burst(p.url, 10, bound_s=REQUEST_S)

@@ -20,6 +20,7 @@ from stoker.gateway.request_log import (
     masked_prompt,
     prompt_chars,
 )
+from tests.deadlines import deadline
 
 
 def test_the_file_rotates_by_size_and_keeps_a_bounded_number(tmp_path):
@@ -160,6 +161,6 @@ def test_bad_up_flags_are_one_line(tmp_path, flags, fragment):
     env = {**os.environ, "STOKER_HOME": str(tmp_path)}
     env.pop("STOKER_ADMIN_KEY", None)
     proc = subprocess.run(
-        [STOKER, "up", "--port", "1", *flags], capture_output=True, text=True, timeout=120, env=env
+        [STOKER, "up", "--port", "1", *flags], capture_output=True, text=True, timeout=deadline(120), env=env
     )
     assert_one_line_error(proc, fragment)

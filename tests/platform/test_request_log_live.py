@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from stoker.gateway.request_log import LOG_DIR, LOG_FILE
+from tests.deadlines import COLD_ANSWER, HTTP_READ, deadline
 
 ADMIN = "sk-stoker-admin-for-the-request-log-test"
 
@@ -40,12 +41,12 @@ def chat(
 ) -> httpx.Response:
     body = {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": 4, **extra}
     headers = {"authorization": f"Bearer {key}", **(headers or {})}
-    return httpx.post(f"{p.url}/v1/chat/completions", json=body, headers=headers, timeout=120)
+    return httpx.post(f"{p.url}/v1/chat/completions", json=body, headers=headers, timeout=COLD_ANSWER)
 
 
 def admin(p, method: str, path: str, body: dict | None = None) -> httpx.Response:
     return httpx.request(
-        method, p.url + path, json=body, headers={"authorization": f"Bearer {ADMIN}"}, timeout=60
+        method, p.url + path, json=body, headers={"authorization": f"Bearer {ADMIN}"}, timeout=HTTP_READ
     )
 
 
@@ -61,7 +62,7 @@ def test_records_hold_the_request_never_its_key_or_content(platform):
         f"{p.url}/v1/chat/completions",
         json=body,
         headers={"authorization": f"Bearer {ADMIN}"},
-        timeout=120,
+        timeout=deadline(120),
     ) as r:
         assert r.status_code == 200 and "[DONE]" in r.read().decode()
     p.wait_for(lambda: len(records(p)) >= before + 2, what="two records")

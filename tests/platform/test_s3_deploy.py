@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from tests.conftest import STOKER
+from tests.deadlines import COLD_ANSWER, HTTP_READ, deadline
 from tests.snapshots.s3_support import MotoServer, aws_env
 
 BUCKET = "models"
@@ -38,7 +39,7 @@ def s3_env(moto, tmp_path, monkeypatch) -> dict[str, str]:
 
 
 def stoker(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([STOKER, *args], env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run([STOKER, *args], env=env, capture_output=True, text=True, timeout=deadline(120))
 
 
 def publish(tiny_model_dir, tmp_path, env: dict[str, str]) -> str:
@@ -57,7 +58,7 @@ def local_snapshots(p) -> dict[str, dict]:
 
 def chat(p) -> httpx.Response:
     body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
-    r = httpx.post(f"{p.url}/v1/chat/completions", json=body, timeout=120)
+    r = httpx.post(f"{p.url}/v1/chat/completions", json=body, timeout=COLD_ANSWER)
     assert r.status_code == 200, r.text
     return r
 
@@ -104,7 +105,7 @@ def test_a_deploy_naming_nothing_in_object_storage_is_a_400_on_model(
 ):
     boto3.client("s3", endpoint_url=s3_env["AWS_ENDPOINT_URL"]).create_bucket(Bucket=BUCKET)
     p = platform_factory()
-    r = httpx.post(f"{p.url}/admin/v1/deployments", json={"name": "tiny", "model": model}, timeout=60)
+    r = httpx.post(f"{p.url}/admin/v1/deployments", json={"name": "tiny", "model": model}, timeout=HTTP_READ)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == "model"

@@ -12,13 +12,14 @@ import httpx
 import openai
 import pytest
 
+from tests.deadlines import COLD_ANSWER, HTTP_READ, deadline
 from tests.platform.conftest import pid_alive
 
 CHAT = [{"role": "user", "content": "Hello there"}]
 
 
 def client(p) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{p.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=f"{p.url}/v1", api_key="unused", max_retries=0, timeout=COLD_ANSWER)
 
 
 def test_request_at_zero_is_held_then_answered_whole_and_streamed(platform_factory, tiny_model_dir):
@@ -47,7 +48,7 @@ def test_a_stream_at_zero_gets_keepalives_then_tokens(platform_factory, tiny_mod
     p = platform_factory("--keepalive-interval", "0.05")
     p.deploy("tiny", tiny_model_dir)
     body = {"model": "tiny", "prompt": "x", "max_tokens": 4, "stream": True}
-    with httpx.stream("POST", f"{p.url}/v1/completions", json=body, timeout=120) as r:
+    with httpx.stream("POST", f"{p.url}/v1/completions", json=body, timeout=COLD_ANSWER) as r:
         assert r.status_code == 200
         assert r.headers["x-stoker-cold-start"] == "true"
         raw = b"".join(r.iter_raw())
@@ -61,7 +62,7 @@ def test_a_stream_at_zero_gets_keepalives_then_tokens(platform_factory, tiny_mod
 async def test_twenty_concurrent_requests_at_zero_share_one_cold_start(platform_factory, tiny_model_dir):
     p = platform_factory()
     p.deploy("tiny", tiny_model_dir, "--max", "1")
-    aclient = openai.AsyncOpenAI(base_url=f"{p.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    aclient = openai.AsyncOpenAI(base_url=f"{p.url}/v1", api_key="unused", max_retries=0, timeout=COLD_ANSWER)
     results = await asyncio.gather(
         *(aclient.completions.create(model="tiny", prompt=f"n{i}", max_tokens=3) for i in range(20))
     )
@@ -77,8 +78,10 @@ def test_scales_to_zero_after_the_idle_timeout(platform_factory, tiny_model_dir)
     client(p).completions.create(model="tiny", prompt="x", max_tokens=2)
     pids = p.engine_pids()
     assert len(pids) == 1
-    p.wait_for(lambda: p.deployments()["tiny"]["instances"]["READY"] == 0, timeout=30, what="scale to zero")
-    p.wait_for(lambda: not p.engine_pids(), timeout=30, what="instance stopped")
+    p.wait_for(
+        lambda: p.deployments()["tiny"]["instances"]["READY"] == 0, timeout=deadline(30), what="scale to zero"
+    )
+    p.wait_for(lambda: not p.engine_pids(), timeout=deadline(30), what="instance stopped")
     assert not any(pid_alive(pid) for pid in pids.values())
     assert p.metric("stoker_instance_seconds_total", deployment="tiny", state="READY") > 0
 
@@ -95,14 +98,14 @@ def test_removing_a_deployment_drains_the_stream_in_flight(platform_factory, tin
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    with httpx.stream("POST", f"{p.url}/v1/completions", json=body, timeout=120) as r:
+    with httpx.stream("POST", f"{p.url}/v1/completions", json=body, timeout=COLD_ANSWER) as r:
         lines = r.iter_lines()
         first = next(line for line in lines if line.startswith("data:"))
         removal = threading.Thread(target=p.cli, args=("rm", "tiny"))
         removal.start()  # scale-down begins while the stream is in flight
         p.wait_for(lambda: p.deployments()["tiny"]["instances"]["DRAINING"] == 1, what="draining")
         rest = [line for line in lines if line.startswith("data:")]
-    removal.join(timeout=90)
+    removal.join(timeout=deadline(90))
     events = [json.loads(line[6:]) for line in [first, *rest[:-1]]]
     assert rest[-1] == "data: [DONE]"
     assert all("error" not in e for e in events)
@@ -118,7 +121,7 @@ def test_queue_full_and_hold_deadline_answer_503_with_retry_after(platform_facto
     body = {"model": "tiny", "prompt": "x", "max_tokens": 2}
 
     async def two_at_zero():
-        async with httpx.AsyncClient(timeout=30) as c:
+        async with httpx.AsyncClient(timeout=deadline(30)) as c:
             return await asyncio.gather(*(c.post(f"{p.url}/v1/completions", json=body) for _ in range(2)))
 
     first, second = sorted(asyncio.run(two_at_zero()), key=lambda r: r.json()["error"]["code"])
@@ -131,7 +134,7 @@ def test_queue_full_and_hold_deadline_answer_503_with_retry_after(platform_facto
         assert int(r.headers["retry-after"]) >= 1
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}
     p.wait_for(lambda: p.deployments()["tiny"]["instances"]["READY"] == 1, what="the instance")
-    assert httpx.post(f"{p.url}/v1/completions", json=body, timeout=60).status_code == 200
+    assert httpx.post(f"{p.url}/v1/completions", json=body, timeout=HTTP_READ).status_code == 200
 
 
 def test_a_killed_instance_is_routed_around_and_replaced(platform_factory, tiny_model_dir):
@@ -144,7 +147,9 @@ def test_a_killed_instance_is_routed_around_and_replaced(platform_factory, tiny_
     served = set()
     for _ in range(4):  # round-robin ties: the dead instance is picked before the pool notices
         r = httpx.post(
-            f"{p.url}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2}, timeout=60
+            f"{p.url}/v1/completions",
+            json={"model": "tiny", "prompt": "x", "max_tokens": 2},
+            timeout=HTTP_READ,
         )
         assert r.status_code == 200, r.text
         served.add(r.headers["x-stoker-instance"])
@@ -170,7 +175,9 @@ def test_restart_brings_deployments_back_adopts_what_a_crash_left_and_leaves_no_
     again = platform_factory(home=home)
     assert again.deployments()["tiny"]["min_warm"] == 1
     r = httpx.post(
-        f"{again.url}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2}, timeout=60
+        f"{again.url}/v1/completions",
+        json={"model": "tiny", "prompt": "x", "max_tokens": 2},
+        timeout=HTTP_READ,
     )
     assert r.status_code == 200
 
@@ -229,7 +236,7 @@ BAD_DEPLOYS = [
 
 @pytest.mark.parametrize(("body", "param"), BAD_DEPLOYS)
 def test_bad_admin_input_is_a_4xx_naming_the_field(shared_platform, body, param):
-    r = httpx.post(f"{shared_platform.url}/admin/v1/deployments", json=body, timeout=30)
+    r = httpx.post(f"{shared_platform.url}/admin/v1/deployments", json=body, timeout=deadline(30))
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param

@@ -9,13 +9,14 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from stoker.control.registry import Registry
+from tests.deadlines import COLD_ANSWER, deadline
 from tests.platform.conftest import pid_alive
 
 BODY = {"model": "tiny", "prompt": "x", "max_tokens": 2}
 
 
 def post(p) -> httpx.Response:
-    r = httpx.post(f"{p.url}/v1/completions", json=BODY, timeout=120)
+    r = httpx.post(f"{p.url}/v1/completions", json=BODY, timeout=COLD_ANSWER)
     assert r.status_code == 200, r.text
     return r
 
@@ -40,7 +41,9 @@ def test_an_idle_instance_sleeps_and_a_request_wakes_it_as_a_cold_start(platform
     pid = p.engine_pids()[instance]
 
     # Idle past the (1 s) window: predictive puts the last instance to sleep instead of stopping it.
-    p.wait_for(lambda: p.deployments()["tiny"]["instances"]["SLEEPING"] == 1, timeout=30, what="asleep")
+    p.wait_for(
+        lambda: p.deployments()["tiny"]["instances"]["SLEEPING"] == 1, timeout=deadline(30), what="asleep"
+    )
     assert pid_alive(pid)
     # The engine's own port answers only with the instance's key (the pool's; this test, as the
     # engine's owner, reads it from the engine's environment).
@@ -48,7 +51,7 @@ def test_an_idle_instance_sleeps_and_a_request_wakes_it_as_a_cold_start(platform
     assert httpx.get(url).status_code == 401
     assert httpx.get(url, headers=engine_auth(p, instance)).json() == {"is_sleeping": True}
     # Its engine is still federated, asleep: its sleep state is what an operator looks for.
-    engines = httpx.get(f"{p.url}/metrics/engines", timeout=30).text
+    engines = httpx.get(f"{p.url}/metrics/engines", timeout=deadline(30)).text
     states = {
         s.labels["sleep_state"]: s.value
         for family in text_string_to_metric_families(engines)
@@ -84,7 +87,11 @@ def test_an_idle_instance_sleeps_and_a_request_wakes_it_as_a_cold_start(platform
     assert p.metric("stoker_instance_starts_total", deployment="tiny", outcome="ready") == 1
 
     # Asleep again: `rm` stops a sleeping instance too.
-    p.wait_for(lambda: p.deployments()["tiny"]["instances"]["SLEEPING"] == 1, timeout=30, what="asleep again")
+    p.wait_for(
+        lambda: p.deployments()["tiny"]["instances"]["SLEEPING"] == 1,
+        timeout=deadline(30),
+        what="asleep again",
+    )
     assert p.cli("rm", "tiny").returncode == 0
     assert not p.engine_pids() and not pid_alive(pid)
 

@@ -25,6 +25,7 @@ import openai
 import pytest
 
 from tests.conftest import REPO, build_tiny_model
+from tests.deadlines import HTTP_READ, VLLM_START, deadline
 
 VLLM = REPO / ".venv-vllm" / "bin" / "vllm"
 needs_vllm = pytest.mark.skipif(
@@ -38,8 +39,15 @@ def vllm_model_dir(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("vllm-model") / "tiny-llama", head_dim=32)
 
 
+# A request at zero is held while vLLM starts: the platform's default hold (120 s) is shorter than a
+# start on a loaded machine, and the hold is a bound here, not what is tested. The client waits longer.
+VLLM_HOLD = ("--hold-deadline", f"{VLLM_START:g}s")
+
+
 def client(p) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{p.url}/v1", api_key="unused", max_retries=0, timeout=300)
+    return openai.OpenAI(
+        base_url=f"{p.url}/v1", api_key="unused", max_retries=0, timeout=VLLM_START + HTTP_READ
+    )
 
 
 def group_members(pgid: int) -> list[int]:
@@ -63,7 +71,12 @@ def test_vllm_from_zero_served_streamed_and_drained_on_rm(platform_factory, vllm
     # A long stable window: the policy holds the idle instance READY (it cannot sleep) for the whole
     # test, so the stream `rm` drains runs on the instance that served the first request.
     p = platform_factory(
-        "--stable-window", "600", "--vllm", str(VLLM), "--vllm-args=--enforce-eager --max-num-seqs 8"
+        "--stable-window",
+        "600",
+        "--vllm",
+        str(VLLM),
+        "--vllm-args=--enforce-eager --max-num-seqs 8",
+        *VLLM_HOLD,
     )
     deployed = p.deploy("tiny", vllm_model_dir, "--engine", "vllm", "--idle-timeout", "600")
     assert deployed["engine"] == "vllm"
@@ -133,11 +146,13 @@ def test_a_vllm_start_through_its_warm_runtime(platform_factory, vllm_model_dir)
     hold after 2 s) instead of going to sleep, and leaves no process behind."""
     p = platform_factory(
         "--stable-window", "2", "--vllm", str(VLLM), "--vllm-args=--enforce-eager --max-num-seqs 8",
-        "--vllm-warm-runtimes", "1",
+        "--vllm-warm-runtimes", "1", *VLLM_HOLD,
     )  # fmt: skip
     p.deploy("tiny", vllm_model_dir, "--engine", "vllm", "--idle-timeout", "600", "--min-warm", "0")
     p.wait_for(
-        lambda: p.metric("stoker_warm_runtimes", engine="vllm") == 1, timeout=600, what="a vLLM runtime"
+        lambda: p.metric("stoker_warm_runtimes", engine="vllm") == 1,
+        timeout=VLLM_START,
+        what="a vLLM runtime",
     )
     runtime_pids = {int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit() and _is_vllm_runtime(e)}
     assert runtime_pids
@@ -155,7 +170,7 @@ def test_a_vllm_start_through_its_warm_runtime(platform_factory, vllm_model_dir)
     forked = {int(m) for m in re.findall(r"vllm runtime: forked pid (\d+)", log)}
     assert cores and cores <= forked, (cores, forked)
 
-    p.wait_for(lambda: not p.engine_pids(), timeout=120, what="the idle vLLM instance stopped")
+    p.wait_for(lambda: not p.engine_pids(), timeout=deadline(120), what="the idle vLLM instance stopped")
     assert group_members(pid) == []
     assert p.metric("stoker_instance_sleep_wake_total", deployment="tiny") == 0
     assert p.metric("stoker_scaler_desired_instances", deployment="tiny", state="SLEEPING") == 0

@@ -11,6 +11,7 @@ import pytest
 
 from stoker.control.arrival_log import LOG_FILE, ArrivalLog, load_arrivals
 from tests.conftest import STOKER
+from tests.deadlines import deadline
 from tests.snapshots.support import assert_one_line_error
 from warm_pool.trace import TraceError
 
@@ -28,7 +29,9 @@ def _log(tmp_path, rows=ARRIVALS, deployment="chat"):
 
 
 def stoker(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([STOKER, *args], capture_output=True, text=True, timeout=120, env=dict(os.environ))
+    return subprocess.run(
+        [STOKER, *args], capture_output=True, text=True, timeout=deadline(120), env=dict(os.environ)
+    )
 
 
 def test_the_log_reads_back_as_a_trace_of_one_deployment(tmp_path):

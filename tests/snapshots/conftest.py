@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from snapshots import SnapshotStore
+from tests.deadlines import deadline
 from tests.snapshots.support import RunCLI
 
 
@@ -34,7 +35,7 @@ def store(store_root: Path) -> SnapshotStore:
 def cli(home_env: dict[str, str]) -> RunCLI:
     """Run `stoker snapshot ARGS...` against this test's STOKER_HOME."""
 
-    def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    def run(*args: str, timeout: float = deadline(120)) -> subprocess.CompletedProcess:
         return subprocess.run(
             [sys.executable, "-m", "stoker.cli.main", "snapshot", *args],
             env=home_env,

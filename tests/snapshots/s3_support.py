@@ -19,6 +19,7 @@ import asyncio
 import json
 import logging
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -27,6 +28,8 @@ import time
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+from tests.deadlines import HTTP_READ, S3_SERVER_START
 
 REPO = Path(__file__).resolve().parents[2]
 HOST = "127.0.0.1"
@@ -39,17 +42,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_http(url: str, proc: subprocess.Popen, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+def _tail(log: Path | None, chars: int = 3000) -> str:
+    if log is None or not log.exists():
+        return "(no log)"
+    return log.read_text(errors="replace")[-chars:] or "(empty log)"
+
+
+def _wait_http(
+    url: str, proc: subprocess.Popen, timeout: float = S3_SERVER_START, log: Path | None = None
+) -> None:
+    """Until `url` answers (any status); `timeout` is a bound from tests/deadlines.py."""
+    end = time.monotonic() + timeout
+    last = "no answer yet"
+    while time.monotonic() < end:
         if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args} exited with {proc.returncode} before serving {url}")
+            raise RuntimeError(
+                f"{proc.args} exited with {proc.returncode} before {url} answered; its log:\n{_tail(log)}"
+            )
         try:
             with urllib.request.urlopen(url, timeout=1):
                 return
-        except OSError:
+        except OSError as exc:
+            last = f"{type(exc).__name__}: {exc}"
             time.sleep(0.05)
-    raise RuntimeError(f"{url} did not answer within {timeout} s")
+    raise RuntimeError(
+        f"{url} did not answer within {timeout:g} s (last: {last}); {proc.args[:3]}'s log:\n{_tail(log)}"
+    )
 
 
 def aws_env(
@@ -79,18 +97,20 @@ class MotoServer:
         self.port = port or free_port()
         self.url = f"http://{HOST}:{self.port}"
         self.log_dir = log_dir
+        self.log: Path | None = None
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> MotoServer:
         env = {**os.environ, "S3_UPLOAD_PART_MIN_SIZE": str(64 * 1024)}
-        with open(self.log_dir / f"moto-{self.port}.log", "ab") as log:
+        self.log = self.log_dir / f"moto-{self.port}.log"
+        with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "moto.server", "-H", HOST, "-p", str(self.port)],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=env,
             )
-        _wait_http(f"{self.url}/moto-api/", self.proc)
+        _wait_http(f"{self.url}/moto-api/", self.proc, log=self.log)
         return self
 
     def kill(self) -> None:
@@ -107,7 +127,7 @@ class MotoServer:
             method="POST",
             headers={"Content-Type": "text/plain"},  # not a form: moto reads the raw body
         )
-        with urllib.request.urlopen(req, timeout=10):
+        with urllib.request.urlopen(req, timeout=HTTP_READ):
             pass
 
 
@@ -122,22 +142,27 @@ class Proxy:
             text=True,
         )
         assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
+        # Its first line, once it listens; nothing (EOF) if it exits first.
+        ready, _, _ = select.select([self.proc.stdout], [], [], S3_SERVER_START)
+        line = self.proc.stdout.readline() if ready else ""
         if not line.startswith("PORT "):
             self.stop()
-            raise RuntimeError(f"the proxy did not start: {line!r}")
+            raise RuntimeError(
+                f"the proxy did not start within {S3_SERVER_START:g} s: its first line was {line!r}, "
+                f"not 'PORT <n>' (exit status {self.proc.returncode}; its errors went to this test's stderr)"
+            )
         self.url = f"http://{HOST}:{int(line.split()[1])}"
 
     def _post(self, what: str, body: bytes = b"") -> None:
         req = urllib.request.Request(f"{self.url}/__proxy/{what}", data=body, method="POST")
-        with urllib.request.urlopen(req, timeout=10):
+        with urllib.request.urlopen(req, timeout=HTTP_READ):
             pass
 
     def requests(self) -> list[dict[str, Any]]:
         return self.stats()["requests"]
 
     def stats(self) -> dict[str, Any]:
-        with urllib.request.urlopen(f"{self.url}/__proxy/stats", timeout=10) as resp:
+        with urllib.request.urlopen(f"{self.url}/__proxy/stats", timeout=HTTP_READ) as resp:
             return json.loads(resp.read())
 
     def reset(self) -> None:

@@ -26,6 +26,7 @@ from snapshots.owner import host_tag as _host_tag
 from snapshots.sizes import format_size, parse_size
 from snapshots.store import TMP_PREFIX
 from snapshots.usage import disk_free
+from tests.deadlines import deadline
 from tests.snapshots.support import RunCLI, assert_one_line_error, snapshot_dirs
 
 KIB = 1024
@@ -275,7 +276,7 @@ def test_a_pin_held_by_another_process_blocks_eviction_gc_and_remove(
     assert store.ids() == [m0.id]
 
     holder.stdin.close()  # the holder exits normally: its pin goes with it
-    holder.wait(timeout=30)
+    holder.wait(timeout=deadline(30))
     assert not store.is_pinned(m0.id)
     assert store.remove(m0.id) is True
     assert store.ids() == [] and store.names() == {}
@@ -290,7 +291,7 @@ def test_the_pin_of_a_killed_process_does_not_block(
     holder = pin_elsewhere(store_root, m0.id, "crashed")
     assert store.is_pinned(m0.id)
     holder.send_signal(signal.SIGKILL)
-    holder.wait(timeout=30)
+    holder.wait(timeout=deadline(30))
     assert holder.returncode == -signal.SIGKILL
 
     assert not store.is_pinned(m0.id)

@@ -15,6 +15,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from tests.deadlines import CLI, deadline
 from tests.snapshots.support import RunCLI, assert_one_line_error, snapshot_dirs
 
 
@@ -150,8 +151,8 @@ def test_import_killed_midway_leaves_nothing_visible(
         stderr=subprocess.DEVNULL,
     )
     partial = None
-    deadline = time.monotonic() + 60
-    while partial is None and proc.poll() is None and time.monotonic() < deadline:
+    end = time.monotonic() + deadline(60)
+    while partial is None and proc.poll() is None and time.monotonic() < end:
         for tmp in store_root.glob(".tmp-*"):
             weights = tmp / "model.safetensors"
             if weights.exists() and weights.stat().st_size > 0:
@@ -182,7 +183,7 @@ def test_write_failure_is_one_line_and_leaves_nothing(
         f"sys.exit(main(['snapshot', 'import', {str(tiny_model_dir)!r}]))\n"
     )
     proc = subprocess.run(
-        [sys.executable, "-c", code], env=home_env, capture_output=True, text=True, timeout=60
+        [sys.executable, "-c", code], env=home_env, capture_output=True, text=True, timeout=CLI
     )
     assert_one_line_error(proc, "model.safetensors", "File too large")
     assert snapshot_dirs(store_root) == []

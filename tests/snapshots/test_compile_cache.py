@@ -13,6 +13,7 @@ import pytest
 from snapshots import SnapshotStore, import_hf_dir
 from snapshots.compile_cache import CompileCaches, CompileKey
 from snapshots.usage import observe
+from tests.deadlines import deadline
 from tests.snapshots.test_budget import make_model
 
 KEY_ARGS = {"dtype": "float32", "max_model_len": "2048", "gpus": "0", "args": ""}
@@ -83,7 +84,7 @@ def test_two_processes_committing_at_once_keep_exactly_one(store, snapshot):
         c.start()
     for c in children:
         c.join(30)
-    assert sorted(out.get(timeout=5) for _ in children) == [False, False, False, True]
+    assert sorted(out.get(timeout=deadline(5)) for _ in children) == [False, False, False, True]
     left = sorted(p.name for p in caches.snapshot_dir(snapshot).iterdir())
     assert left == sorted([key.digest, *(w.name for w in works)])  # no temp copy left behind
 

@@ -36,6 +36,7 @@ from snapshots.importer import import_hf_dir
 from snapshots.pulldir import Journal, journal_path, lock_path
 from snapshots.remote import RemoteConfig, pull, push, read_manifest
 from snapshots.s3 import S3Uri, is_retryable
+from tests.deadlines import CLI, deadline
 from tests.snapshots.s3_support import (
     ACCESS_KEY,
     SECRET_KEY,
@@ -72,7 +73,7 @@ def config(url: str, **settings: Any) -> RemoteConfig:
     return RemoteConfig(endpoint_url=url, **{**defaults, **settings})
 
 
-def run_cli(env: dict[str, str], *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+def run_cli(env: dict[str, str], *args: str, timeout: float = CLI) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "stoker.cli.main", "snapshot", *args],
         env=env,
@@ -98,11 +99,11 @@ def popen_cli(env: dict[str, str], *args: str) -> subprocess.Popen:
     )
 
 
-async def until(condition: Callable[[], bool], what: str, within_s: float = 30) -> None:
-    deadline = time.monotonic() + within_s
+async def until(condition: Callable[[], bool], what: str, within_s: float = deadline(30)) -> None:
+    end = time.monotonic() + within_s
     while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {what}: not within {within_s:g} s")
         await asyncio.sleep(0.01)
 
 
@@ -400,7 +401,7 @@ async def test_pull_resumes_after_sigkill_and_after_the_server_died(
         proc = popen_cli(dest_env, *args, "--json")
         await until(lambda: proc.poll() is not None or parts_on_disk() >= 2, "two parts on disk")
         proc.kill()
-        await asyncio.to_thread(proc.communicate, timeout=60)
+        await asyncio.to_thread(proc.communicate, timeout=CLI)
         assert proc.returncode == -signal.SIGKILL
         assert dest.list() == []  # nothing half-downloaded is visible...
         assert dest.pull_dir(record.id).is_dir()  # ...but it is kept to resume from
@@ -412,7 +413,7 @@ async def test_pull_resumes_after_sigkill_and_after_the_server_died(
             lambda: proc.poll() is not None or parts_on_disk() >= first_parts + 2, "two more parts on disk"
         )
         server.kill()
-        out, err = await asyncio.to_thread(proc.communicate, timeout=60)
+        out, err = await asyncio.to_thread(proc.communicate, timeout=CLI)
         assert_one_line_error(
             subprocess.CompletedProcess(proc.args, proc.returncode, out, err), "cannot reach"
         )
@@ -493,7 +494,7 @@ async def test_two_processes_pulling_at_once_fetch_each_byte_once(
 
     await until(one_pulling_one_waiting, "one pull holding the lock, the other waiting for it")
     proxy.release()
-    outs = [await asyncio.to_thread(p.communicate, timeout=60) for p in procs]
+    outs = [await asyncio.to_thread(p.communicate, timeout=CLI) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     a, b = sorted((json.loads(out) for out, _ in outs), key=lambda r: -r["bytes_downloaded"])
 
@@ -729,7 +730,12 @@ async def test_disk_full_while_pulling_is_one_line_and_leaves_nothing(
     )
     dest_env = {**env, "STOKER_HOME": str(tmp_path / "dest")}
     proc = await asyncio.to_thread(
-        subprocess.run, [sys.executable, "-c", code], env=dest_env, capture_output=True, text=True, timeout=60
+        subprocess.run,
+        [sys.executable, "-c", code],
+        env=dest_env,
+        capture_output=True,
+        text=True,
+        timeout=CLI,
     )
     assert_one_line_error(proc, "File too large", "the partial pull was removed")
     dest = SnapshotStore(tmp_path / "dest" / "snapshots")

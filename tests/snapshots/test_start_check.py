@@ -15,6 +15,7 @@ import pytest
 from snapshots import CorruptSnapshot, InvalidSource, SnapshotStore, UnsafeFileError, import_hf_dir
 from snapshots import verify as verify_module
 from snapshots.durable import open_regular_nofollow
+from tests.deadlines import deadline
 from tests.snapshots.support import assert_one_line_error
 
 SECRET = b"root-only secret 0600 do not copy"
@@ -200,7 +201,7 @@ def engine(env: dict[str, str], snapshot: str) -> subprocess.CompletedProcess:
         env=env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=deadline(120),
     )
 
 

@@ -7,6 +7,8 @@ import os
 import sys
 from pathlib import Path
 
+from tests.deadlines import deadline
+
 
 def pid_gone(pid: int) -> bool:
     """No process runs under `pid`: none at all, or only a zombie awaiting its (new) parent's reap."""
@@ -21,7 +23,7 @@ def pid_gone(pid: int) -> bool:
     return stat[stat.rindex(")") + 2] == "Z"
 
 
-async def wait_gone(pid: int, within_s: float = 5.0) -> bool:
+async def wait_gone(pid: int, within_s: float = deadline(5)) -> bool:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + within_s
     while not pid_gone(pid):
@@ -36,7 +38,11 @@ def _child_pid(log: Path) -> int | None:
     return next((int(line.split()[1]) for line in lines if line.startswith("child ")), None)
 
 
-async def read_pid_line(log: Path, within_s: float = 10.0) -> int:
+def _tail(log: Path) -> str:
+    return log.read_text(errors="replace")[-2000:] if log.exists() else "(no log yet)"
+
+
+async def read_pid_line(log: Path, within_s: float = deadline(10)) -> int:
     """The PID a script printed as `child <pid>` into its log."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + within_s
@@ -44,7 +50,7 @@ async def read_pid_line(log: Path, within_s: float = 10.0) -> int:
         if (pid := _child_pid(log)) is not None:
             return pid
         await asyncio.sleep(0.02)
-    raise TimeoutError(f"no 'child <pid>' line in {log}")
+    raise TimeoutError(f"no 'child <pid>' line in {log} within {within_s:g} s; it holds:\n{_tail(log)}")
 
 
 def python(code: str) -> tuple[str, ...]:

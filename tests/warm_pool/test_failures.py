@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry
 
 from snapshots import SnapshotStore, import_hf_dir
 from tests.activator.conftest import eventually
+from tests.deadlines import deadline
 from tests.warm_pool.rig import Load, MemoryBackend, at
 from tests.warm_pool.support import python
 from warm_pool.errors import StartFailed
@@ -278,7 +279,7 @@ async def test_the_local_backend_says_how_far_a_failed_start_got(tmp_path):
         at("early-1"), LaunchSpec(python("import sys; print('ImportError: no torch'); sys.exit(3)"))
     )
     with pytest.raises(StartFailed) as err:
-        await backend.wait_ready(handle, timeout_s=30, interval_s=0.05)
+        await backend.wait_ready(handle, timeout_s=deadline(30), interval_s=0.05)
     assert (err.value.phase, err.value.exit_code, err.value.log_lines) == (
         "process_start",
         3,
@@ -288,7 +289,7 @@ async def test_the_local_backend_says_how_far_a_failed_start_got(tmp_path):
     port = free_port()
     handle = await backend.start(at("late-1", port), LaunchSpec((*python(ANSWERS_THEN_DIES), str(port))))
     with pytest.raises(StartFailed) as err:
-        await backend.wait_ready(handle, timeout_s=30, interval_s=0.05)
+        await backend.wait_ready(handle, timeout_s=deadline(30), interval_s=0.05)
     assert (err.value.phase, err.value.exit_code) == ("model_load", 4)
     assert err.value.log_lines[-1] == "RuntimeError: the weights do not fit"
     await backend.stop(handle, 1)

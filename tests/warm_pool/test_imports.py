@@ -7,13 +7,17 @@ import sys
 
 import pytest
 
+from tests.deadlines import deadline
+
 
 @pytest.mark.parametrize(
     "module", ["stoker.control.platform", "warm_pool.pool", "warm_pool.policies.settings"]
 )
 def test_live_path_does_not_import_the_simulator(module: str) -> None:
     code = f"import sys, {module}; assert 'warm_pool.simulate' not in sys.modules, sorted(sys.modules)"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=deadline(120)
+    )
     assert result.returncode == 0, result.stderr[-2000:]
 
 

@@ -13,6 +13,7 @@ from dataclasses import replace
 import pytest
 from aiohttp import web
 
+from tests.deadlines import ENGINE_START, deadline
 from tests.warm_pool.rig import at
 from warm_pool.engine_calls import EngineCapabilities, HttpEngines
 from warm_pool.errors import StartFailed
@@ -38,7 +39,7 @@ async def test_a_real_engine_starts_reports_its_phases_and_drains_to_exit_0(
     try:
         assert handle.pgid == handle.pid == os.getpgid(handle.pid) != os.getpgid(0)
         assert handle.start_ticks == read_start_ticks(handle.pid)
-        await backend.wait_ready(handle, timeout_s=120)
+        await backend.wait_ready(handle, timeout_s=ENGINE_START)
         assert backend.is_alive(handle)
         phases = await HttpEngines(LocalBackend(tmp_path)).read_startup_phases(f"http://127.0.0.1:{port}")
         assert {"imports", "weight_load", "warm_up"} <= phases.keys()
@@ -46,7 +47,7 @@ async def test_a_real_engine_starts_reports_its_phases_and_drains_to_exit_0(
         caps = await HttpEngines(LocalBackend(tmp_path)).read_capabilities(f"http://127.0.0.1:{port}")
         assert caps == EngineCapabilities((1, 2)) and caps.can_sleep
     finally:
-        code = await backend.stop(handle, term_timeout_s=30)
+        code = await backend.stop(handle, term_timeout_s=deadline(30))
     assert code == 0
     assert pid_gone(handle.pid)
     with pytest.raises(ProcessLookupError):
@@ -79,7 +80,7 @@ async def test_a_process_that_exits_while_starting_fails_with_its_log_tail(tmp_p
     for _ in range(2):  # the log is appended to, not replaced
         handle = await backend.start(at("dies-1"), spec)
         with pytest.raises(StartFailed) as err:
-            await backend.wait_ready(handle, timeout_s=30)
+            await backend.wait_ready(handle, timeout_s=deadline(30))
         assert await backend.stop(handle, term_timeout_s=1) == 3
     message = str(err.value)
     assert "exited with status 3 before it was ready" in message

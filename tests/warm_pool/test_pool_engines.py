@@ -13,6 +13,7 @@ from pathlib import Path
 from aiohttp import web
 
 from tests.activator.conftest import eventually
+from tests.deadlines import deadline
 from tests.warm_pool.rig import MemoryBackend, Rig, pool_rig
 from warm_pool.backend import Placement
 from warm_pool.engine_calls import EngineCapabilities
@@ -69,7 +70,7 @@ def running_pool(tmp_path: Path, model_dir: Path, backend: MemoryBackend, scalin
 async def decided(rig: Rig, at: float, condition: Callable[[Decision], bool]) -> Decision:
     """Tick at `at` until the decision meets `condition` (a scrape runs in the background: its
     figures show at a later tick)."""
-    async with asyncio.timeout(5):
+    async with asyncio.timeout(deadline(5)):
         while True:
             await rig.tick(at)
             if condition(rig.pool.last_decision):

@@ -13,6 +13,7 @@ import pytest
 from aiohttp import web
 
 from tests.activator.conftest import closed_port, eventually
+from tests.deadlines import deadline
 from warm_pool.errors import InvalidConfig
 from warm_pool.reconcile import (
     MAX_BODY_BYTES,
@@ -143,7 +144,7 @@ async def engines() -> AsyncIterator[Engines]:
 
 
 async def round_of(states: SleepStates) -> dict[str, Observed]:
-    await eventually(lambda: not states.in_flight, timeout_s=10)
+    await eventually(lambda: not states.in_flight, timeout_s=deadline(10))
     return {seen.instance_id: seen.observed for seen in states.collect()}
 
 
@@ -179,7 +180,7 @@ async def test_the_answer_carries_the_transitions_the_instance_had_when_asked(en
     try:
         states.start([inst])
         inst.move_to(S.SLEEPING, 3.0)  # moved while the question was out
-        await eventually(lambda: not states.in_flight, timeout_s=10)
+        await eventually(lambda: not states.in_flight, timeout_s=deadline(10))
         [seen] = states.collect()
         assert (seen.transitions, inst.transitions) == (2, 3)
     finally:

@@ -24,6 +24,7 @@ from activator import Activator, ActivatorConfig, ActivatorMetrics
 from snapshots import SnapshotStore, import_hf_dir
 from tests.activator.conftest import Front
 from tests.activator.conftest import running as serving
+from tests.deadlines import deadline
 from warm_pool.launch import ENGINE_KEY_ENV
 from warm_pool.local import LocalBackend
 from warm_pool.metrics import PoolMetrics
@@ -33,7 +34,7 @@ from warm_pool.records import InstanceRecord, InstanceRecords
 from warm_pool.snapshot import SnapshotSource
 
 BODY = {"model": "tiny", "prompt": "x", "max_tokens": 2}
-WAIT_S = 60.0  # a CPU engine starts in seconds; a shared 2-core machine may take several times that
+WAIT_S = deadline(60)  # a CPU engine starts in seconds; a shared 2-core machine may take several times that
 
 
 @dataclass
@@ -112,8 +113,8 @@ async def stack(tmp_path: Path, tiny_model_dir: Path) -> AsyncIterator[Stack]:
             pool.attach(front.activator)
             loop = asyncio.create_task(pool.run())
             async with (
-                httpx.AsyncClient(base_url=url, timeout=120) as client,
-                httpx.AsyncClient(timeout=30) as outsider,
+                httpx.AsyncClient(base_url=url, timeout=deadline(120)) as client,
+                httpx.AsyncClient(timeout=deadline(30)) as outsider,
             ):
                 yield Stack(pool, records, client, outsider, registry)
     finally:

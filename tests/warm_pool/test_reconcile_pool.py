@@ -17,6 +17,7 @@ import pytest
 from aiohttp import web
 
 from tests.activator.conftest import eventually
+from tests.deadlines import deadline
 from tests.warm_pool.rig import MemoryBackend, Rig, asleep, pool_rig
 from warm_pool.backend import Placement
 from warm_pool.launch import ENGINE_KEY_ENV, LaunchSpec
@@ -104,7 +105,7 @@ async def rig(tmp_path: Path, tiny_model_dir: Path) -> AsyncIterator[Rig]:
 async def ticks_until(rig: Rig, at: float, condition: Callable[[], bool]) -> None:
     """Tick at `at` until `condition` holds: a round of questions runs in the background, and its
     answers count at a later tick."""
-    async with asyncio.timeout(10):
+    async with asyncio.timeout(deadline(10)):
         while not condition():
             await rig.tick(at)
             await asyncio.sleep(0.005)

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from stoker.cli.runtime import refuse
+from tests.deadlines import deadline
 from warm_pool.handoff import (
     MAX_MESSAGE_BYTES,
     SOCKET_NAME,
@@ -142,10 +143,10 @@ def start_runtime(
     env = {**os.environ, TOKEN_ENV: token, "HF_HUB_OFFLINE": "1"}
     with log.open("wb") as out:
         proc = subprocess.Popen([*command, str(sock_dir)], env=env, stdout=out, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 300
+    end = time.monotonic() + deadline(300)
     while not (sock_dir / SOCKET_NAME).exists():
         assert proc.poll() is None, log.read_text()
-        assert time.monotonic() < deadline, "the runtime never listened"
+        assert time.monotonic() < end, f"the runtime never listened (within {deadline(300):g} s)"
         time.sleep(0.02)
     return proc, sock_dir, log
 
@@ -169,7 +170,7 @@ def test_a_handoff_makes_the_runtime_the_engine_with_its_pid_env_and_log(tmp_pat
         finally:
             os.close(fd)
         assert pid == proc.pid
-        assert proc.wait(timeout=30) == 0
+        assert proc.wait(timeout=deadline(30)) == 0
     finally:
         proc.kill()
     became = json.loads(engine_log.read_text())  # its output went to the log sent along
@@ -182,7 +183,7 @@ def test_a_bad_token_is_answered_and_ends_the_runtime(tmp_path):
     try:
         with pytest.raises(HandoffError, match="refused the handoff: bad token"):
             hand_off(sock_dir / SOCKET_NAME, Handoff(("engine",)), "not-the-token", expect_pid=proc.pid)
-        assert proc.wait(timeout=30) == 2
+        assert proc.wait(timeout=deadline(30)) == 2
     finally:
         proc.kill()
     assert "refused: bad token" in log.read_text()
@@ -198,7 +199,7 @@ def test_an_oversized_message_is_answered_and_ends_the_runtime(tmp_path):
             conn.sendall(b"x" * (MAX_MESSAGE_BYTES + 100))  # no newline: it stops reading at the limit
             answer = json.loads(conn.makefile("rb").readline())
         assert answer["ok"] is False and "exceeds" in answer["error"]
-        assert proc.wait(timeout=30) == 2
+        assert proc.wait(timeout=deadline(30)) == 2
     finally:
         proc.kill()
     assert "exceeds" in log.read_text()
@@ -209,7 +210,7 @@ def test_the_pool_refuses_a_socket_served_by_another_process(tmp_path):
     try:
         with pytest.raises(HandoffError, match="not runtime"):
             hand_off(sock_dir / SOCKET_NAME, Handoff(("engine",)), TOKEN, expect_pid=proc.pid + 1)
-        assert proc.wait(timeout=30) == 2  # the connection closed without a message
+        assert proc.wait(timeout=deadline(30)) == 2  # the connection closed without a message
     finally:
         proc.kill()
 
@@ -224,7 +225,7 @@ def test_the_stoker_runtime_refuses_a_bad_token_and_exits(tmp_path, stoker_env):
         assert TOKEN.encode() not in environ  # the token is never on argv
         with pytest.raises(HandoffError, match="bad token"):
             hand_off(sock_dir / SOCKET_NAME, Handoff(("engine",)), "wrong", expect_pid=proc.pid)
-        assert proc.wait(timeout=60) == 2
+        assert proc.wait(timeout=deadline(60)) == 2
     finally:
         proc.kill()
     assert pid_gone(proc.pid)

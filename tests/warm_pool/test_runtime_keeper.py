@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
+from tests.deadlines import ENGINE_START, deadline
 from tests.warm_pool.rig import at
 from warm_pool.arbiter import Device, Member, Wish, arbitrate
 from warm_pool.backend import runtime_ready, start_tier
@@ -60,11 +61,11 @@ class Clock:
         return self.now
 
 
-async def until(condition, within_s: float = 120.0, what: str = "condition") -> None:
+async def until(condition, within_s: float = ENGINE_START, what: str = "condition") -> None:
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + within_s
+    end = loop.time() + within_s
     while not condition():
-        assert loop.time() < deadline, f"{what} not reached in {within_s}s"
+        assert loop.time() < end, f"{what} not reached in {within_s:g} s"
         await asyncio.sleep(0.02)
 
 
@@ -182,7 +183,8 @@ async def test_the_local_backend_starts_an_instance_in_a_runtime(tmp_path):
         assert handle.instance_id == "tiny-0a1b2c3d"
         await until(lambda: not backend.is_alive(handle), what="its 'engine' done")
         assert "became engine --port 1" in backend.log_path("tiny-0a1b2c3d").read_text()
-        assert await backend.stop(handle, term_timeout_s=10) == 0  # its exit status: reaped as a child
+        # Its exit status: reaped as a child.
+        assert await backend.stop(handle, term_timeout_s=deadline(10)) == 0
         assert not runtime_ready(backend, "vllm")
     finally:
         await backend.aclose()

@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.deadlines import WAIT, deadline
 from tests.engine.conftest import free_port
 from tests.platform.conftest import PlatformProcess, pid_alive
 
@@ -37,11 +38,13 @@ def test_a_start_takes_the_warm_runtime_which_is_then_replaced(tmp_path, tiny_mo
     p.start()
     seen: set[int] = set()
     try:
-        p.wait_for(lambda: p.metric("stoker_warm_runtimes", engine="cpu") == 1, 300, "a warm runtime")
+        p.wait_for(
+            lambda: p.metric("stoker_warm_runtimes", engine="cpu") == 1, deadline(300), "a warm runtime"
+        )
         [runtime] = runtime_pids(p.home)
         seen.add(runtime)
         measured = lambda: p.metric("stoker_warm_runtime_memory_bytes", engine="cpu", kind="pss") > 0  # noqa: E731
-        p.wait_for(measured, 60, "the runtime's memory measured")
+        p.wait_for(measured, WAIT, "the runtime's memory measured")
         p.deploy("tiny", tiny_model_dir, "--idle-timeout", "600")
         # ignore_eos: the random tiny model may sample its end token (or tokens that decode to
         # nothing) first; the engine must generate exactly the 4 tokens asked for.
@@ -51,7 +54,7 @@ def test_a_start_takes_the_warm_runtime_which_is_then_replaced(tmp_path, tiny_mo
             "max_tokens": 4,
             "ignore_eos": True,
         }
-        r = httpx.post(f"{p.url}/v1/chat/completions", json=body, timeout=300)
+        r = httpx.post(f"{p.url}/v1/chat/completions", json=body, timeout=deadline(300))
         assert r.status_code == 200, r.text
         answer = r.json()
         assert answer["usage"]["completion_tokens"] == 4 and answer["choices"][0]["finish_reason"] == "length"
@@ -66,10 +69,12 @@ def test_a_start_takes_the_warm_runtime_which_is_then_replaced(tmp_path, tiny_mo
 
         # The keeper starts another; the engine keeps serving meanwhile (perhaps asleep and woken:
         # the window is 1 s).
-        p.wait_for(lambda: len(runtime_pids(p.home) - {runtime}) == 1, 300, "a new runtime")
+        p.wait_for(lambda: len(runtime_pids(p.home) - {runtime}) == 1, deadline(300), "a new runtime")
         seen |= runtime_pids(p.home)
-        p.wait_for(lambda: p.metric("stoker_warm_runtimes", engine="cpu") == 1, 300, "the new one ready")
-        again = httpx.post(f"{p.url}/v1/chat/completions", json=body, timeout=300)
+        p.wait_for(
+            lambda: p.metric("stoker_warm_runtimes", engine="cpu") == 1, deadline(300), "the new one ready"
+        )
+        again = httpx.post(f"{p.url}/v1/chat/completions", json=body, timeout=deadline(300))
         assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 4
     finally:
         code = p.stop()

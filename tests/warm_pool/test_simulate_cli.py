@@ -8,6 +8,7 @@ import subprocess
 import pytest
 
 from tests.conftest import STOKER
+from tests.deadlines import deadline
 
 KEYS = {
     "policy",
@@ -33,7 +34,7 @@ def trace(tmp_path):
 
 
 def stoker(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([STOKER, "simulate", *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run([STOKER, "simulate", *args], capture_output=True, text=True, timeout=deadline(120))
 
 
 def test_json_prints_one_object_per_policy_and_a_plot_is_drawn(trace, tmp_path):
