@@ -435,26 +435,29 @@ def access_of(args: argparse.Namespace, admin_key: str | None, default_limits):
     return Access(admin_key, keys, own_origins(args.host, args.port), default_limits)
 
 
-def serve(app, args: argparse.Namespace, platform=None, holder: dict | None = None) -> int:
-    """Serve `app` until SIGTERM; `holder["server"]` is the server, for whoever must stop it."""
+def serve(app, args: argparse.Namespace, stopping=None, holder: dict | None = None) -> int:
+    """Serve `app` until SIGTERM; `stopping` (a `stoker.http.ServerStopping` the app's parts were
+    given) is bound to the server; `holder["server"]` is the server, for whoever must stop it."""
     from stoker.http import make_server, run_server
 
     server = make_server(app, host=args.host, port=args.port, log_level=args.log_level, grace_period_s=60)
     if holder is not None:
         holder["server"] = server
-    if platform is not None:
-        platform.stopping = lambda: server.should_exit
+    if stopping is not None:
+        stopping.bind(server)
     return 0 if run_server(server) else 1
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    from stoker.http import ServerStopping
     from stoker.serve.up import build_gateway
 
     admin_key = admin_key_of(args)
     log_setup(args)
     holding, limits = activator_config(args), default_limits(args)
     observer = request_observer(args)
-    platform = build_platform(args, activator_config=holding)
+    stopping = ServerStopping()
+    platform = build_platform(args, activator_config=holding, stopping=stopping)
     observer.register(platform.metrics_registry)
     app = build_gateway(platform, access=access_of(args, admin_key, limits), observer=observer)
-    return serve(app, args, platform)
+    return serve(app, args, stopping)

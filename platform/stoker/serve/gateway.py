@@ -53,7 +53,7 @@ def build_data_gateway(
         routes=plane.cascade_routes,
         contexts=plane.cascade_routes.small_context,
     )
-    plane.cascade_routes.on_removed = cascades.forget
+    plane.cascade_routes.subscribe(cascades.forget)
 
     async def admin(request: Request) -> Response:
         return await _pass_through(plane, request)
