@@ -25,6 +25,7 @@ import bisect
 import itertools
 from collections.abc import Callable, Collection, Sequence
 
+from activator.affinity import Balance
 from activator.balancer import Ring, pick, pick_by_prefix
 from activator.source import Endpoint
 
@@ -60,7 +61,7 @@ class Waiter:
 
 
 class Slots:
-    def __init__(self, endpoints: Callable[[], Sequence[Endpoint]], bound: float = 1.25) -> None:
+    def __init__(self, endpoints: Callable[[], Sequence[Endpoint]], bound: float = Balance.bound) -> None:
         self._endpoints = endpoints
         self.bound = bound  # prefix affinity's load factor (`pick_by_prefix`)
         self._ring: Ring | None = None  # the routable instances on the ring, for keyed requests

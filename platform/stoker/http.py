@@ -280,6 +280,22 @@ class InternalErrors:
             await error_response(internal_error(self.component))(scope, receive, send)
 
 
+class ServerStopping:
+    """Whether the server that serves an app has begun to stop (uvicorn's `should_exit`), for the
+    parts of the app built before the server is (long polls and log follows end then, instead of
+    holding a drain for its grace period). Made by the wiring, handed to those parts, and bound to
+    the server by whoever creates it (`bind`); false until then."""
+
+    def __init__(self) -> None:
+        self._server = None
+
+    def bind(self, server) -> None:
+        self._server = server
+
+    def __call__(self) -> bool:
+        return self._server is not None and bool(self._server.should_exit)
+
+
 def make_server(app, *, host: str, port: int, log_level: str, grace_period_s: float):
     """A uvicorn server for `app`: no access log, in-flight requests get `grace_period_s` on SIGTERM."""
     import uvicorn

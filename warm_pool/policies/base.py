@@ -17,13 +17,17 @@ from typing import NamedTuple, Protocol, TypeVar
 
 from warm_pool.errors import InvalidScalingConfig
 
+# The defaults every policy, the deployment spec (`stoker.spec.deployment`) and the simulator share.
+TARGET_CONCURRENCY = 4  # requests in flight per instance the policies aim for
+IDLE_TIMEOUT_S = 300.0  # without a request this long, a deployment goes to zero (5 min)
+
 
 @dataclass(frozen=True)
 class ScalingConfig:
     min_warm: int = 0
     max: int = 1
-    target_concurrency: int = 4
-    idle_timeout_s: float = 300.0
+    target_concurrency: int = TARGET_CONCURRENCY
+    idle_timeout_s: float = IDLE_TIMEOUT_S
     stable_window_s: float = 60.0
 
     def __post_init__(self) -> None:

@@ -14,13 +14,13 @@ import math
 from dataclasses import dataclass
 
 from warm_pool.errors import InvalidConfig
-from warm_pool.policies.base import Decision, Observation
+from warm_pool.policies.base import TARGET_CONCURRENCY, Decision, Observation
 from warm_pool.policies.windows import Peak, instances_for, peak, push_peak
 
 
 @dataclass(frozen=True)
 class KeepaliveConfig:
-    target_concurrency: int = 4
+    target_concurrency: int = TARGET_CONCURRENCY
     max: int = 1
     target_utilization: float = 0.7
     keepalive_s: float = 600.0

@@ -31,13 +31,13 @@ import math
 from dataclasses import dataclass
 
 from warm_pool.errors import InvalidConfig
-from warm_pool.policies.base import Decision, Observation, SecondSample
+from warm_pool.policies.base import TARGET_CONCURRENCY, Decision, Observation, SecondSample
 from warm_pool.policies.windows import instances_for, push_seconds
 
 
 @dataclass(frozen=True)
 class KpaConfig:
-    target_concurrency: int = 4
+    target_concurrency: int = TARGET_CONCURRENCY
     max: int = 1
     target_utilization: float = 0.7
     stable_window_s: float = 60.0

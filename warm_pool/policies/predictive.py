@@ -98,7 +98,7 @@ import math
 from dataclasses import dataclass, field
 
 from warm_pool.errors import InvalidConfig
-from warm_pool.policies.base import Decision, Observation, SecondSample, Tier
+from warm_pool.policies.base import TARGET_CONCURRENCY, Decision, Observation, SecondSample, Tier
 from warm_pool.policies.forecast import Forecast, ForecastConfig
 from warm_pool.policies.idle_histogram import HistogramConfig, IdleHistogram
 from warm_pool.policies.windows import Peak, instances_for, peak, push_peak, push_seconds
@@ -108,7 +108,7 @@ READY_SHARE = 0.5  # an idle instance is READY at most this share of the idle ti
 
 @dataclass(frozen=True)
 class PredictiveConfig:
-    target_concurrency: int = 4
+    target_concurrency: int = TARGET_CONCURRENCY
     max: int = 1
     target_utilization: float = 0.7
     latency_prior_s: float = 2.0

@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -23,11 +25,17 @@ from stoker.http import (
     parse_json_object,
     read_body,
 )
-from stoker.spec.deployment import not_found
+from stoker.spec.deployment import not_found, validate
 
 
-def admin_routes(platform: Platform, access: Access | None, limiter: Limiter) -> list[Route]:
-    """The admin API: deployments, keys, instance logs, the engines' metrics."""
+def admin_routes(
+    platform: Platform,
+    access: Access | None,
+    limiter: Limiter,
+    name_taken: Callable[[str], APIError | None] = lambda name: None,
+) -> list[Route]:
+    """The admin API: deployments, keys, instance logs, the engines' metrics. `name_taken`: why a
+    deployment may not take a name another kind of thing holds (a cascade route's), or None."""
 
     async def engine_metrics(request: Request) -> Response:
         """Every serving instance's own metrics (READY, SLEEPING, DRAINING), labelled by deployment, revision and instance,
@@ -69,6 +77,9 @@ def admin_routes(platform: Platform, access: Access | None, limiter: Limiter) ->
 
     async def create_deployment(request: Request) -> Response:
         body = parse_json_object(await read_body(request.receive, request.scope, MAX_BODY_BYTES))
+        name = validate(body)["name"]  # a bad body is its 400 before any other check
+        if (taken := name_taken(name)) is not None:  # e.g. a cascade route's name
+            raise taken
         spec, created = await platform.deploy(body)
         d = platform.get(spec.name)
         deployed = next(r for r in platform.revisions(spec.name) if r["revision"] == spec.revision)

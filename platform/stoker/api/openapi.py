@@ -17,7 +17,7 @@ from stoker.api.logs import DEFAULT_TAIL
 from stoker.api.revisions import revision_paths
 from stoker.engine.protocol import MAX_STOP_SEQUENCES
 from stoker.gateway.drift import drift_paths
-from stoker.spec.deployment import BALANCES, ENGINES, FIELDS, NAME
+from stoker.spec.deployment import BALANCES, ENGINES, FIELDS, NAME, default
 from stoker.spec.routes import DEFAULT_MIN_MEAN_LOGPROB, LOGPROB_FLOOR
 from warm_pool.instance_logs import MAX_TAIL_LINES
 from warm_pool.policies import POLICIES
@@ -135,8 +135,13 @@ _COMPLETION_RESPONSE = {
 
 def _deploy_request() -> dict[str, Any]:
     fields: dict[str, Any] = {}
-    for name, (kind, low, high, _default) in FIELDS.items():
-        fields[name] = {"type": "integer" if kind is int else "number", "minimum": low, "maximum": high}
+    for name, (kind, low, high) in FIELDS.items():
+        fields[name] = {
+            "type": "integer" if kind is int else "number",
+            "minimum": low,
+            "maximum": high,
+            "default": default(name),
+        }
     fields["idle_timeout_s"]["description"] = "at least 2 for a policy that sleeps (predictive)"
     fields["max_instance_age_s"]["description"] = (
         "0: the platform's --max-instance-age (off unless set); else at least 10"

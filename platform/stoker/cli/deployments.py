@@ -23,8 +23,14 @@ from snapshots.sizes import format_size
 from stoker.cli import revisions as revision_commands
 from stoker.cli.admin_client import add_url_option, call, stream
 from stoker.errors import CLIError
+from stoker.spec.deployment import BALANCES, ENGINES, default
 from stoker.spec.durations import duration, format_duration
-from warm_pool.policies import DEFAULT_POLICY, POLICIES
+from warm_pool.policies import POLICIES
+
+
+def seconds(field: str) -> str:
+    """A duration field's default as the flag is written: `seconds("idle_timeout_s")` is "5m"."""
+    return format_duration(default(field))
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -37,37 +43,50 @@ def register(sub: argparse._SubParsersAction) -> None:
         "repo id (org/name[@revision]) already in the local Hugging Face cache",
     )
     deploy.add_argument(
-        "--engine", choices=["cpu", "vllm"], default="cpu", help="the engine its instances run"
+        "--engine", choices=ENGINES, default=default("engine"), help="the engine its instances run"
     )
-    deploy.add_argument("--policy", default=DEFAULT_POLICY, help=f"scaling policy: {', '.join(POLICIES)}")
-    deploy.add_argument("--min-warm", type=int, default=0, help="instances kept READY even when idle")
-    deploy.add_argument("--max", type=int, default=1, help="instances at most")
+    deploy.add_argument("--policy", default=default("policy"), help=f"scaling policy: {', '.join(POLICIES)}")
     deploy.add_argument(
-        "--idle-timeout", type=duration, default="5m", help="how long without requests before zero instances"
+        "--min-warm", type=int, default=default("min_warm"), help="instances kept READY even when idle"
     )
-    deploy.add_argument("--target-concurrency", type=int, default=4, help="in-flight requests per instance")
+    deploy.add_argument("--max", type=int, default=default("max"), help="instances at most")
+    deploy.add_argument(
+        "--idle-timeout",
+        type=duration,
+        default=seconds("idle_timeout_s"),
+        help="how long without requests before zero instances",
+    )
+    deploy.add_argument(
+        "--target-concurrency",
+        type=int,
+        default=default("target_concurrency"),
+        help="in-flight requests per instance",
+    )
     deploy.add_argument(
         "--max-instance-age",
         type=duration,
-        default="0",
+        default=seconds("max_instance_age_s"),
         metavar="DURATION",
         help="replace an instance READY for longer, without a dip: a new one READY first, then the old one "
         "drained (default 0: the platform's --max-instance-age, off unless it sets one)",
     )
     deploy.add_argument(
-        "--grace-period", type=duration, default="30s", help="how long draining requests may take to finish"
+        "--grace-period",
+        type=duration,
+        default=seconds("grace_period_s"),
+        help="how long draining requests may take to finish",
     )
     deploy.add_argument(
         "--balance",
-        choices=["least-outstanding", "prefix"],
-        default="least-outstanding",
+        choices=BALANCES,
+        default=default("balance"),
         help="which READY instance takes a request: the least busy, or the one that served the same "
         "prompt prefix (bounded by --affinity-bound)",
     )
     deploy.add_argument(
         "--affinity-bound",
         type=float,
-        default=1.25,
+        default=default("affinity_bound"),
         help="prefix mode: no instance above this × the mean load",
     )
     deploy.add_argument(
@@ -84,22 +103,25 @@ def register(sub: argparse._SubParsersAction) -> None:
     deploy.add_argument(
         "--rollback-error-rate",
         type=float,
-        default=0.05,
+        default=default("rollback_error_rate"),
         help="the share of failed answers that fails a canary",
     )
     deploy.add_argument(
         "--rollback-ttft",
         type=duration,
-        default="0s",
+        default=seconds("rollback_ttft_s"),
         help="a first byte later than this is a failed answer (0s: no such objective)",
     )
     deploy.add_argument(
-        "--rollback-window", type=duration, default="1m", help="the window a canary is judged over"
+        "--rollback-window",
+        type=duration,
+        default=seconds("rollback_window_s"),
+        help="the window a canary is judged over",
     )
     deploy.add_argument(
         "--rollback-min-requests",
         type=int,
-        default=10,
+        default=default("rollback_min_requests"),
         help="answers in the window before a canary is judged",
     )
     deploy.add_argument(

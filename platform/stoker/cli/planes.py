@@ -109,6 +109,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def cmd_controller(args: argparse.Namespace) -> int:
     from stoker.gateway.limits import NO_LIMITS
+    from stoker.http import ServerStopping
     from stoker.serve.controller import build_controller
 
     if args.data_dir:
@@ -118,7 +119,10 @@ def cmd_controller(args: argparse.Namespace) -> int:
     extra, leader = {}, None
     if args.backend == "kubernetes":
         extra, leader = _kubernetes(args)
-    platform = build_platform(args, controller=True, gateway_stale_after_s=args.gateway_stale_after, **extra)
+    stopping = ServerStopping()
+    platform = build_platform(
+        args, controller=True, gateway_stale_after_s=args.gateway_stale_after, stopping=stopping, **extra
+    )
     access = access_of(args, admin_key, NO_LIMITS)
     holder: dict = {}
     app = build_controller(
@@ -128,7 +132,7 @@ def cmd_controller(args: argparse.Namespace) -> int:
         leader=leader,
         on_lost_lease=lambda: setattr(holder["server"], "should_exit", True),
     )
-    return serve(app, args, platform, holder)
+    return serve(app, args, stopping, holder)
 
 
 def _kubernetes(args: argparse.Namespace) -> tuple[dict, object]:

@@ -64,8 +64,8 @@ def setup(args: argparse.Namespace):
     names = args.policy or list(DEFAULT_POLICIES)
     model = instance_model(args)
     as_deployed = args.idle_timeout is not None or args.stable_window is not None
-    idle = args.idle_timeout if args.idle_timeout is not None else 300.0
-    window = args.stable_window if args.stable_window is not None else 60.0
+    idle = args.idle_timeout if args.idle_timeout is not None else ScalingConfig.idle_timeout_s
+    window = args.stable_window if args.stable_window is not None else ScalingConfig.stable_window_s
     scaling = ScalingConfig(
         min_warm=args.min_warm,
         max=args.max,

@@ -12,9 +12,10 @@ import os
 import shlex
 from pathlib import Path
 
+from activator.config import ActivatorConfig
 from stoker.errors import CLIError
 from stoker.paths import add_store_option
-from stoker.spec.durations import duration
+from stoker.spec.durations import duration, format_duration
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -43,52 +44,67 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_activator_args(p: argparse.ArgumentParser) -> None:
-    """The activator's: how requests are held, proxied, and sick instances ejected."""
+    """The activator's: how requests are held, proxied, and sick instances ejected. Their defaults
+    are `ActivatorConfig`'s, written there once."""
+    A = ActivatorConfig
     p.add_argument(
-        "--hold-deadline", type=duration, default="120s", help="how long a request may wait for capacity"
+        "--hold-deadline",
+        type=duration,
+        default=format_duration(A.hold_deadline_s),
+        help="how long a request may wait for capacity",
     )
-    p.add_argument("--max-queued", type=int, default=100, help="requests held per deployment at once")
+    p.add_argument(
+        "--max-queued", type=int, default=A.max_queued, help="requests held per deployment at once"
+    )
     p.add_argument(
         "--keepalive-interval",
         type=duration_or_off,
-        default="5s",
+        default=format_duration(A.keepalive_interval_s),
         help="time between the keep-alives (blank lines) a held stream gets; 0 or off: none, and a held "
         "stream's headers wait for its answer",
     )
     p.add_argument(
         "--first-byte-timeout",
         type=duration,
-        default="300s",
+        default=format_duration(A.first_byte_timeout_s),
         help="how long a plain request waits for its whole answer's headers",
     )
     p.add_argument(
         "--stream-headers-timeout",
         type=duration,
-        default="10s",
+        default=format_duration(A.stream_headers_timeout_s),
         help="how long a stream waits for an instance's headers before it is retried elsewhere",
     )
     p.add_argument(
-        "--eject-after", type=int, default=3, help="failures in a row that take an instance out of routing"
+        "--eject-after",
+        type=int,
+        default=A.eject_after,
+        help="failures in a row that take an instance out of routing",
     )
     p.add_argument(
         "--eject-time",
         type=duration,
-        default="10s",
+        default=format_duration(A.eject_base_s),
         help="how long the first ejection lasts; doubled on each one in a row, up to 300 s",
     )
     p.add_argument(
         "--replace-after-ejections",
         type=int,
-        default=3,
+        default=A.replace_after_ejections,
         help="ejections in a row after which an instance is replaced as stopped or wedged",
     )
     p.add_argument(
         "--health-interval",
         type=duration,
-        default="5s",
+        default=format_duration(A.health_interval_s),
         help="time between probes of each instance's /health",
     )
-    p.add_argument("--health-timeout", type=duration, default="2s", help="how long a /health probe may take")
+    p.add_argument(
+        "--health-timeout",
+        type=duration,
+        default=format_duration(A.health_timeout_s),
+        help="how long a /health probe may take",
+    )
 
 
 def add_pool_args(p: argparse.ArgumentParser) -> None:
@@ -281,7 +297,7 @@ def activator_config(args: argparse.Namespace):
             stream_headers_timeout_s=args.stream_headers_timeout,
             eject_after=args.eject_after,
             eject_base_s=args.eject_time,
-            eject_max_s=max(300.0, args.eject_time),
+            eject_max_s=max(ActivatorConfig.eject_max_s, args.eject_time),
             replace_after_ejections=args.replace_after_ejections,
             health_interval_s=args.health_interval,
             health_timeout_s=args.health_timeout,
@@ -419,26 +435,29 @@ def access_of(args: argparse.Namespace, admin_key: str | None, default_limits):
     return Access(admin_key, keys, own_origins(args.host, args.port), default_limits)
 
 
-def serve(app, args: argparse.Namespace, platform=None, holder: dict | None = None) -> int:
-    """Serve `app` until SIGTERM; `holder["server"]` is the server, for whoever must stop it."""
+def serve(app, args: argparse.Namespace, stopping=None, holder: dict | None = None) -> int:
+    """Serve `app` until SIGTERM; `stopping` (a `stoker.http.ServerStopping` the app's parts were
+    given) is bound to the server; `holder["server"]` is the server, for whoever must stop it."""
     from stoker.http import make_server, run_server
 
     server = make_server(app, host=args.host, port=args.port, log_level=args.log_level, grace_period_s=60)
     if holder is not None:
         holder["server"] = server
-    if platform is not None:
-        platform.stopping = lambda: server.should_exit
+    if stopping is not None:
+        stopping.bind(server)
     return 0 if run_server(server) else 1
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    from stoker.http import ServerStopping
     from stoker.serve.up import build_gateway
 
     admin_key = admin_key_of(args)
     log_setup(args)
     holding, limits = activator_config(args), default_limits(args)
     observer = request_observer(args)
-    platform = build_platform(args, activator_config=holding)
+    stopping = ServerStopping()
+    platform = build_platform(args, activator_config=holding, stopping=stopping)
     observer.register(platform.metrics_registry)
     app = build_gateway(platform, access=access_of(args, admin_key, limits), observer=observer)
-    return serve(app, args, platform)
+    return serve(app, args, stopping)

@@ -79,6 +79,7 @@ class Platform:
         prices: PriceTable | None = None,  # `stoker up --prices` (`stoker.control.cost`); None: list prices
         max_instance_age_s: float | None = None,  # `stoker up --max-instance-age`; a deployment's own wins
         warm_runtimes: int = 0,  # CPU-engine runtimes kept ahead of need (`stoker up --warm-runtimes`)
+        stopping: Callable[[], bool] | None = None,  # the server draining (`stoker.http.ServerStopping`)
     ) -> None:
         self.data_dir = data_dir
         self.controller = controller
@@ -110,9 +111,6 @@ class Platform:
         # Instance-seconds priced per revision, tokens, idle share, the arrival log (`stoker.control.cost`).
         self.cost = CostMeter.of_platform(prices, self.metrics_registry, clock, self.store, data_dir)
         self.rollout = Rollout(self, check_interval_s=canary_check_s)
-        # Why a deployment may not take a name another kind of thing holds (None: it may); the
-        # gateway sets it to its cascade routes' check.
-        self.name_taken: Callable[[str], APIError | None] = lambda name: None
         self._activator_config = activator_config or ActivatorConfig()
         self._stable_window_s = stable_window_s
         self._max_instance_age_s = max_instance_age_s
@@ -123,9 +121,9 @@ class Platform:
         # The vLLM this platform runs: found at the first vLLM deployment, then kept.
         self._vllm_setup = VllmSetup(vllm or VllmOptions(), self.gpus, self._keeper)
         self.unavailable_after = unavailable_after
-        # Whether the server is draining (`stoker up` sets it to its uvicorn's should_exit): open
+        # Whether the server is draining (its uvicorn's should_exit, once `serve` binds it): open
         # `stoker logs --follow` streams end then, instead of holding the drain for its grace period.
-        self.stopping: Callable[[], bool] = lambda: False
+        self.stopping: Callable[[], bool] = stopping or (lambda: False)
 
     @property
     def clock(self) -> Callable[[], float]:
@@ -234,8 +232,6 @@ class Platform:
         model or engine warms first and takes the traffic once it is READY (`stoker.control.rollout`).
         Returns the new revision's spec and whether the deployment was created."""
         fields = validate(body)
-        if (taken := self.name_taken(fields["name"])) is not None:  # e.g. a cascade route's name
-            raise taken
         canary = canary_percent(body)
         if canary is not None and fields["name"] not in self._deployments:
             raise invalid(

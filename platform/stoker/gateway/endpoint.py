@@ -31,9 +31,10 @@ from stoker.errors import (
 )
 from stoker.gateway.cascade import Cascades
 from stoker.gateway.keys import principal_of
-from stoker.gateway.limits import Limiter, UsageTap, estimate_tokens
+from stoker.gateway.limits import Limiter, estimate_tokens
 from stoker.gateway.request_log import Observer
 from stoker.gateway.revisions import pin_revision
+from stoker.gateway.taps import Finish, TappedRequest, taps
 from stoker.http import (
     ClientGone,
     parse_json_object,
@@ -54,9 +55,9 @@ def api_error(exc: ActivatorError) -> APIError:
 
 
 class InferenceEndpoint:
-    """`POST /v1/chat/completions` and `POST /v1/completions`, routed by the body's `model`, within
-    the caller's limits (`limits.Limiter`): a limited key's answer goes out through a `UsageTap`,
-    which adds its x-ratelimit-* headers and settles its token charge."""
+    """`POST /v1/chat/completions` and `POST /v1/completions`, routed by the body's `model`, through
+    the request taps (`stoker.gateway.taps`, in their documented order: cost, request log, limits)
+    to the deployment's revision and its activator."""
 
     def __init__(
         self,
@@ -66,15 +67,12 @@ class InferenceEndpoint:
         observer: Observer | None = None,
     ) -> None:
         self.platform = platform
-        self.limiter = limiter
         self.cascades = cascades  # routes by name (`stoker.gateway.cascade`); None: deployments only
-        self.observer = observer  # request log, drift, traces (`stoker.gateway.request_log`); None: off
-        self.meter = getattr(
-            platform, "cost", None
-        )  # tokens, idle share, arrival log (`stoker.control.cost`)
+        # The meter: tokens, idle share, arrival log (`stoker.control.cost`, or a gateway's own).
+        self.taps = taps(limiter, meter=getattr(platform, "cost", None), observer=observer)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        ticket = tap = observed = metered = None
+        finishes: list[Finish] = []
         try:
             body = await read_body(receive, scope, MAX_BODY_BYTES)
             parsed, name, stream = _route_fields(body)
@@ -88,23 +86,15 @@ class InferenceEndpoint:
                 raise APIError(
                     404, f"The model `{name}` does not exist.", param="model", code="model_not_found"
                 )
-            if (
-                self.meter is not None
-            ):  # counted for cost: tokens, requests, in flight (`stoker.control.cost`)
-                metered = self.meter.tap(send, name, estimate_tokens(parsed, len(body))[0])
-                send = metered or send
-            if self.observer is not None:  # measured for the request log and traces, 429s included
-                observed = self.observer.tap(send, name, deployment, principal.key_id, parsed, stream)
-                send = observed or send
+            request = TappedRequest(
+                name, deployment, principal, parsed, stream, estimate_tokens(parsed, len(body))
+            )
+            for tap in self.taps:  # a tap's 429 is answered through the taps started before it
+                send, finish = tap.start(send, request)
+                if finish is not None:
+                    finishes.append(finish)
             if principal.admin:  # `x-stoker-revision: N` from the admin: that revision answers
                 pin_revision(scope)
-            if not principal.admin:  # the admin's key is never limited
-                estimate = estimate_tokens(parsed, len(body))
-                ticket = self.limiter.admit(
-                    principal.key_id, principal.limits, estimate, principal.tenant or ""
-                )
-            if ticket is not None:
-                send = tap = UsageTap(send, ticket)
             await deployment.serve(scope, receive, send, body, parsed, stream, principal.key_id)
         except APIError as exc:
             await error_response(exc)(scope, receive, send)
@@ -116,14 +106,8 @@ class InferenceEndpoint:
         except ClientGone:
             return
         finally:
-            if ticket is not None:
-                if tap is not None and (used := tap.used()) is not None:
-                    ticket.settle(used)
-                ticket.close()
-            if observed is not None:
-                self.observer.done(observed, scope)
-            if metered is not None:
-                self.meter.done(metered, scope)
+            for finish in reversed(finishes):  # innermost first: limits settle, the log, the meter
+                finish(scope)
 
 
 def _route_fields(body: bytes) -> tuple[dict, str, bool]:

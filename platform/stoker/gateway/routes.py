@@ -19,12 +19,16 @@ class SyncedRoutes:
         {"name": "assist", "small": "smol", "large": "big", "min_mean_logprob": -1.0,
          "escalate_on_context": true, "small_context": 2048}
 
-    `on_removed(name)` hears of each route that left (its series are forgotten)."""
+    Each `on_removed(name)` (given here, or later by `subscribe`) hears of each route that left (its
+    series are forgotten)."""
 
     def __init__(self, on_removed: Callable[[str], None] | None = None) -> None:
         self._routes: dict[str, CascadeRoute] = {}
         self._contexts: dict[str, int | None] = {}
-        self.on_removed = on_removed
+        self._listeners: list[Callable[[str], None]] = [on_removed] if on_removed is not None else []
+
+    def subscribe(self, on_removed: Callable[[str], None]) -> None:
+        self._listeners.append(on_removed)
 
     def replace(self, entries: list[dict[str, Any]]) -> None:
         routes = {e["name"]: CascadeRoute(**{f: e[f] for f in FIELDS}) for e in entries}
@@ -32,8 +36,8 @@ class SyncedRoutes:
         gone = [name for name in self._routes if name not in routes]
         self._routes, self._contexts = routes, contexts
         for name in gone:
-            if self.on_removed is not None:
-                self.on_removed(name)
+            for listener in self._listeners:
+                listener(name)
 
     def get(self, name: str) -> CascadeRoute | None:
         return self._routes.get(name)

@@ -113,7 +113,6 @@ def build_controller(
         platform.metrics_registry,
         table=lambda: CascadeRoutes(Path(platform.data_dir) / "stoker.db"),
     )
-    platform.name_taken = cascades.conflict
     register_gpu_metrics(platform.metrics_registry)  # the local backend's GPUs, where NVML sees any
     # The dashboard's last hour: the pools' figures from here, the requests' from the gateways.
     gateway_series = GatewaySeries()
@@ -226,7 +225,7 @@ def build_controller(
             Route("/healthz", healthz, methods=["GET"]),
             *own,
             *cluster,
-            *admin_routes(platform, access, limiter),
+            *admin_routes(platform, access, limiter, cascades.conflict),
             *cascade_routes(platform, cascades, on_change=platform.routes.bump),
             *cost_routes(platform),
             *dashboard_routes(sampler.history),

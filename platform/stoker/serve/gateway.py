@@ -19,7 +19,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from stoker.api.dashboard import dashboard_routes
-from stoker.errors import APIError
+from stoker.errors import UNAVAILABLE, APIError
 from stoker.gateway.cascade import Cascades
 from stoker.gateway.endpoint import data_routes
 from stoker.gateway.keys import Access
@@ -53,7 +53,7 @@ def build_data_gateway(
         routes=plane.cascade_routes,
         contexts=plane.cascade_routes.small_context,
     )
-    plane.cascade_routes.on_removed = cascades.forget
+    plane.cascade_routes.subscribe(cascades.forget)
 
     async def admin(request: Request) -> Response:
         return await _pass_through(plane, request)
@@ -116,7 +116,7 @@ async def _pass_through(plane: GatewayPlane, request: Request) -> Response:
         raise APIError(
             503,
             f"The controller ({plane.controller}) is unreachable: {type(exc).__name__}.",
-            type="service_unavailable",
+            type=UNAVAILABLE,
             code="controller_unreachable",
         ) from None
 

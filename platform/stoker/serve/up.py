@@ -49,14 +49,13 @@ def build_gateway(
         platform.metrics_registry,
         table=lambda: CascadeRoutes(Path(platform.data_dir) / "stoker.db"),
     )  # cascade routes (`stoker.gateway.cascade`)
-    platform.name_taken = cascades.conflict
     # The last hour for /dashboard (`stoker.control.history`); the GPUs' own figures where NVML sees any.
     sampler = HistorySampler(platform.metrics_registry, HistoryConfig.from_env())
     register_gpu_metrics(platform.metrics_registry)
     routes = [
         *data_routes(platform, limiter, cascades, observer),
         *common_routes(platform, platform.metrics_registry),
-        *admin_routes(platform, access, limiter),
+        *admin_routes(platform, access, limiter, cascades.conflict),
         *cascade_routes(platform, cascades),
         *cost_routes(platform),
         *dashboard_routes(sampler.history),

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from activator.affinity import LEAST_OUTSTANDING, MODES, Balance
 from stoker.errors import APIError, invalid
 from warm_pool.policies import DEFAULT_POLICY, POLICIES
+from warm_pool.policies.base import IDLE_TIMEOUT_S, TARGET_CONCURRENCY
 from warm_pool.policies.settings import idle_timeout_error
 from warm_pool.recycle import max_age_error
 
@@ -29,12 +31,12 @@ class DeploymentSpec:
     policy: str = DEFAULT_POLICY  # a name in warm_pool.policies.POLICIES
     min_warm: int = 0
     max: int = 1
-    idle_timeout_s: float = 300.0
-    target_concurrency: int = 4
+    idle_timeout_s: float = IDLE_TIMEOUT_S
+    target_concurrency: int = TARGET_CONCURRENCY
     grace_period_s: float = 30.0
     revision: int = 0  # given by the registry when the revision is created (1, 2, ...)
-    balance: str = "least-outstanding"  # which READY instance takes a request (`activator.affinity`)
-    affinity_bound: float = 1.25  # prefix mode: no instance above this × the mean load
+    balance: str = LEAST_OUTSTANDING  # which READY instance takes a request (`activator.affinity`)
+    affinity_bound: float = Balance.bound  # prefix mode: no instance above this × the mean load
     # A canary of this revision rolled back by itself when, over `rollback_window_s` (and at least
     # `rollback_min_requests`), its 5xx share or its share of TTFTs over `rollback_ttft_s` (0: no
     # TTFT objective) exceeds `rollback_error_rate`.
@@ -60,21 +62,30 @@ class DeploymentSpec:
         return (self.snapshot_id, self.engine) == (other.snapshot_id, other.engine)
 
 
-# field -> (kind, low, high, default); the one table of what a deploy accepts
-FIELDS: dict[str, tuple[type, float, float, Any]] = {
-    "min_warm": (int, 0, 64, 0),
-    "max": (int, 1, 64, 1),
-    "idle_timeout_s": (float, 1.0, 7 * 86400.0, 300.0),
-    "target_concurrency": (int, 1, 1024, 4),
-    "grace_period_s": (float, 0.0, 3600.0, 30.0),
-    "affinity_bound": (float, 1.0, 10.0, 1.25),
-    "rollback_error_rate": (float, 0.0, 1.0, 0.05),
-    "rollback_ttft_s": (float, 0.0, 3600.0, 0.0),
-    "rollback_window_s": (float, 1.0, 86400.0, 60.0),
-    "rollback_min_requests": (int, 1, 1_000_000, 10),
-    "max_instance_age_s": (float, 0.0, 365 * 86400.0, 0.0),
+# field -> (kind, low, high); the one table of the ranges a deploy accepts. Each field's default is
+# its `DeploymentSpec` default (`default`), so the API, the registry and the CLI share one.
+FIELDS: dict[str, tuple[type, float, float]] = {
+    "min_warm": (int, 0, 64),
+    "max": (int, 1, 64),
+    "idle_timeout_s": (float, 1.0, 7 * 86400.0),
+    "target_concurrency": (int, 1, 1024),
+    "grace_period_s": (float, 0.0, 3600.0),
+    "affinity_bound": (float, 1.0, 10.0),
+    "rollback_error_rate": (float, 0.0, 1.0),
+    "rollback_ttft_s": (float, 0.0, 3600.0),
+    "rollback_window_s": (float, 1.0, 86400.0),
+    "rollback_min_requests": (int, 1, 1_000_000),
+    "max_instance_age_s": (float, 0.0, 365 * 86400.0),
 }
-BALANCES = ("least-outstanding", "prefix")
+
+
+def default(field: str) -> Any:
+    """A deployment field's default: `default("idle_timeout_s")` is 300.0."""
+    return _DEFAULTS[field]
+
+
+_DEFAULTS = {f.name: f.default for f in fields(DeploymentSpec)}
+BALANCES = MODES
 LOG_FLAGS = ("log_requests", "log_content")  # true or false, default false
 
 
@@ -129,10 +140,10 @@ def validate(body: Any) -> dict[str, Any]:
         if not isinstance(value, bool):
             raise invalid(f"'{flag}' must be true or false, got {value!r}.", flag)
         out[flag] = value
-    for field, (kind, low, high, default) in FIELDS.items():
-        value = body.get(field, default)
+    for field, (kind, low, high) in FIELDS.items():
+        value = body.get(field)
         if value is None:
-            value = default
+            value = _DEFAULTS[field]
         ok_type = isinstance(value, int) if kind is int else isinstance(value, int | float)
         if isinstance(value, bool) or not ok_type or (kind is float and not math.isfinite(value)):
             raise invalid(
