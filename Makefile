@@ -78,7 +78,7 @@ $(PROMTOOL):
 	  cp x/usr/bin/promtool ../promtool; else echo "promtool not available: metrics checks will be skipped"; fi; \
 	cd .. && rm -rf deb
 
-# Chromium for the web dashboard's browser test (tests/platform/test_dashboard.py): Debian's
+# Chromium for the web dashboard's browser test (tests/platform/api/test_dashboard.py): Debian's
 # package, installed when it is missing and apt may install (root); otherwise that test is skipped
 # and says why (in CI, where $CI is set, it fails instead).
 chromium:

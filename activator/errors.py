@@ -4,7 +4,7 @@ aiohttp's errors (and timeouts) are translated into these where they enter, in `
 class carries what a client sees of it: the HTTP `status`, OpenAI's error `type` and `code`. This
 is the one table from our request-path errors to HTTP: the gateway answers with it before any
 header went out, the activator's own SSE error event uses it after, and each revision's answer
-counts are kept by it (`tests/platform/test_gateway_errors.py` pins it).
+counts are kept by it (`tests/platform/gateway/test_gateway_errors.py` pins it).
 """
 
 from __future__ import annotations

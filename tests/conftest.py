@@ -23,24 +23,24 @@ STOKER = str(Path(sys.executable).with_name("stoker"))
 # these go first, so that the two workers end together on short files instead of one of them
 # starting a two-minute vLLM test when the other is nearly done. Order within a file is kept.
 SLOW_FILES = (
-    "tests/platform/test_vllm_engine.py",
-    "tests/platform/test_reliability.py",
-    "tests/platform/test_serve_from_zero.py",
-    "tests/platform/test_revisions_live.py",
-    "tests/engine/test_lifecycle.py",
-    "tests/platform/test_sick_instance.py",
-    "tests/platform/test_rate_limits.py",
-    "tests/platform/test_recycle_live.py",
+    "tests/platform/serve/test_vllm_engine.py",
+    "tests/platform/serve/test_reliability.py",
+    "tests/platform/serve/test_serve_from_zero.py",
+    "tests/platform/serve/test_revisions_live.py",
+    "tests/platform/engine/test_lifecycle.py",
+    "tests/platform/serve/test_sick_instance.py",
+    "tests/platform/gateway/test_rate_limits.py",
+    "tests/platform/serve/test_recycle_live.py",
     "tests/snapshots/test_builtin_gguf.py",
-    "tests/platform/test_openapi_fuzz.py",
-    "tests/platform/test_planes.py",
-    "tests/platform/test_vllm_bench_client.py",
-    "tests/platform/test_live_vs_simulated.py",  # a 61 s real-time trace replay, ~75 s in all
-    "tests/platform/test_fleet_live.py",
-    "tests/platform/test_compat_clients.py",
+    "tests/platform/api/test_openapi_fuzz.py",
+    "tests/platform/serve/test_planes.py",
+    "tests/platform/serve/test_vllm_bench_client.py",
+    "tests/platform/serve/test_live_vs_simulated.py",  # a 61 s real-time trace replay, ~75 s in all
+    "tests/platform/serve/test_fleet_live.py",
+    "tests/platform/serve/test_compat_clients.py",
     "tests/warm_pool/test_runtime_live.py",
     "tests/kube/test_controller_e2e.py",
-    "tests/engine/test_wake_floor.py",
+    "tests/platform/engine/test_wake_floor.py",
 )
 
 

@@ -7,7 +7,7 @@
   (`/metrics`, and `/metrics/engines` for the CPU engine's `vllm:` families), from the families
   vLLM's CPU build exports (fixtures/vllm_cpu_metric_names.txt, captured by
   fixtures/capture_vllm_metric_names.py), from the NVML collector's names (registered only where
-  a GPU is: tests/platform/test_gpu_metrics.py pins them) and Prometheus's own `up`. The cost
+  a GPU is: tests/platform/node/test_gpu_metrics.py pins them) and Prometheus's own `up`. The cost
   panels' `stoker_cost_usd_total` and `stoker_tokens_total` are the platform's own (`stoker.control.cost`).
 - The dashboard's shape: every panel has a query, ids are unique, the data source is a variable.
 """
@@ -27,8 +27,8 @@ import yaml
 from stoker.node.gpu_metrics import GPU_METRICS
 from tests.conftest import promtool
 from tests.deadlines import deadline
-from tests.engine.conftest import free_port
 from tests.platform.conftest import PlatformProcess
+from tests.platform.engine.conftest import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "infra" / "grafana" / "stoker.json"

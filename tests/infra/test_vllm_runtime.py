@@ -4,7 +4,7 @@ A runtime is started in vLLM's virtualenv with its token, imports vLLM and liste
 is not `vllm serve` ends it after an error reply, through the pool's own handoff call
 (`warm_pool.handoff.hand_off`). A handoff with a wrong token is refused by the shared handoff code
 (tests/warm_pool/test_runtime_handoff.py). A runtime that becomes `vllm serve` through the platform,
-its engine core forked with the imports inherited, is tests/platform/test_vllm_engine.py's
+its engine core forked with the imports inherited, is tests/platform/serve/test_vllm_engine.py's
 `test_a_vllm_start_through_its_warm_runtime`: one vLLM start each, the suite's slowest thing.
 """
 

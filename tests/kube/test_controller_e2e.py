@@ -20,9 +20,9 @@ import httpx
 import yaml
 
 from tests.deadlines import ENGINE_START, deadline
-from tests.engine.conftest import free_port
 from tests.kube.conftest import NAMESPACE, TOKEN, TinyStore
 from tests.platform.conftest import PlatformProcess
+from tests.platform.engine.conftest import free_port
 
 ADMIN = "admin-key-e2e"
 ENV = {"STOKER_ADMIN_KEY": ADMIN}

@@ -15,7 +15,7 @@ import pytest
 
 from tests.conftest import STOKER
 from tests.deadlines import FACTOR, HOLD, HTTP_READ, PLATFORM_START, STOP, WAIT, deadline
-from tests.engine.conftest import free_port
+from tests.platform.engine.conftest import free_port
 
 
 @dataclass

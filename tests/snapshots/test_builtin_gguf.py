@@ -22,7 +22,7 @@ import pytest
 
 from tests.conftest import STOKER
 from tests.deadlines import COLD_ANSWER, deadline
-from tests.engine.conftest import launch_engine
+from tests.platform.engine.conftest import launch_engine
 
 pytestmark = [
     pytest.mark.slow,

@@ -12,8 +12,8 @@ import httpx
 import pytest
 
 from tests.deadlines import WAIT, deadline
-from tests.engine.conftest import free_port
 from tests.platform.conftest import PlatformProcess, pid_alive
+from tests.platform.engine.conftest import free_port
 
 if sys.platform != "linux":  # pragma: no cover
     pytest.skip("runtimes need Linux's /proc", allow_module_level=True)

@@ -16,8 +16,8 @@ import httpx
 from stoker.control.arrival_log import LOG_DIR as ARRIVALS_DIR
 from stoker.gateway.request_log import LOG_DIR, LOG_FILE
 from tests.deadlines import HTTP_READ, deadline, flag
-from tests.engine.conftest import free_port
 from tests.platform.conftest import PlatformProcess
+from tests.platform.engine.conftest import free_port
 
 ADMIN = "admin-key-for-planes-observability"
 H = {"authorization": f"Bearer {ADMIN}"}

@@ -15,8 +15,8 @@ import pytest
 
 from tests.conftest import build_tiny_model
 from tests.deadlines import COLD_ANSWER, deadline, flag
-from tests.engine.conftest import free_port
 from tests.platform.conftest import PlatformProcess, pid_alive
+from tests.platform.engine.conftest import free_port
 
 ADMIN = "admin-key-for-planes"
 ENV = {"STOKER_ADMIN_KEY": ADMIN}

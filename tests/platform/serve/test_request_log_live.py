@@ -17,8 +17,8 @@ ADMIN = "sk-stoker-admin-for-the-request-log-test"
 
 @pytest.fixture(scope="module")
 def platform(tmp_path_factory, tiny_model_dir):
-    from tests.engine.conftest import free_port
     from tests.platform.conftest import PlatformProcess
+    from tests.platform.engine.conftest import free_port
 
     args = ("--request-log", "--drift-window", "1h", "--drift-min-requests", "2")
     p = PlatformProcess(

@@ -6,7 +6,7 @@ import httpx
 import pytest
 
 from stoker.engine.app import API_KEY_ENV
-from tests.engine.conftest import launch_engine
+from tests.platform.engine.conftest import launch_engine
 from warm_pool.launch import ENGINE_KEY_ENV
 
 KEY = "s3cret-instance-key"

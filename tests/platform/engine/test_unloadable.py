@@ -10,7 +10,7 @@ import subprocess
 
 from tests.conftest import STOKER
 from tests.deadlines import deadline
-from tests.engine.conftest import free_port
+from tests.platform.engine.conftest import free_port
 
 
 def test_a_load_that_fails_exits_1_in_one_line(tmp_path, tiny_model_dir, stoker_env) -> None:

@@ -1,7 +1,7 @@
 """The gateway-to-controller metering of the split planes (`stoker.gateway.metering`), in tables: the
 report's `usage` and `series` checked field by field, the controller's sums over gateways, the
 busy-second integral fed by the gateways' reported loads, the gateway's changed-sample diff. The
-processes together: tests/platform/test_planes_observability.py."""
+processes together: tests/platform/serve/test_planes_observability.py."""
 
 from __future__ import annotations
 

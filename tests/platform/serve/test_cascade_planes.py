@@ -14,8 +14,8 @@ import httpx
 
 from tests.conftest import build_tiny_model
 from tests.deadlines import HTTP_READ, deadline, flag
-from tests.engine.conftest import free_port
 from tests.platform.conftest import PlatformProcess
+from tests.platform.engine.conftest import free_port
 
 ADMIN = "admin-key-for-cascade-planes"
 ENV = {"STOKER_ADMIN_KEY": ADMIN}

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import httpx
 
-from tests.engine.conftest import OneConnection
-from tests.engine.test_bad_input import nested
+from tests.platform.engine.conftest import OneConnection
+from tests.platform.engine.test_bad_input import nested
 
 
 def test_hostile_bodies_leave_the_instance_and_the_connection_serving(shared_platform):

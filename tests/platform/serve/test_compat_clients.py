@@ -21,7 +21,7 @@ from pydantic import BaseModel
 
 from tests.conftest import promtool
 from tests.deadlines import CLI, ENGINE_START
-from tests.platform.test_keys import ADMIN
+from tests.platform.gateway.test_keys import ADMIN
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # litellm fetches a price list otherwise
 
@@ -38,8 +38,8 @@ class City(BaseModel):
 
 @pytest.fixture(scope="module")
 def platform(tmp_path_factory, tiny_model_dir):
-    from tests.engine.conftest import free_port
     from tests.platform.conftest import PlatformProcess
+    from tests.platform.engine.conftest import free_port
 
     home = tmp_path_factory.mktemp("compat") / "home"
     p = PlatformProcess(home, free_port(), (), extra_env={"STOKER_ADMIN_KEY": ADMIN}).start()

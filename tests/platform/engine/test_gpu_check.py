@@ -18,7 +18,7 @@ import torch
 from stoker.engine import weights
 from tests.deadlines import deadline
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 SCRIPT = REPO / "bench" / "gpu_check.py"
 # What the GPU machine does not have: the check must not import any of it.
 NOT_THERE = {

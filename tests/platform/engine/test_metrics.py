@@ -287,7 +287,7 @@ def test_kv_usage_is_the_share_of_blocks_in_use_and_the_pool_reads_it():
 
 
 def test_a_real_engines_exposition_after_a_request(engine):
-    """The shared engine (tests/engine/conftest.py): the tiny model's context is 2048 tokens."""
+    """The shared engine (tests/platform/engine/conftest.py): the tiny model's context is 2048 tokens."""
 
     def scrape() -> str:
         return httpx.get(f"{engine.url}/metrics").text

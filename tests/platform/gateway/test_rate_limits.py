@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from tests.deadlines import ENGINE_START, WAIT, deadline
-from tests.platform.test_keys import ADMIN, bearer
+from tests.platform.gateway.test_keys import ADMIN, bearer
 
 BODY = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
 

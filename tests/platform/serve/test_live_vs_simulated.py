@@ -52,7 +52,7 @@ from warm_pool.profiles import InstanceModel
 from warm_pool.simulate import Report, simulate
 from warm_pool.trace import TraceRequest, load_trace
 
-TRACE = Path(__file__).resolve().parents[1] / "data" / "azure-llm-code-2023-first29min.csv"  # see its README
+TRACE = Path(__file__).resolve().parents[2] / "data" / "azure-llm-code-2023-first29min.csv"  # see its README
 THIN, WINDOW_S, TIME_SCALE = 50, (30.0, 915.0), 0.07
 TOKENS = 4
 STABLE_WINDOW_S, IDLE_TIMEOUT_S, MAX = 1.0, 8.0, 1

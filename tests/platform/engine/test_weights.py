@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from stoker.engine import weights
 from tests.deadlines import HTTP_READ
-from tests.engine.conftest import launch_engine
+from tests.platform.engine.conftest import launch_engine
 
 GREEDY = {"model": "tiny", "prompt": "The capital of France", "max_tokens": 12, "temperature": 0}
 

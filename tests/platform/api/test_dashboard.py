@@ -31,8 +31,8 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, tiny_model_dir):
     """A platform sampling its history every 0.5 s, the tiny model started from zero and answering."""
-    from tests.engine.conftest import free_port
     from tests.platform.conftest import PlatformProcess
+    from tests.platform.engine.conftest import free_port
 
     env = {"STOKER_ADMIN_KEY": ADMIN, "STOKER_HISTORY_INTERVAL": "0.5"}
     p = PlatformProcess(

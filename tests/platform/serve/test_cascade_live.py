@@ -17,8 +17,8 @@ import pytest
 
 from tests.conftest import build_tiny_model
 from tests.deadlines import COLD_ANSWER, HTTP_READ, deadline
-from tests.engine.conftest import free_port
 from tests.platform.conftest import PlatformProcess
+from tests.platform.engine.conftest import free_port
 from tests.snapshots.support import assert_one_line_error
 
 ADMIN = "admin-secret-for-cascade-tests"

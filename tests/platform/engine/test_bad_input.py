@@ -15,7 +15,7 @@ from stoker.engine.metrics import EngineMetrics
 from stoker.engine.protocol import parse_request
 from stoker.errors import APIError
 from stoker.http import MAX_JSON_DEPTH, parse_json_object
-from tests.engine.conftest import OneConnection
+from tests.platform.engine.conftest import OneConnection
 
 
 def nested(depth: int, open_: str = "[", close: str = "]") -> bytes:

@@ -249,6 +249,6 @@ def test_admin_not_found_and_bad_bodies(shared_platform):
     url = f"{shared_platform.url}/admin/v1/deployments"
     assert httpx.post(url, content=b"{", headers={"content-type": "application/json"}).status_code == 400
     assert httpx.post(url, content=b"{").status_code == 415  # JSON only, declared as such
-    # Another model under an existing name is an update, not a 409 (tests/platform/test_revisions_live.py).
+    # Another model under an existing name is an update, not a 409 (tests/platform/serve/test_revisions_live.py).
     cli = shared_platform.cli("rm", "ghost", check=False)
     assert cli.returncode == 1 and cli.stderr.startswith("stoker: error:") and "Traceback" not in cli.stderr

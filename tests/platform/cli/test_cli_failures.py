@@ -22,8 +22,8 @@ import pytest
 
 from tests.conftest import STOKER
 from tests.deadlines import CLI, ENGINE_START, HTTP_READ, deadline
-from tests.engine.conftest import free_port
 from tests.platform.conftest import PlatformProcess
+from tests.platform.engine.conftest import free_port
 from tests.snapshots.support import assert_one_line_error
 from tests.snapshots.test_hf_cache import cache_model
 

@@ -15,7 +15,7 @@ import pytest
 
 from tests.conftest import STOKER
 from tests.deadlines import CLI, COLD_ANSWER, deadline
-from tests.engine.conftest import free_port
+from tests.platform.engine.conftest import free_port
 
 ADMIN = "admin-secret-for-tests"
 
