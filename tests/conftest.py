@@ -44,7 +44,36 @@ SLOW_FILES = (
 )
 
 
+# What makes a test `live` (it starts processes: a platform, an engine, vLLM, moto, the CLI, a
+# browser): a fixture that starts one, or a module that holds a way to start one. `make test-unit`
+# runs the rest (`-m "not live"`): pure and in-process tests, loopback servers in the test's own
+# process included. Marked here, at collection, so a new test file cannot forget its mark.
+PROCESS_FIXTURES = frozenset(
+    {
+        "platform_factory",
+        "shared_platform",
+        "engine",
+        "fresh_engine",
+        "tiny_snapshot",
+        "cluster",
+        "planes",
+        "cli",
+    }
+)
+PROCESS_NAMES = ("subprocess", "PlatformProcess", "EngineProcess", "MotoServer", "launch_engine", "STOKER")
+
+
+def starts_processes(item: pytest.Item) -> bool:
+    if PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
+        return True
+    module = getattr(item, "module", None)
+    return module is not None and any(name in vars(module) for name in PROCESS_NAMES)
+
+
 def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        if starts_processes(item):
+            item.add_marker(pytest.mark.live)
     rank = {path: n for n, path in enumerate(SLOW_FILES)}
 
     def key(indexed: tuple[int, pytest.Item]) -> tuple[int, int]:
