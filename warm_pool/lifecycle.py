@@ -10,7 +10,7 @@ import logging
 import time
 
 from snapshots import SnapshotError
-from warm_pool.backend import Running, start_tier
+from warm_pool.backends.base import Running, start_tier
 from warm_pool.backoff import restart_delay
 from warm_pool.errors import PoolError, SnapshotCorrupt, StartFailed
 from warm_pool.failures import record_of

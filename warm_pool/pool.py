@@ -53,7 +53,7 @@ from cachetools import LRUCache
 from snapshots import WarmReport
 from warm_pool import plan
 from warm_pool.arbiter import Wish
-from warm_pool.backend import Backend, runtime_ready, start_tier
+from warm_pool.backends.base import Backend, runtime_ready, start_tier
 from warm_pool.engine_calls import HttpEngines
 from warm_pool.engine_signals import EngineScraper, EngineTotals, engine_totals
 from warm_pool.errors import PoolError
