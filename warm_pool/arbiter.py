@@ -31,6 +31,8 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from warm_pool.census import Member
+
 HELD_WORTH = math.inf
 
 
@@ -38,18 +40,6 @@ HELD_WORTH = math.inf
 class Device:
     id: str
     memory: int  # bytes instances may reserve on it
-
-
-@dataclass(frozen=True)
-class Member:
-    """One instance as the arbiter sees it."""
-
-    id: str
-    deployment: str
-    device: str
-    awake: bool  # STARTING/READY/waking (holds its awake footprint); else SLEEPING (the residual)
-    busy: bool = False  # requests in flight on it: never evicted
-    holds: int = 0  # bytes it holds now, counted where its deployment made no wish
 
 
 @dataclass(frozen=True)

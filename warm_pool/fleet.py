@@ -22,7 +22,8 @@ from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Gauge
 
-from warm_pool.arbiter import Device, Grant, Member, Wish, arbitrate
+from warm_pool.arbiter import Device, Grant, Wish, arbitrate
+from warm_pool.census import Member
 from warm_pool.errors import InvalidConfig
 
 log = logging.getLogger("stoker.fleet")

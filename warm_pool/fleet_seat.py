@@ -6,9 +6,10 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
-from warm_pool.arbiter import Member, Wish
+from warm_pool.arbiter import Wish
+from warm_pool.census import Member, Phase
 from warm_pool.policies.base import Decision
-from warm_pool.pool_spec import LoadView, Phase
+from warm_pool.pool_spec import LoadView
 from warm_pool.states import Instance, InstanceState
 
 log = logging.getLogger("stoker.pool")

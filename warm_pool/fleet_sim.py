@@ -44,7 +44,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from warm_pool import simulate as sim
-from warm_pool.arbiter import Device, Grant, Member, Wish, arbitrate
+from warm_pool.arbiter import Device, Grant, Wish, arbitrate
+from warm_pool.census import Member
 from warm_pool.errors import InvalidConfig
 from warm_pool.fleet import ASLEEP_RESIDUAL as RESIDUALS
 from warm_pool.policies import BoundPolicy

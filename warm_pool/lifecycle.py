@@ -12,12 +12,12 @@ import time
 from snapshots import SnapshotError
 from warm_pool.backends.base import Running, start_tier
 from warm_pool.backoff import restart_delay
+from warm_pool.census import Phase
 from warm_pool.errors import PoolError, SnapshotCorrupt, StartFailed
 from warm_pool.failures import record_of
 from warm_pool.instances import Launch, unreachable
 from warm_pool.metrics import split_cold_start
 from warm_pool.policies.base import Tier
-from warm_pool.pool_spec import Phase
 from warm_pool.reconcile import Correction, Observed, correction
 from warm_pool.states import Instance, InstanceState
 

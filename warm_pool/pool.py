@@ -1,6 +1,6 @@
 """The pool of one deployment: a thin loop around the deployment's scaling policy. Each instance's
 way through its states is `warm_pool.lifecycle`'s, the pool's seat among shared devices
-`warm_pool.fleet_seat`'s, its settings and census types `warm_pool.pool_spec`'s.
+`warm_pool.fleet_seat`'s, its settings `warm_pool.pool_spec`'s, the census it decides on `warm_pool.census`'s.
 
 Every second, and at once when poked (a request arrived with nothing to serve it), the loop
 observes, decides and applies, as the simulator does (`warm_pool.simulate`), through the same
@@ -54,6 +54,7 @@ from snapshots import WarmReport
 from warm_pool import plan
 from warm_pool.arbiter import Wish
 from warm_pool.backends.base import Backend, runtime_ready, start_tier
+from warm_pool.census import Census, Phase, census_of
 from warm_pool.engine_calls import HttpEngines
 from warm_pool.engine_signals import EngineScraper, EngineTotals, engine_totals
 from warm_pool.errors import PoolError
@@ -67,7 +68,7 @@ from warm_pool.metrics import PoolMetrics
 from warm_pool.page_tier import PageTier
 from warm_pool.policies.base import Decision, ScalingConfig, Tier
 from warm_pool.policies.settings import bind_policy, startup_priors
-from warm_pool.pool_spec import Census, Demand, Phase, PoolSpec
+from warm_pool.pool_spec import Demand, PoolSpec
 from warm_pool.reconcile import SleepStates
 from warm_pool.recycle import RecycleState
 from warm_pool.recycle_seat import RecycleSeat
@@ -77,7 +78,6 @@ from warm_pool.tracker import ObservationTracker
 log = logging.getLogger("stoker.pool")
 
 S = InstanceState
-COMING_UP = (S.PENDING, S.STARTING)
 
 
 class Pool(Lifecycle, FleetSeat, RecycleSeat):
@@ -322,7 +322,7 @@ class Pool(Lifecycle, FleetSeat, RecycleSeat):
         if load.last_arrival is not None:  # gateways of their own know arrivals this pool never saw
             self._tracker.active(load.last_arrival)
         full = self._census()
-        engines = self._engine_totals(full.routing)
+        engines = self._engine_totals([self._instances[m.id] for m in full.routing])
         census = self._recycle_census(full, now)  # without an instance being replaced, if one is
         observation = self._tracker.observe(
             now,
@@ -375,22 +375,7 @@ class Pool(Lifecycle, FleetSeat, RecycleSeat):
         return engine_totals(self._engines.latest.values())
 
     def _census(self) -> Census:
-        c = Census([], [], [], [], [], [])
-        for inst in self._instances.values():
-            phase = self._phases.get(inst.id)
-            if phase == Phase.TO_SLEEP:
-                c.to_sleep.append(inst)
-            elif phase == Phase.FALLING_ASLEEP:
-                c.falling.append(inst)
-            elif phase == Phase.WAKING:
-                c.waking.append(inst)
-            elif inst.state == S.READY:
-                c.routing.append(inst)
-            elif inst.state in COMING_UP:
-                c.coming.append(inst)
-            elif inst.state == S.SLEEPING:
-                c.asleep.append(inst)
-        return c
+        return census_of(self._instances.values(), self._phases)
 
     def _apply(
         self,
@@ -403,13 +388,12 @@ class Pool(Lifecycle, FleetSeat, RecycleSeat):
         """Carry out `warm_pool.plan`'s actions: tasks and backend calls. Fresh starts go on the
         devices in `start_on` (the fleet's), in order."""
         devices = iter(start_on)
-        by_id = {inst.id: inst for group in c for inst in group}
-        members = plan.Census(*(tuple(plan.Member(i.id, i.created_at, i.state_since) for i in g) for g in c))
+        by_id = self._instances
         may_start = now >= self._not_before and self._corrupt is None
         actions = plan.plan(
             decision.ready,
             decision.sleeping,
-            members,
+            c,
             can_sleep=self.can_sleep,
             may_start=may_start,
             outstanding=outstanding,

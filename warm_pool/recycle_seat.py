@@ -8,8 +8,8 @@ import logging
 from dataclasses import replace
 
 from warm_pool import recycle
+from warm_pool.census import Census
 from warm_pool.policies.base import Decision
-from warm_pool.pool_spec import Census
 from warm_pool.states import Instance
 
 log = logging.getLogger("stoker.pool")
@@ -60,7 +60,7 @@ class RecycleSeat:
         old = self._recycling()
         if old is None:
             return census
-        return census._replace(routing=[i for i in census.routing if i.id != old])
+        return replace(census, routing=tuple(i for i in census.routing if i.id != old))
 
     def _recycle_wish(self, decision: Decision) -> Decision:
         """What the fleet is asked for: the old instance holds memory too while its replacement

@@ -39,9 +39,9 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Gauge
 
-from warm_pool.arbiter import Member
 from warm_pool.backends.procs import OWNER_ENV, ProcessHandle, killpg, read_start_ticks
 from warm_pool.backoff import restart_delay
+from warm_pool.census import Member
 from warm_pool.fleet import CPU_DEVICE, Fleet
 from warm_pool.handoff import SOCKET_NAME, TOKEN_ENV, Handoff, HandoffError, fits, hand_off, private_dir
 from warm_pool.launch import LaunchSpec, default_stoker_command

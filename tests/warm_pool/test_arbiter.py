@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from warm_pool.arbiter import Device, Grant, Member, Wish, arbitrate
+from warm_pool.arbiter import Device, Grant, Wish, arbitrate
+from warm_pool.census import Member
 
 GB = 1 << 30
 ONE = [Device("cpu0", 3 * GB)]  # room for one awake (2 GB) and a few asleep (0.1 GB)

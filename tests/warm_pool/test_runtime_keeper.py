@@ -14,10 +14,11 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from tests.warm_pool.rig import at
-from warm_pool.arbiter import Device, Member, Wish, arbitrate
+from warm_pool.arbiter import Device, Wish, arbitrate
 from warm_pool.backends.base import runtime_ready, start_tier
 from warm_pool.backends.local import LocalBackend
 from warm_pool.backends.procs import ProcessHandle
+from warm_pool.census import Member
 from warm_pool.launch import LaunchSpec
 from warm_pool.policies.base import ScalingConfig, Tier, TierTimes
 from warm_pool.policies.settings import bind_policy
