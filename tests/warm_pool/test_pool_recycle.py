@@ -1,4 +1,4 @@
-"""The pool recycling instances past their maximum age (`warm_pool.recycle`, `warm_pool.recycle_seat`),
+"""The pool recycling instances past their maximum age (`warm_pool.recycle`, `warm_pool.recycler`),
 step by step on a fake clock (`tests.warm_pool.rig`): the replacement READY first, the old one
 drained after, one at a time, and with shared device memory only where the replacement fits.
 
