@@ -18,6 +18,9 @@ arbiter grants what fits (`Grant`):
    not evict each other back and forth.
 3. A victim's deployment gets a grant one READY lower (and one SLEEPING higher when it was put to
    sleep): its own pool carries that out at its next tick.
+4. The asking deployment's growth is then cut to what fits the memory free now (`fits_now`), before
+   any eviction asked for has happened: the live fleet (`warm_pool.fleet`) and the fleet simulator
+   (`warm_pool.fleet_sim`) call this one function, so neither ever exceeds a device's memory.
 
 Worth, per byte held: expected requests in the next start-up horizon × the seconds each would
 wait if the instance were not there (its wake time), over the bytes it holds awake. A deployment
@@ -28,8 +31,10 @@ expected, it is here.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+from warm_pool.census import Member
 
 HELD_WORTH = math.inf
 
@@ -38,18 +43,6 @@ HELD_WORTH = math.inf
 class Device:
     id: str
     memory: int  # bytes instances may reserve on it
-
-
-@dataclass(frozen=True)
-class Member:
-    """One instance as the arbiter sees it."""
-
-    id: str
-    deployment: str
-    device: str
-    awake: bool  # STARTING/READY/waking (holds its awake footprint); else SLEEPING (the residual)
-    busy: bool = False  # requests in flight on it: never evicted
-    holds: int = 0  # bytes it holds now, counted where its deployment made no wish
 
 
 @dataclass(frozen=True)
@@ -258,3 +251,55 @@ def _evict(
             plan.asleep[m.deployment].remove(m)
             dev.used -= w.asleep_bytes
             sleeping[m.deployment] -= 1
+
+
+def fits_now(grant: Grant, mine: Sequence[Member], wish: Wish, free: Mapping[str, int]) -> Grant:
+    """`grant`'s growth cut to what fits `free` (bytes free now on each device, in the devices' order),
+    before any eviction it relies on has happened. `mine` are the asking deployment's members.
+
+    Growth is counted from the members awake now. Sleepers are woken first, each on its own device,
+    in the order `mine` lists them; a wake that does not fit waits, with every wake after it: those
+    sleepers are kept asleep (SLEEPING raised by them, so the pool does not stop them), and woken
+    at a later tick once there is room. Then fresh starts: on the grant's `start_on` devices, in
+    order, else (none left) on the first device with room; one that fits nowhere waits. Worked
+    example: grant READY 3 with 1 awake, 2 sleepers on a device with room for one wake → READY 2,
+    SLEEPING + 1, denied + 1.
+
+    The order sleepers are checked in is the live fleet's, the order the pool lists its instances
+    (oldest first), which is also the order the arbiter picks them in. The simulator used to check
+    them newest first (the one `warm_pool.plan` wakes); the two differ when one deployment's
+    sleepers are on different devices and only some of those devices have room: READY 2 asked with
+    1 awake, its older sleeper on a full device and its newer one on a free one, the simulator
+    granted the wake and the live fleet made it wait. The simulator now lists its members oldest
+    first too, for the arbiter and for this, and so waits as the live fleet does.
+    """
+    awake = sum(1 for m in mine if m.awake)
+    growth = grant.ready - awake
+    if growth <= 0:
+        return grant
+    free = dict(free)
+    sleepers = [m for m in mine if not m.awake]
+    extra = wish.awake_bytes - wish.asleep_bytes
+    fits, wakes_waiting, start_on = 0, 0, []
+    for _ in range(growth):
+        if sleepers:
+            m = sleepers.pop(0)
+            if free.get(m.device, 0) < extra:
+                wakes_waiting = 1 + min(len(sleepers), growth - fits - 1)
+                break
+            free[m.device] -= extra
+        else:
+            devices = list(grant.start_on[len(start_on) :]) or list(free)
+            device = next((d for d in devices if free.get(d, 0) >= wish.awake_bytes), None)
+            if device is None:
+                break
+            free[device] -= wish.awake_bytes
+            start_on.append(device)
+        fits += 1
+    return replace(
+        grant,
+        ready=awake + fits,
+        sleeping=grant.sleeping + wakes_waiting,
+        start_on=tuple(start_on),
+        denied=grant.denied + growth - fits,
+    )

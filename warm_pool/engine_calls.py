@@ -17,7 +17,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from warm_pool import reconcile
-from warm_pool.backend import Backend
+from warm_pool.backends.base import Backend
 from warm_pool.errors import PoolError
 from warm_pool.reconcile import Observed
 from warm_pool.vllm import startup_phases

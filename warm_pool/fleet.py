@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Gauge
 
-from warm_pool.arbiter import Device, Grant, Member, Wish, arbitrate
+from warm_pool.arbiter import Device, Grant, Wish, arbitrate, fits_now
+from warm_pool.census import Member
 from warm_pool.errors import InvalidConfig
 
 log = logging.getLogger("stoker.fleet")
@@ -130,41 +131,10 @@ class Fleet:
         return self._now(name, mine, {w.deployment: w for w in wishes}, members)
 
     def _now(self, name: str, grant: Grant, wishes: Mapping[str, Wish], members: list[Member]) -> Grant:
-        """The part of `grant`'s growth that fits the memory free now, before any eviction happens.
-        A sleeper whose wake must wait for room is kept asleep, not stopped: it is woken next."""
+        """The part of `grant`'s growth that fits the memory free now (`arbiter.fits_now`)."""
         used = _used(members, wishes)
-        w = wishes[name]
-        mine = [m for m in members if m.deployment == name]
-        awake = sum(1 for m in mine if m.awake)
-        growth = grant.ready - awake
-        if growth <= 0:
-            return grant
-        sleepers = [m for m in mine if not m.awake]
-        fits, wakes_waiting, start_on = 0, 0, []
-        for _ in range(growth):
-            if sleepers:
-                m = sleepers.pop(0)
-                if self.devices.memory(m.device) - used.get(m.device, 0) < w.awake_bytes - w.asleep_bytes:
-                    wakes_waiting = 1 + min(len(sleepers), growth - fits - 1)
-                    break
-                used[m.device] = used.get(m.device, 0) + w.awake_bytes - w.asleep_bytes
-            else:
-                devices = list(grant.start_on[len(start_on) :]) or [d.id for d in self.devices.devices]
-                device = next(
-                    (d for d in devices if self.devices.memory(d) - used.get(d, 0) >= w.awake_bytes), None
-                )
-                if device is None:
-                    break
-                used[device] = used.get(device, 0) + w.awake_bytes
-                start_on.append(device)
-            fits += 1
-        return replace(
-            grant,
-            ready=awake + fits,
-            sleeping=grant.sleeping + wakes_waiting,
-            start_on=tuple(start_on),
-            denied=grant.denied + growth - fits,
-        )
+        free = {d.id: d.memory - used.get(d.id, 0) for d in self.devices.devices}
+        return fits_now(grant, [m for m in members if m.deployment == name], wishes[name], free)
 
     def _update_gauge(self) -> None:
         wishes = {w.deployment: w for p in self._pools.values() if (w := p.fleet_wish()) is not None}

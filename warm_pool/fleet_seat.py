@@ -1,14 +1,18 @@
-"""A pool's seat in the fleet (`warm_pool.fleet`), a mixin of `warm_pool.pool.Pool`: the wish it
-hands the arbiter, the instances it holds device memory with, and its decision as granted."""
+"""A pool's seat in the fleet (`warm_pool.fleet`), a collaborator of `warm_pool.pool.Pool`: the wish
+it hands the arbiter, the instances it holds device memory with, and its decision as granted (the
+arbitrate-and-fit stage of a tick: `arbiter.arbitrate`, then `arbiter.fits_now`, run by the fleet)."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable, Mapping
 from dataclasses import replace
 
-from warm_pool.arbiter import Member, Wish
+from warm_pool.arbiter import Wish
+from warm_pool.census import Member, Phase
+from warm_pool.fleet import Fleet, Footprint
 from warm_pool.policies.base import Decision
-from warm_pool.pool_spec import LoadView, Phase
+from warm_pool.pool_spec import LoadView
 from warm_pool.states import Instance, InstanceState
 
 log = logging.getLogger("stoker.pool")
@@ -16,18 +20,25 @@ S = InstanceState
 
 
 class FleetSeat:
-    def _arbitrated(self, decision: Decision, load: LoadView) -> tuple[Decision, tuple[str, ...]]:
+    def __init__(self, name: str, fleet: Fleet) -> None:
+        self.name, self._fleet = name, fleet
+        self.wish: Wish | None = None  # the latest, for the fleet's arbiter
+        self._last_grant = ""  # how the fleet last changed a decision, as logged
+        self._outstanding: Mapping[str, int] = {}  # requests in flight per instance, at the last tick
+
+    def arbitrate(
+        self, decision: Decision, load: LoadView, footprint: Footprint, horizon_s: float
+    ) -> tuple[Decision, tuple[str, ...]]:
         """The decision as the fleet grants it, and the devices its starts go on."""
-        fp = self.spec.footprint
         self._outstanding = dict(load.outstanding)
-        self._wish = Wish(
+        self.wish = Wish(
             self.name,
             decision.ready,
             decision.sleeping,
-            fp.awake,
-            fp.asleep,
+            footprint.awake,
+            footprint.asleep,
             rate=decision.forecast or 0.0,
-            horizon_s=self._tracker.startup.wake,
+            horizon_s=horizon_s,
             held=load.queued,
         )
         grant = self._fleet.grant(self.name)
@@ -44,22 +55,15 @@ class FleetSeat:
             decision, ready=grant.ready, sleeping=grant.sleeping, reason=f"{decision.reason}; {why}"
         ), grant.start_on
 
-    def fleet_wish(self) -> Wish | None:
-        return self._wish
-
-    def fleet_members(self) -> list[Member]:
+    def members(
+        self, instances: Iterable[Instance], phases: Mapping[str, Phase], footprint: Footprint
+    ) -> list[Member]:
         """Every instance that holds device memory: awake unless SLEEPING with no wake under way."""
         out = []
-        for i in self._instances.values():
+        for i in instances:
             if i.device is None or i.state == S.STOPPED:
                 continue
-            awake = i.state != S.SLEEPING or self._phases.get(i.id) == Phase.WAKING
-            fp = self.spec.footprint
-            holds = fp.awake if awake else fp.asleep
+            awake = i.state != S.SLEEPING or phases.get(i.id) == Phase.WAKING
+            holds = footprint.awake if awake else footprint.asleep
             out.append(Member(i.id, self.name, i.device, awake, self._outstanding.get(i.id, 0) > 0, holds))
         return out
-
-    def _reserved(self, inst: Instance) -> int | None:
-        if inst.device is None or self.spec.footprint is None:
-            return None
-        return next((m.holds for m in self.fleet_members() if m.id == inst.id), 0)

@@ -16,10 +16,10 @@ goes through the fleet arbiter (`warm_pool.arbiter.arbitrate`) before the apply 
 4. A deployment the grant leaves with fewer awake than it has (the arbiter put one to sleep, or
    stopped a sleeper, to make room) carries its grant out at once: its pool would be poked, and a
    sleep here is instant when the instance is idle (the arbiter never picks a busy one).
-5. The asking deployment's growth is then limited to what fits in the memory free now (as
-   `warm_pool.fleet.Fleet` does): wakes on the sleeper's own device, newest sleeper first (the one
-   `plan` wakes), fresh starts on the grant's `start_on` devices, else on any device with room. What
-   does not fit waits for a later tick, its requests held. So no device's memory is ever exceeded.
+5. The asking deployment's growth is then limited to what fits in the memory free now by the
+   function the live fleet calls (`warm_pool.arbiter.fits_now`): wakes on the sleeper's own device,
+   oldest sleeper first, fresh starts on the grant's `start_on` devices, else on the first device
+   with room. What does not fit waits for a later tick, its requests held.
 
 Warm runtimes (`InstanceModel.warm_runtimes`, each deployment its own here) hold `runtime_bytes` each
 on their group's first device while ready (a GPU runtime's CUDA context): members of no deployment,
@@ -44,7 +44,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from warm_pool import simulate as sim
-from warm_pool.arbiter import Device, Grant, Member, Wish, arbitrate
+from warm_pool.arbiter import Device, Grant, Wish, arbitrate, fits_now
+from warm_pool.census import Member
 from warm_pool.errors import InvalidConfig
 from warm_pool.fleet import ASLEEP_RESIDUAL as RESIDUALS
 from warm_pool.policies import BoundPolicy
@@ -224,32 +225,18 @@ class _Deployment(sim.Simulation):
         )
 
     def _fits_now(self, grant: Grant) -> tuple[int, int]:
-        """The grant's READY and SLEEPING cut to the growth that fits the memory free now, walking
-        `plan`'s order: take back those not yet asleep, wake the newest sleepers, then start."""
-        self._start_on = []
-        need = grant.ready - self.active()
-        if need <= 0:
-            return grant.ready, grant.sleeping
-        need -= min(need, sum(1 for i in self._instances.values() if i.leaving == "sleep"))
-        free = self.fleet.free(self)
-        asleep = sorted((i for i in self._instances.values() if i.state == "sleeping"), key=lambda i: -i.id)
-        wakes = min(need, len(asleep))
-        extra = self.spec.awake_bytes - self.spec.asleep_bytes
-        for n, inst in enumerate(asleep[:wakes]):
-            device = self.device_of[inst.id]
-            if free[device] < extra:  # the rest wait; they stay asleep, not stopped
-                return grant.ready - need + n, grant.sleeping + wakes - n
-            free[device] -= extra
-        need -= wakes
-        wanted = list(grant.start_on)
-        for n in range(need):
-            preferred = wanted[n : n + 1] + sorted(free, key=lambda d: -free[d])
-            device = next((d for d in preferred if free[d] >= self.spec.awake_bytes), None)
-            if device is None:
-                return grant.ready - need + n, grant.sleeping
-            free[device] -= self.spec.awake_bytes
-            self._start_on.append(device)
-        return grant.ready, grant.sleeping
+        """The grant's READY and SLEEPING cut to the growth that fits the memory free now, as the live
+        fleet cuts it (`arbiter.fits_now`); the devices of the starts it grants are kept for `_start`."""
+        mine = [
+            Member(str(i.id), self.name, self.device_of[i.id], i.state != "sleeping")
+            for i in sorted(
+                self._instances.values(), key=lambda i: i.id
+            )  # oldest first, as the pool lists them
+            if i.leaving != "stop"
+        ]
+        now = fits_now(grant, mine, self.wish, self.fleet.free(self))
+        self._start_on = list(now.start_on)
+        return now.ready, now.sleeping
 
 
 @dataclass
@@ -325,8 +312,8 @@ class FleetSimulation:
         draining: dict[str, int] = {}
         members = []
         for dep in group.deployments:
-            # Sleepers newest first: the one the arbiter wakes is the one `plan` wakes.
-            for inst in sorted(dep._instances.values(), key=lambda i: (i.state == "sleeping", -i.id)):
+            # Oldest first, as the live pool lists its instances (see `arbiter.fits_now`).
+            for inst in sorted(dep._instances.values(), key=lambda i: i.id):
                 device = dep.device_of[inst.id]
                 if inst.leaving == "stop":
                     draining[device] = draining.get(device, 0) + dep.spec.awake_bytes

@@ -2,8 +2,8 @@
 pod, ready check, what the engine can do), sleep, wake, stop, and adopt one a previous controller
 left running. The pool (`warm_pool.pool`) decides when and keeps the states; this module does the
 work and holds what each running instance needs (its handle, its snapshot pin, its GPUs), so that
-a second backend (`warm_pool.kube`) changes nothing here: the `Backend` protocol
-(`warm_pool.backend`) is where the place an engine runs is named, and everything said to a running
+a second backend (`warm_pool.backends.kube`) changes nothing here: the `Backend` protocol
+(`warm_pool.backends.base`) is where the place an engine runs is named, and everything said to a running
 engine is HTTP (`warm_pool.engine_calls`).
 """
 
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from snapshots.pins import Pin
-from warm_pool.backend import Backend, Handle, Placement, Running
+from warm_pool.backends.base import Backend, Handle, Placement, Running
 from warm_pool.engine_calls import EngineCapabilities, HttpEngines
 from warm_pool.errors import PoolError
 from warm_pool.launch import GpuInventory, LaunchSpec, cpu_engine_spec

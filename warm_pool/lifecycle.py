@@ -10,14 +10,14 @@ import logging
 import time
 
 from snapshots import SnapshotError
-from warm_pool.backend import Running, start_tier
+from warm_pool.backends.base import Running, start_tier
 from warm_pool.backoff import restart_delay
+from warm_pool.census import Phase
 from warm_pool.errors import PoolError, SnapshotCorrupt, StartFailed
 from warm_pool.failures import record_of
 from warm_pool.instances import Launch, unreachable
 from warm_pool.metrics import split_cold_start
 from warm_pool.policies.base import Tier
-from warm_pool.pool_spec import Phase
 from warm_pool.reconcile import Correction, Observed, correction
 from warm_pool.states import Instance, InstanceState
 
@@ -152,7 +152,9 @@ class Lifecycle:
             self._learn_capabilities(caps)
             self._move(inst, S.STARTING, now)
             self._move(inst, S.READY, now)
-            self._first_ready(inst, now)  # its age counts from its adoption: its start is unknown here
+            self._recycler.first_ready(
+                inst.id, now
+            )  # its age counts from its adoption: its start is unknown here
             if observed is Observed.ASLEEP:
                 self._move(inst, S.SLEEPING, now)
             log.info("instance %s adopted (%s, %s) at %s", inst.id, found.handle.name, inst.state, inst.url)
@@ -166,7 +168,7 @@ class Lifecycle:
         """READY and routable; the seconds since it was asked for feed the tracker and the metrics."""
         now = self._clock()
         self._move(inst, S.READY, now)
-        self._first_ready(inst, now)
+        self._recycler.first_ready(inst.id, now)
         self._tiers[inst.id] = tier
         self._tracker.started(tier, now - asked_at)
         self._metrics.observe_startup(self.spec.deployment, tier.value, now - asked_at)
@@ -259,7 +261,7 @@ class Lifecycle:
             self._move(inst, to, self._clock())
         self._phases.pop(inst.id, None)
         self._instances.pop(inst.id, None)
-        self._ready_at.pop(inst.id, None)
+        self._recycler.forget(inst.id)
         self._account(self._clock())
         return code
 

@@ -20,31 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-
-@dataclass(frozen=True)
-class Member:
-    """One instance as the plan sees it."""
-
-    id: str
-    created_at: float
-    state_since: float = 0.0
-
-
-@dataclass(frozen=True)
-class Census:
-    """The instances by group, each in exactly one (draining and failed ones in none)."""
-
-    routing: tuple[Member, ...] = ()  # READY and taking requests
-    coming: tuple[Member, ...] = ()  # PENDING or STARTING
-    waking: tuple[Member, ...] = ()
-    asleep: tuple[Member, ...] = ()  # SLEEPING, nothing in progress
-    to_sleep: tuple[Member, ...] = ()  # out of routing, waiting for its requests before a sleep
-    falling: tuple[Member, ...] = ()  # the sleep call in flight
-
-    @property
-    def sleeping(self) -> int:
-        """Asleep or on the way: what the observation and the decision call sleeping."""
-        return len(self.asleep) + len(self.to_sleep) + len(self.falling)
+from warm_pool.census import Census
 
 
 @dataclass(frozen=True)

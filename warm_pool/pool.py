@@ -1,24 +1,40 @@
-"""The pool of one deployment: a thin loop around the deployment's scaling policy. Each instance's
-way through its states is `warm_pool.lifecycle`'s, the pool's seat among shared devices
-`warm_pool.fleet_seat`'s, its settings and census types `warm_pool.pool_spec`'s.
+"""The pool of one deployment: a thin loop around the deployment's scaling policy. Its collaborators:
+the observer (`warm_pool.observe`), its seat among shared devices (`warm_pool.fleet_seat`), its
+recycler (`warm_pool.recycler`); each instance's way through its states is `warm_pool.lifecycle`'s
+(still a mixin of this class), its settings `warm_pool.pool_spec`'s, the census it decides on
+`warm_pool.census`'s.
 
-Every second, and at once when poked (a request arrived with nothing to serve it), the loop
-observes, decides and applies, as the simulator does (`warm_pool.simulate`), through the same
-`ObservationTracker` and the same policy function:
+Every second, and at once when poked (a request arrived with nothing to serve it), the loop runs one
+tick (`_tick`), seven stages in this order, as the simulator does (`warm_pool.simulate`,
+`warm_pool.fleet_sim`) through the same tracker, policy, arbiter, fits-now and plan functions:
 
-- observe: the tracker has heard of every request from the activator (arrival; end, with the
-  seconds it held an instance) and of every start (its tier and seconds to READY); the pool adds
-  requests in flight and held, and its instances by state. Instances on their way to sleep count as
-  sleeping, waking ones as waking.
-- decide: `bound.decide(observation, state, now)` → `Decision(ready, sleeping, warm)`.
-- apply (`warm_pool.plan.plan`, a pure function the simulator carries out too), up: instances on
-  their way to sleep that have not slept yet go back into routing; sleeping ones wake (`POST /wake_up`, then back into routing); the rest start (PENDING → STARTING → READY).
-  Down: starts are cancelled (newest first), then the least busy READY instances leave routing and,
-  once their requests are done (within the grace period), go to sleep (`POST /sleep?level=1`) while
-  fewer sleep than asked, or are drained and stopped; sleeping instances beyond what is asked are
-  stopped. A snapshot the policy wants warm is read into the page cache in the background.
-- recycle (`warm_pool.recycle`, with `--max-instance-age`): an instance past its age is left out
-  of what the decision and the plan count, so a replacement comes up first; then it is drained.
+1. check (`warm_pool.lifecycle`): a READY or SLEEPING instance whose process is gone is FAILED and
+   replaced; what the settled engines last said of their sleep corrects the pool's belief.
+2. observe (`warm_pool.observe.Observer`): the activator's or gateways' load (requests in flight,
+   held, outstanding per instance), the instances by group (`warm_pool.census`: on their way to
+   sleep count as sleeping, waking ones as waking), the READY engines' queue and KV-cache figures,
+   and the tracker's arrivals and start-up times (it has heard of every request's arrival and end,
+   and of every start's tier and seconds to READY) → the policy's `Observation`. An instance past
+   its age (`--max-instance-age`, `warm_pool.recycle`) is left out of what the decision and the plan
+   count, so a replacement comes up first.
+3. decide (`warm_pool.policies`): `bound.decide(observation, state, now)` → `Decision(ready,
+   sleeping, warm)`.
+4. arbitrate and fit (`warm_pool.fleet_seat`, with a fleet only): the fleet runs the arbiter over
+   every pool's wish (`warm_pool.arbiter.arbitrate`) and cuts this pool's growth to what fits the
+   memory free now (`arbiter.fits_now`) → the decision as granted, and the devices its starts go on.
+5. recycle (`warm_pool.recycler`): once its replacement is READY, an old instance is drained.
+6. plan (`warm_pool.plan.plan`, pure): up, instances on their way to sleep that have not slept yet
+   go back into routing; sleeping ones wake (`POST /wake_up`, then back into routing); the rest
+   start (PENDING → STARTING → READY). Down: starts are cancelled (newest first), then the least
+   busy READY instances leave routing and, once their requests are done (within the grace period),
+   go to sleep (`POST /sleep?level=1`) while fewer sleep than asked, or are drained and stopped;
+   sleeping instances beyond what is asked are stopped.
+7. apply (`warm_pool.lifecycle`, through the backend, `warm_pool.backends`): the plan's actions as
+   tasks; a snapshot the policy wants warm is read into the page cache in the background.
+
+The recycle stage comes after the grant (and not before it) because retiring the old instance
+waits for what the fleet granted: the fleet is asked for the old instance too while its
+replacement comes up (`Recycler.wish`), since the old one holds memory until it is drained.
 
 The engines' own word on their sleep overrides the pool's belief: every `reconcile_interval_s`
 (5 s) each settled instance (READY or SLEEPING, no start, sleep, wake or drain of the pool's in
@@ -53,9 +69,10 @@ from cachetools import LRUCache
 from snapshots import WarmReport
 from warm_pool import plan
 from warm_pool.arbiter import Wish
-from warm_pool.backend import Backend, runtime_ready, start_tier
+from warm_pool.backends.base import Backend
+from warm_pool.census import Census, Member, Phase
 from warm_pool.engine_calls import HttpEngines
-from warm_pool.engine_signals import EngineScraper, EngineTotals, engine_totals
+from warm_pool.engine_signals import EngineScraper
 from warm_pool.errors import PoolError
 from warm_pool.failures import FailureRecord, StartFailures
 from warm_pool.fleet import Fleet
@@ -64,23 +81,22 @@ from warm_pool.instances import InstanceOps
 from warm_pool.launch import GpuInventory
 from warm_pool.lifecycle import Lifecycle
 from warm_pool.metrics import PoolMetrics
+from warm_pool.observe import Observer, View
 from warm_pool.page_tier import PageTier
 from warm_pool.policies.base import Decision, ScalingConfig, Tier
 from warm_pool.policies.settings import bind_policy, startup_priors
-from warm_pool.pool_spec import Census, Demand, Phase, PoolSpec
+from warm_pool.pool_spec import Demand, PoolSpec
 from warm_pool.reconcile import SleepStates
-from warm_pool.recycle import RecycleState
-from warm_pool.recycle_seat import RecycleSeat
+from warm_pool.recycler import Recycler
 from warm_pool.states import Instance, InstanceState, new_instance_id
 from warm_pool.tracker import ObservationTracker
 
 log = logging.getLogger("stoker.pool")
 
 S = InstanceState
-COMING_UP = (S.PENDING, S.STARTING)
 
 
-class Pool(Lifecycle, FleetSeat, RecycleSeat):
+class Pool(Lifecycle):
     def __init__(
         self,
         spec: PoolSpec,
@@ -99,11 +115,9 @@ class Pool(Lifecycle, FleetSeat, RecycleSeat):
         self._metrics = metrics
         self._clock = clock
         self._fleet = fleet if spec.footprint is not None else None
-        self._wish: Wish | None = None  # the latest, for the fleet's arbiter
-        self._recycle_state = RecycleState()  # the recycle under way (`warm_pool.recycle_seat`)
-        self._ready_at: dict[str, float] = {}  # instance id -> when it was READY first
-        self._last_grant = ""  # how the fleet last changed a decision, as logged
-        self._outstanding: Mapping[str, int] = {}
+        # The pool's seat among shared devices, and its recycler (`warm_pool.fleet_seat`, `warm_pool.recycler`).
+        self._seat = FleetSeat(self.name, self._fleet) if self._fleet is not None else None
+        self._recycler = Recycler(self.name, spec.deployment, metrics)
         self._tick_s = tick_s
         self._bound = bind_policy(spec.policy, spec.scaling)
         self._policy_state = self._bound.initial_state
@@ -129,10 +143,10 @@ class Pool(Lifecycle, FleetSeat, RecycleSeat):
         self._page = PageTier(spec.deployment, spec.snapshot)  # the snapshot in the page cache
         # False once an engine reports no sleep levels (vLLM's CPU build): then nothing is put to sleep.
         self.can_sleep: bool = True
-        # The READY engines' own queue and KV-cache figures, for the rules' saturation rule: read in
-        # the background (`_engine_totals`), each engine at most every 5 s of this pool's clock.
-        self._engines = EngineScraper(clock)
-        self._scrape: asyncio.Task | None = None
+        # The observe stage (`warm_pool.observe`): the load, the census, the READY engines' own queue
+        # and KV-cache figures (read in the background, each engine at most every 5 s of this pool's
+        # clock) and the tracker, into the policy's observation.
+        self._observer = Observer(self._tracker, EngineScraper(clock), self._page, backend, self._recycler)
         # What the settled engines say of their sleep, asked in the background (`_reconcile`).
         self._sleep_states = SleepStates(clock, interval_s=spec.reconcile_interval_s, name=spec.deployment)
         if self._fleet is not None:
@@ -244,7 +258,9 @@ class Pool(Lifecycle, FleetSeat, RecycleSeat):
                 "device": i.device,
                 "reserved_bytes": self._reserved(i),
                 "since": wall - (now - i.state_since),
-                "age_s": self.age_of(i, now),  # since READY first; what --max-instance-age counts
+                "age_s": self._recycler.age_of(
+                    i.id, now
+                ),  # since READY first; what --max-instance-age counts
             }
             for i in sorted(self._instances.values(), key=lambda i: i.created_at)
         ]
@@ -279,8 +295,8 @@ class Pool(Lifecycle, FleetSeat, RecycleSeat):
         adopt (starts in progress are still stopped: nothing records them as whole)."""
         self._closing = True
         self._wake.set()
-        scrape = [self._scrape] if self._scrape is not None else []
-        for task in [*self._launches.values(), *self._turns.values(), *scrape]:
+        scrape = self._observer.cancel()
+        for task in [*self._launches.values(), *self._turns.values()]:
             task.cancel()
         await asyncio.gather(
             *self._launches.values(),
@@ -289,11 +305,10 @@ class Pool(Lifecycle, FleetSeat, RecycleSeat):
             *scrape,
             return_exceptions=True,
         )
-        self._scrape = None
         if self._fleet is not None:
             self._fleet.forget(self.name)
         await self._page.close()
-        await self._engines.aclose()
+        await self._observer.aclose()
         await self._sleep_states.aclose()
         await self._ops.close()
         self._phases.clear()
@@ -310,110 +325,91 @@ class Pool(Lifecycle, FleetSeat, RecycleSeat):
         )
         self._account(self._clock())
 
-    # ---- one tick: observe, decide, apply ----------------------------------------------------------
+    # ---- one tick, its stages in the order they run -------------------------------------------------
 
     def _tick(self) -> None:
         if self._closing:
             return
         now = self._clock()
+        self._check(now)
+        view = self._observer.observe(
+            now,
+            self._demand.load(),
+            self._instances,
+            self._phases,
+            spec=self.spec,
+            can_sleep=self.can_sleep,
+            last=self.last_decision,
+            leaving=self._stops.keys(),
+        )
+        decision = self._decide(view, now)
+        granted, start_on = self._arbitrate(decision, view)
+        census = self._recycle(view, decision.ready, granted.ready, now)
+        actions = self._plan(granted, census, view.load.outstanding, now)
+        self._apply(actions, granted, start_on, now)
+
+    def _check(self, now: float) -> None:
+        """The engines' own word first: dead ones are replaced, sleep beliefs corrected (`warm_pool.lifecycle`)."""
         self._reap_dead(now)
         self._reconcile()
-        load = self._demand.load()
-        if load.last_arrival is not None:  # gateways of their own know arrivals this pool never saw
-            self._tracker.active(load.last_arrival)
-        full = self._census()
-        engines = self._engine_totals(full.routing)
-        census = self._recycle_census(full, now)  # without an instance being replaced, if one is
-        observation = self._tracker.observe(
-            now,
-            in_flight=load.in_flight,
-            queued=load.queued,
-            ready=len(census.routing),
-            starting=len(census.coming),
-            sleeping=census.sleeping,
-            waking=len(census.waking),
-            # A warm runtime ready for this engine makes the next start a runtime start.
-            cached_tier=start_tier(self._page.tier(now), runtime_ready(self._ops.backend, self.spec.engine)),
-            snapshot_id=self.spec.snapshot.snapshot_id,
-            can_sleep=self.can_sleep,
-            engine_waiting=engines.waiting,
-            kv_cache_usage=engines.kv_cache_usage,
-        )
-        decision, self._policy_state = self._bound.decide(observation, self._policy_state, now)
+
+    def _decide(self, view: View, now: float) -> Decision:
+        """The policy (`warm_pool.policies`, pure), bound with the shared rules."""
+        decision, self._policy_state = self._bound.decide(view.observation, self._policy_state, now)
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("pool %s: %s from %s", self.spec.deployment, decision, observation)
+            log.debug("pool %s: %s from %s", self.spec.deployment, decision, view.observation)
         self.last_decision = decision
-        if decision.ready == 0 and not census.coming and self._start_failures.lift() and not self._corrupt:
+        if (
+            decision.ready == 0
+            and not view.census.coming
+            and self._start_failures.lift()
+            and not self._corrupt
+        ):
             self._demand.set_unavailable(None)  # nobody calls: the next request is held and tries again
         self._metrics.decided(self.name, decision.ready, decision.sleeping, decision.forecast)
-        start_on: tuple[str, ...] = ()
-        wanted = decision.ready
-        if self._fleet is not None:
-            decision, start_on = self._arbitrated(self._recycle_wish(decision), load)
-            decision = self._recycle_granted(decision)
-        census = self._recycle_settle(full, census, wanted, decision.ready, now)
-        self._apply(decision, census, now, load.outstanding, start_on)
-        if self.spec.snapshot.snapshot_id in decision.warm:
-            self._page.warm_in_background(now)
-        self._account(now)
+        return decision
 
-    def _engine_totals(self, routing: list[Instance]) -> EngineTotals:
-        """The READY engines' latest figures; starts a scrape of those due if none is in flight. The
-        tick never waits for it: what it reads shows at the next tick, a second later."""
-        targets = {inst.id: inst.url for inst in routing}
-        self._engines.retain(targets)
-        if (task := self._scrape) is not None and task.done():
-            self._scrape = None
-            # An engine's fault is never raised (that engine just has no figures): this is a bug.
-            if not task.cancelled() and (exc := task.exception()) is not None:
-                log.error("pool %s: engine scrape failed: %r", self.spec.deployment, exc)
-        if self._scrape is None and self._engines.due(targets):
-            self._scrape = asyncio.create_task(
-                self._engines.scrape(targets, {inst.id: inst.auth_headers for inst in routing}),
-                name=f"scrape-{self.spec.deployment}",
-            )
-        return engine_totals(self._engines.latest.values())
+    def _arbitrate(self, decision: Decision, view: View) -> tuple[Decision, tuple[str, ...]]:
+        """The decision as the fleet grants it (`warm_pool.fleet_seat`: the arbiter, then what fits
+        now), and the devices its starts go on. An instance being replaced is asked for too."""
+        if self._seat is None:
+            return decision, ()
+        wish = self._recycler.wish(decision)
+        granted, start_on = self._seat.arbitrate(
+            wish, view.load, self.spec.footprint, self._tracker.startup.wake
+        )
+        return self._recycler.granted(granted), start_on
 
-    def _census(self) -> Census:
-        c = Census([], [], [], [], [], [])
-        for inst in self._instances.values():
-            phase = self._phases.get(inst.id)
-            if phase == Phase.TO_SLEEP:
-                c.to_sleep.append(inst)
-            elif phase == Phase.FALLING_ASLEEP:
-                c.falling.append(inst)
-            elif phase == Phase.WAKING:
-                c.waking.append(inst)
-            elif inst.state == S.READY:
-                c.routing.append(inst)
-            elif inst.state in COMING_UP:
-                c.coming.append(inst)
-            elif inst.state == S.SLEEPING:
-                c.asleep.append(inst)
-        return c
+    def _recycle(self, view: View, wanted: int, granted: int, now: float) -> Census:
+        """The census the plan gets (`warm_pool.recycler`); an old instance replaced is drained."""
+        census, retire = self._recycler.settle(
+            view.full, view.census, wanted, granted, now, self.spec.max_instance_age_s
+        )
+        if retire is not None:
+            inst = self._instances[retire]
+            self._spawn(self._stops, inst, self._drain(inst, self.spec.grace_period_s))
+        return census
 
-    def _apply(
-        self,
-        decision: Decision,
-        c: Census,
-        now: float,
-        outstanding: Mapping[str, int],
-        start_on: tuple[str, ...] = (),
-    ) -> None:
-        """Carry out `warm_pool.plan`'s actions: tasks and backend calls. Fresh starts go on the
-        devices in `start_on` (the fleet's), in order."""
-        devices = iter(start_on)
-        by_id = {inst.id: inst for group in c for inst in group}
-        members = plan.Census(*(tuple(plan.Member(i.id, i.created_at, i.state_since) for i in g) for g in c))
-        may_start = now >= self._not_before and self._corrupt is None
-        actions = plan.plan(
+    def _plan(
+        self, decision: Decision, census: Census, outstanding: Mapping[str, int], now: float
+    ) -> list[plan.Action]:
+        """The actions that turn the census into the decision (`warm_pool.plan`, pure)."""
+        return plan.plan(
             decision.ready,
             decision.sleeping,
-            members,
+            census,
             can_sleep=self.can_sleep,
-            may_start=may_start,
+            may_start=now >= self._not_before and self._corrupt is None,
             outstanding=outstanding,
         )
+
+    def _apply(
+        self, actions: list[plan.Action], decision: Decision, start_on: tuple[str, ...], now: float
+    ) -> None:
+        """Carry out the plan's actions (tasks and backend calls, `warm_pool.lifecycle`). Fresh starts
+        go on the devices in `start_on` (the fleet's), in order."""
+        devices = iter(start_on)
+        by_id = self._instances
         for action in actions:
             match action:
                 case plan.TakeBack(id=ident):
@@ -432,6 +428,24 @@ class Pool(Lifecycle, FleetSeat, RecycleSeat):
                     self._spawn(
                         self._stops, inst, self._drain(inst, self.spec.grace_period_s if grace else 0.0)
                     )
+        if self.spec.snapshot.snapshot_id in decision.warm:
+            self._page.warm_in_background(now)
+        self._account(now)
+
+    # ---- the fleet's FleetMember ----------------------------------------------------------------------
+
+    def fleet_wish(self) -> Wish | None:
+        return self._seat.wish if self._seat is not None else None
+
+    def fleet_members(self) -> list[Member]:
+        if self._seat is None or self.spec.footprint is None:
+            return []
+        return self._seat.members(self._instances.values(), self._phases, self.spec.footprint)
+
+    def _reserved(self, inst: Instance) -> int | None:
+        if inst.device is None or self.spec.footprint is None:
+            return None
+        return next((m.holds for m in self.fleet_members() if m.id == inst.id), 0)
 
     def _start_instance(self, now: float, device: str | None = None) -> None:
         inst = Instance(

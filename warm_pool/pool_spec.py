@@ -1,19 +1,17 @@
-"""A pool's settings (`PoolSpec`), what it needs to know about load (`Demand`), and how it groups
-its instances for a decision (`Census`, with the sleep and wake `Phase`s)."""
+"""A pool's settings (`PoolSpec`) and what it needs to know about load (`Demand`). How it groups its
+instances for a decision is `warm_pool.census`."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from enum import StrEnum
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
 from warm_pool.fleet import Footprint
 from warm_pool.instances import InstanceSettings
 from warm_pool.policies import DEFAULT_POLICY
 from warm_pool.policies.base import ScalingConfig
 from warm_pool.snapshot import SnapshotSource
-from warm_pool.states import Instance
 from warm_pool.vllm import VllmLaunch
 
 
@@ -72,27 +70,3 @@ class PoolSpec:
             self.threads,
             self.vllm,
         )
-
-
-class Phase(StrEnum):
-    """Where an instance is in a sleep or wake; it is out of the routing set throughout."""
-
-    TO_SLEEP = "to_sleep"  # READY, waiting for its requests to finish; may still be taken back
-    FALLING_ASLEEP = "falling_asleep"  # READY, `POST /sleep` in flight
-    WAKING = "waking"  # SLEEPING, `POST /wake_up` in flight
-
-
-class Census(NamedTuple):
-    """The instances as a decision sees them, each in exactly one group (DRAINING/FAILED in none)."""
-
-    routing: list[Instance]  # READY and taking requests
-    coming: list[Instance]  # PENDING or STARTING
-    waking: list[Instance]
-    asleep: list[Instance]  # SLEEPING, nothing in progress
-    to_sleep: list[Instance]
-    falling: list[Instance]
-
-    @property
-    def sleeping(self) -> int:
-        """Asleep or on the way: what the observation and the decision call sleeping."""
-        return len(self.asleep) + len(self.to_sleep) + len(self.falling)

@@ -1,7 +1,7 @@
 """Recycling without a dip: an instance READY for longer than the deployment's maximum age
 (`stoker up --max-instance-age`, `stoker deploy --max-instance-age`) is replaced by a fresh one,
 the fresh one READY first, then the old one drained. A pure decision beside the policies; the
-pool carries it out (`warm_pool.recycle_seat`).
+pool carries it out (`warm_pool.recycler`).
 
 Why recycle at all: a long-lived engine process accumulates what a fresh one has not (allocator
 fragmentation, a slow leak, a KV cache that never shrinks back, credentials and certificates read

@@ -3,7 +3,7 @@
 ARCHITECTURE.md's tier table: "an engine process with its imports done (and on a GPU its CUDA
 context), no model | host RAM | weight load only". The keeper holds `count` runtimes of each engine
 kind (`RuntimeKind`; `stoker up --warm-runtimes N`, 1 by default for the CPU engine, 0 turns the
-tier off). The local backend (`warm_pool.local`) asks it for one at every start (`take`): a ready
+tier off). The local backend (`warm_pool.backends.local`) asks it for one at every start (`take`): a ready
 runtime whose kind runs that launch is handed the launch over its socket (`warm_pool.handoff`) and
 becomes the instance's engine, same PID; with none ready the start spawns a fresh process as before.
 A runtime taken is replaced in the background, `refill_delay_s` (10 s) later, so that the
@@ -39,12 +39,12 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Gauge
 
-from warm_pool.arbiter import Member
+from warm_pool.backends.procs import OWNER_ENV, ProcessHandle, killpg, read_start_ticks
 from warm_pool.backoff import restart_delay
+from warm_pool.census import Member
 from warm_pool.fleet import CPU_DEVICE, Fleet
 from warm_pool.handoff import SOCKET_NAME, TOKEN_ENV, Handoff, HandoffError, fits, hand_off, private_dir
 from warm_pool.launch import LaunchSpec, default_stoker_command
-from warm_pool.procs import OWNER_ENV, ProcessHandle, killpg, read_start_ticks
 
 log = logging.getLogger("warm_pool.runtimes")
 RUNTIMES_MEMBER = "(warm runtimes)"  # their name among the fleet's members: no deployment has it

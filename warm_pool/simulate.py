@@ -47,6 +47,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from warm_pool import plan
+from warm_pool.census import Census, Member
 from warm_pool.errors import InvalidConfig
 from warm_pool.policies import BoundPolicy
 from warm_pool.policies.base import ScalingConfig, Tier
@@ -372,10 +373,14 @@ class Simulation:
         """Carry out `warm_pool.plan`'s actions, as the pool does, in virtual time."""
         insts = {str(i.id): i for i in self._instances.values()}
 
-        def group(test) -> tuple[plan.Member, ...]:
-            return tuple(plan.Member(k, float(i.id), i.asleep_since) for k, i in insts.items() if test(i))
+        def group(test) -> tuple[Member, ...]:
+            return tuple(
+                Member(k, created_at=float(i.id), state_since=i.asleep_since)
+                for k, i in insts.items()
+                if test(i)
+            )
 
-        census = plan.Census(
+        census = Census(
             routing=group(lambda i: i.state == "ready" and i.leaving is None),
             coming=group(lambda i: i.state == "starting"),
             waking=group(lambda i: i.state == "waking"),

@@ -290,7 +290,7 @@ def test_the_registry_outlives_the_controller_pod(everything):
 
 def test_engine_pods_and_the_node_agent_share_the_nodes_store(everything):
     """The controller mounts `--store-path` as a hostPath at that same path in each engine pod
-    (warm_pool/kube_pod.py), so it must name the directory the node agent keeps."""
+    (warm_pool/backends/kube_pod.py), so it must name the directory the node agent keeps."""
     args = container(one(everything, "StatefulSet", "controller"))["args"]
     node = one(everything, "DaemonSet", "node")
     (host,) = [v["hostPath"] for v in node["spec"]["template"]["spec"]["volumes"] if "hostPath" in v]

@@ -18,7 +18,7 @@ from snapshots import SnapshotStore, import_hf_dir
 from tests.conftest import STOKER
 from tests.kube.fake_apiserver import FakeApiServer
 from tests.kube.fake_kubelet import FakeKubelet
-from warm_pool.kube import KubeBackend
+from warm_pool.backends.kube import KubeBackend
 
 TOKEN = "test-token-0123456789"
 NAMESPACE = "stoker"

@@ -14,9 +14,9 @@ import pytest
 from tests.deadlines import ENGINE_START, HTTP_READ, deadline
 from tests.kube.conftest import NAMESPACE, Cluster_, TinyStore, kube_config
 from tests.snapshots.s3_support import free_port
-from warm_pool.backend import Placement
+from warm_pool.backends.base import Placement
+from warm_pool.backends.kube import KubeBackend, PodHandle, snapshot_label
 from warm_pool.errors import PoolError, StartFailed
-from warm_pool.kube import KubeBackend, PodHandle, snapshot_label
 from warm_pool.launch import LaunchSpec, cpu_engine_spec
 
 READY_S = ENGINE_START  # an engine pod READY: a loaded 2-core machine imports torch slowly

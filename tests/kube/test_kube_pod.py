@@ -8,8 +8,14 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 
-from warm_pool.backend import Placement
-from warm_pool.kube_pod import PodSettings, bind_anywhere, pod_manifest, secret_manifest, snapshot_label
+from warm_pool.backends.base import Placement
+from warm_pool.backends.kube_pod import (
+    PodSettings,
+    bind_anywhere,
+    pod_manifest,
+    secret_manifest,
+    snapshot_label,
+)
 from warm_pool.launch import cpu_engine_spec, vllm_spec
 
 SNAPSHOT = "ab" * 32

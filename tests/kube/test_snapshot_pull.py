@@ -20,7 +20,7 @@ from tests.deadlines import deadline
 from tests.kube.conftest import NAMESPACE, Cluster_
 from tests.kube.test_backend import READY_S, Source, completion
 from tests.snapshots.s3_support import ACCESS_KEY, SECRET_KEY, MotoServer, aws_env
-from warm_pool.backend import Placement
+from warm_pool.backends.base import Placement
 from warm_pool.errors import StartFailed
 from warm_pool.launch import cpu_engine_spec
 

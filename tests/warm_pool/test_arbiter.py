@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from warm_pool.arbiter import Device, Grant, Member, Wish, arbitrate
+from warm_pool.arbiter import Device, Grant, Wish, arbitrate, fits_now
+from warm_pool.census import Member
 
 GB = 1 << 30
 ONE = [Device("cpu0", 3 * GB)]  # room for one awake (2 GB) and a few asleep (0.1 GB)
@@ -111,3 +112,40 @@ def test_what_is_granted_fits_every_device():
     grants = arbitrate(wishes, members, TWO)
     assert sum(g.ready for g in grants.values()) == 2  # one awake per 3 GB device
     assert {name for name, g in grants.items() if g.ready} == {"d5", "d4"}  # the two worth most
+
+
+EXTRA = 2 * GB - GB // 10  # what a wake adds to a sleeper's residual
+FITS_NOW = {
+    "no growth: the grant as it is": (Grant(1, 1), [awake("a-1"), asleep("a-2")], {"cpu0": 0}, Grant(1, 1)),
+    "a wake that fits": (Grant(2, 0), [awake("a-1"), asleep("a-2")], {"cpu0": EXTRA}, Grant(2, 0)),
+    "room for one wake of two: the other is kept asleep": (
+        Grant(3, 0),
+        [awake("a-1"), asleep("a-2"), asleep("a-3")],
+        {"cpu0": EXTRA},
+        Grant(2, 1, denied=1),
+    ),
+    "sleepers in the order given: the first one's device is full, so the wake waits": (
+        Grant(2, 0),
+        [awake("a-1"), asleep("a-2", "gpu0"), asleep("a-3", "gpu1")],
+        {"gpu0": 0, "gpu1": 3 * GB},
+        Grant(1, 1, denied=1),
+    ),
+    "a start on the grant's device": (
+        Grant(1, 0, ("gpu1",)),
+        [],
+        {"gpu0": 3 * GB, "gpu1": 3 * GB},
+        Grant(1, 0, ("gpu1",)),
+    ),
+    "no device named: the first with room": (
+        Grant(1, 0),
+        [],
+        {"gpu0": GB, "gpu1": 3 * GB},
+        Grant(1, 0, ("gpu1",)),
+    ),
+    "a start that fits nowhere waits": (Grant(1, 0, ("gpu0",)), [], {"gpu0": GB}, Grant(0, 0, denied=1)),
+}
+
+
+@pytest.mark.parametrize("grant, mine, free, expected", FITS_NOW.values(), ids=FITS_NOW.keys())
+def test_fits_now(grant: Grant, mine: list[Member], free: dict[str, int], expected: Grant) -> None:
+    assert fits_now(grant, mine, wish("a", grant.ready), free) == expected

@@ -14,7 +14,8 @@ from prometheus_client import CollectorRegistry
 
 from snapshots import SnapshotStore, import_hf_dir
 from tests.activator.conftest import eventually
-from tests.warm_pool.rig import Load, MemoryBackend
+from tests.warm_pool.rig import Load
+from warm_pool.backends.memory import MemoryBackend
 from warm_pool.errors import SnapshotCorrupt
 from warm_pool.metrics import PoolMetrics
 from warm_pool.policies.base import ScalingConfig

@@ -17,12 +17,13 @@ from prometheus_client import CollectorRegistry
 from snapshots import SnapshotStore, import_hf_dir
 from tests.activator.conftest import eventually
 from tests.deadlines import deadline
-from tests.warm_pool.rig import Load, MemoryBackend, at
+from tests.warm_pool.rig import Load, at
 from tests.warm_pool.support import python
+from warm_pool.backends.local import LocalBackend, free_port
+from warm_pool.backends.memory import MemoryBackend
 from warm_pool.errors import StartFailed
 from warm_pool.failures import REDACTED, FailureRecord, StartFailures, record_of, redact
 from warm_pool.launch import LaunchSpec
-from warm_pool.local import LocalBackend, free_port
 from warm_pool.metrics import PoolMetrics
 from warm_pool.policies.base import ScalingConfig
 from warm_pool.pool import Pool, PoolSpec

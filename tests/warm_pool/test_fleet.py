@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
 
-from warm_pool.arbiter import Member, Wish
+from warm_pool.arbiter import Wish
+from warm_pool.census import Member
 from warm_pool.fleet import Devices, Fleet
 
 MIB = 1 << 20

@@ -15,11 +15,11 @@ from aiohttp import web
 
 from tests.deadlines import ENGINE_START, deadline
 from tests.warm_pool.rig import at
+from warm_pool.backends.local import LocalBackend, free_port, log_tail
+from warm_pool.backends.procs import read_start_ticks
 from warm_pool.engine_calls import EngineCapabilities, HttpEngines
 from warm_pool.errors import StartFailed
 from warm_pool.launch import LaunchSpec, cpu_engine_spec
-from warm_pool.local import LocalBackend, free_port, log_tail
-from warm_pool.procs import read_start_ticks
 
 from .support import SLEEPER, STUBBORN_WITH_CHILD, pid_gone, python, read_pid_line, wait_gone
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from warm_pool.plan import Cancel, Census, Drain, Member, Sleep, Start, TakeBack, Wake, plan
+from warm_pool.census import Census, Member
+from warm_pool.plan import Cancel, Drain, Sleep, Start, TakeBack, Wake, plan
 
 
 def m(ident: str, created_at: float = 0.0, state_since: float = 0.0) -> Member:
-    return Member(ident, created_at, state_since)
+    return Member(ident, created_at=created_at, state_since=state_since)
 
 
 CASES = [

@@ -7,10 +7,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from tests.activator.conftest import eventually
-from tests.warm_pool.rig import MemoryBackend, pool_rig
-from warm_pool.backend import Running
+from tests.warm_pool.rig import pool_rig
+from warm_pool.backends.base import Running
+from warm_pool.backends.memory import MemoryBackend
+from warm_pool.backends.procs import ProcessHandle
 from warm_pool.policies.base import ScalingConfig
-from warm_pool.procs import ProcessHandle
 from warm_pool.reconcile import Observed
 
 

@@ -14,12 +14,13 @@ from aiohttp import web
 
 from tests.activator.conftest import eventually
 from tests.deadlines import deadline
-from tests.warm_pool.rig import MemoryBackend, Rig, pool_rig
-from warm_pool.backend import Placement
+from tests.warm_pool.rig import Rig, pool_rig
+from warm_pool.backends.base import Placement
+from warm_pool.backends.memory import MemoryBackend
+from warm_pool.backends.procs import ProcessHandle
 from warm_pool.engine_calls import EngineCapabilities
 from warm_pool.launch import LaunchSpec
 from warm_pool.policies.base import Decision, ScalingConfig
-from warm_pool.procs import ProcessHandle
 
 IDLE = "vllm:num_requests_waiting 0\nvllm:num_requests_running 1\nvllm:kv_cache_usage_perc 0.1\n"
 FULL = "vllm:num_requests_waiting 3\nvllm:num_requests_running 8\nvllm:kv_cache_usage_perc 0.97\n"

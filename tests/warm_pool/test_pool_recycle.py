@@ -1,4 +1,4 @@
-"""The pool recycling instances past their maximum age (`warm_pool.recycle`, `warm_pool.recycle_seat`),
+"""The pool recycling instances past their maximum age (`warm_pool.recycle`, `warm_pool.recycler`),
 step by step on a fake clock (`tests.warm_pool.rig`): the replacement READY first, the old one
 drained after, one at a time, and with shared device memory only where the replacement fits.
 
@@ -18,7 +18,8 @@ from prometheus_client import CollectorRegistry
 
 from snapshots import SnapshotStore, import_hf_dir
 from tests.activator.conftest import eventually
-from tests.warm_pool.rig import MemoryBackend, MemoryDemand, Rig, pool_rig
+from tests.warm_pool.rig import MemoryDemand, Rig, pool_rig
+from warm_pool.backends.memory import MemoryBackend
 from warm_pool.fleet import Devices, Fleet, Footprint
 from warm_pool.metrics import PoolMetrics
 from warm_pool.policies.base import ScalingConfig

@@ -10,8 +10,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from snapshots import SnapshotStore, pagecache
+from warm_pool.backends.local import LocalBackend
 from warm_pool.errors import PoolError
-from warm_pool.local import LocalBackend
 from warm_pool.metrics import PoolMetrics
 from warm_pool.pool import Pool, PoolSpec
 from warm_pool.snapshot import SnapshotSource

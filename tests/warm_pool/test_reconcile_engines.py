@@ -25,12 +25,12 @@ from snapshots import SnapshotStore, import_hf_dir
 from tests.activator.conftest import Front
 from tests.activator.conftest import running as serving
 from tests.deadlines import deadline
+from warm_pool.backends.local import LocalBackend
+from warm_pool.backends.records import InstanceRecord, InstanceRecords
 from warm_pool.launch import ENGINE_KEY_ENV
-from warm_pool.local import LocalBackend
 from warm_pool.metrics import PoolMetrics
 from warm_pool.policies.base import ScalingConfig
 from warm_pool.pool import Pool, PoolSpec
-from warm_pool.records import InstanceRecord, InstanceRecords
 from warm_pool.snapshot import SnapshotSource
 
 BODY = {"model": "tiny", "prompt": "x", "max_tokens": 2}

@@ -18,11 +18,12 @@ from aiohttp import web
 
 from tests.activator.conftest import eventually
 from tests.deadlines import deadline
-from tests.warm_pool.rig import MemoryBackend, Rig, asleep, pool_rig
-from warm_pool.backend import Placement
+from tests.warm_pool.rig import Rig, asleep, pool_rig
+from warm_pool.backends.base import Placement
+from warm_pool.backends.memory import MemoryBackend
+from warm_pool.backends.procs import ProcessHandle
 from warm_pool.launch import ENGINE_KEY_ENV, LaunchSpec
 from warm_pool.policies.base import ScalingConfig
-from warm_pool.procs import ProcessHandle
 
 INTERVAL = 5.0
 

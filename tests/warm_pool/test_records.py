@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from tests.warm_pool.rig import at
+from warm_pool.backends.local import LocalBackend
+from warm_pool.backends.procs import read_start_ticks
+from warm_pool.backends.records import InstanceRecord, InstanceRecords, marked
 from warm_pool.launch import LaunchSpec
-from warm_pool.local import LocalBackend
-from warm_pool.procs import read_start_ticks
-from warm_pool.records import InstanceRecord, InstanceRecords, marked
 
 from .support import SLEEPER, pid_gone, python, wait_gone
 

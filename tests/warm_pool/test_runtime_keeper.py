@@ -15,13 +15,14 @@ from prometheus_client import CollectorRegistry
 
 from tests.deadlines import ENGINE_START, deadline
 from tests.warm_pool.rig import at
-from warm_pool.arbiter import Device, Member, Wish, arbitrate
-from warm_pool.backend import runtime_ready, start_tier
+from warm_pool.arbiter import Device, Wish, arbitrate
+from warm_pool.backends.base import runtime_ready, start_tier
+from warm_pool.backends.local import LocalBackend
+from warm_pool.backends.procs import ProcessHandle
+from warm_pool.census import Member
 from warm_pool.launch import LaunchSpec
-from warm_pool.local import LocalBackend
 from warm_pool.policies.base import ScalingConfig, Tier, TierTimes
 from warm_pool.policies.settings import bind_policy
-from warm_pool.procs import ProcessHandle
 from warm_pool.profiles import InstanceModel
 from warm_pool.runtimes import Runtime, RuntimeKeeper, RuntimeKind, RuntimeMetrics, memory_of, to_start
 from warm_pool.simulate import simulate

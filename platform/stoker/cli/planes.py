@@ -141,7 +141,7 @@ def _kubernetes(args: argparse.Namespace) -> tuple[dict, object]:
     from lightkube.core.exceptions import ConfigError
 
     from stoker.control.leader import LeaderElector
-    from warm_pool.kube import KubeBackend, PodGpus
+    from warm_pool.backends.kube import KubeBackend, PodGpus
 
     if not args.engine_image:
         raise CLIError("--backend kubernetes needs --engine-image (the image instance pods run)")

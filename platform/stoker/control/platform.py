@@ -43,15 +43,15 @@ from stoker.errors import APIError, invalid
 from stoker.gateway.revisions import RevisionMetrics, RevisionStats
 from stoker.paths import snapshot_budget
 from stoker.spec.deployment import DeploymentSpec, not_found, validate
-from warm_pool.backend import Backend, Running
+from warm_pool.backends.base import Backend, Running
+from warm_pool.backends.local import LocalBackend
+from warm_pool.backends.records import InstanceRecords
 from warm_pool.errors import PoolError
 from warm_pool.fleet import Devices, Fleet, Footprint, footprint
 from warm_pool.launch import GpuInventory
-from warm_pool.local import LocalBackend
 from warm_pool.metrics import PoolMetrics
 from warm_pool.policies.base import ScalingConfig
 from warm_pool.pool import Pool, PoolSpec
-from warm_pool.records import InstanceRecords
 from warm_pool.runtimes import cpu_keeper
 from warm_pool.snapshot import SnapshotSource
 

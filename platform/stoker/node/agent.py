@@ -41,9 +41,9 @@ from snapshots.remote import RemoteConfig, pull
 from snapshots.s3 import S3Uri
 from stoker.http import BearerAuth, nesting_exceeds
 from stoker.node.gpu_metrics import register_gpu_metrics
+from warm_pool.backends.kube import snapshot_label
+from warm_pool.backends.kube_pod import SNAPSHOT_LABEL_PREFIX
 from warm_pool.backoff import restart_delay
-from warm_pool.kube import snapshot_label
-from warm_pool.kube_pod import SNAPSHOT_LABEL_PREFIX
 
 log = logging.getLogger("stoker.node")
 

@@ -54,8 +54,8 @@ from stoker.node.agent import (
 from tests.deadlines import WAIT, deadline
 from tests.kube.fake_apiserver import FakeApiServer
 from tests.snapshots.s3_support import MotoServer, aws_env, free_port
-from warm_pool.kube import snapshot_label
-from warm_pool.kube_pod import SNAPSHOT_LABEL_PREFIX
+from warm_pool.backends.kube import snapshot_label
+from warm_pool.backends.kube_pod import SNAPSHOT_LABEL_PREFIX
 
 BUCKET = "node-agent"
 ADMIN_KEY = "node-agent-admin-key"

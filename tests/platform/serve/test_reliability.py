@@ -375,7 +375,7 @@ async def test_control_plane_sigkill_under_load_and_restart(platform_factory, ti
 SLOW_RECORDS = """
 import os, sys, time
 if sys.argv[1:2] == ["up"] and os.environ.get("STOKER_TEST_RECORD_DELAY_S"):
-    from warm_pool import records
+    from warm_pool.backends import records
 
     def put(self, record, _put=records.InstanceRecords.put):
         time.sleep(float(os.environ["STOKER_TEST_RECORD_DELAY_S"]))

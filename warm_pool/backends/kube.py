@@ -1,4 +1,4 @@
-"""The Kubernetes backend: each engine instance is a pod (`warm_pool.kube_pod` builds it).
+"""The Kubernetes backend: each engine instance is a pod (`warm_pool.backends.kube_pod` builds it).
 
 Pods are seen through one list-and-watch of this controller's own pods (labels
 `app.kubernetes.io/managed-by=stoker, stoker.dev/owner=<owner>`), kept in memory: `is_alive` is a
@@ -38,9 +38,8 @@ from lightkube.models.meta_v1 import OwnerReference
 from lightkube.resources.core_v1 import Node, Pod, Secret
 from lightkube.types import PatchType
 
-from warm_pool.backend import Placement, Running
-from warm_pool.errors import InvalidConfig, PoolError, StartFailed
-from warm_pool.kube_pod import (
+from warm_pool.backends.base import Placement, Running
+from warm_pool.backends.kube_pod import (
     DEPLOYMENT_LABEL,
     ENGINE_CONTAINER,
     KEY_ITEM,
@@ -58,8 +57,9 @@ from warm_pool.kube_pod import (
     secret_name,
     snapshot_label,
 )
-from warm_pool.kube_status import alive, is_ready, pending_reason, terminated, waiting
-from warm_pool.kube_watch import PodWatch
+from warm_pool.backends.kube_status import alive, is_ready, pending_reason, terminated, waiting
+from warm_pool.backends.kube_watch import PodWatch
+from warm_pool.errors import InvalidConfig, PoolError, StartFailed
 from warm_pool.launch import LaunchSpec
 from warm_pool.log_text import FAILURE_LOG_LINES, meaningful_lines
 from warm_pool.policies.base import Tier

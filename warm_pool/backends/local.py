@@ -5,7 +5,7 @@ time of the process (`/proc/<pid>/stat`, field 22), so a handle read back after 
 mistaken for an unrelated process that got the same PID later. Stopping signals the whole group,
 so whatever the engine spawned goes with it.
 
-Every engine it starts is recorded (`warm_pool.records`: id, deployment, snapshot, process, address
+Every engine it starts is recorded (`warm_pool.backends.records`: id, deployment, snapshot, process, address
 and key, in a file only its owner may read) until it is stopped, and carries its owner (the data
 dir) in its environment. A restarted controller's `running()` reads the records back: a recorded
 process that still runs (same PID, same start time) is handed over for adoption, with the key that
@@ -34,13 +34,13 @@ from pathlib import Path
 
 import aiohttp
 
-from warm_pool.backend import Placement, Running
+from warm_pool.backends.base import Placement, Running
+from warm_pool.backends.procs import OWNER_ENV, ProcessHandle, killpg, read_start_ticks
+from warm_pool.backends.records import InstanceRecord, InstanceRecords, marked
 from warm_pool.errors import StartFailed
 from warm_pool.handoff import HandoffError
 from warm_pool.launch import LaunchSpec
 from warm_pool.log_text import FAILURE_LOG_LINES, meaningful_lines
-from warm_pool.procs import OWNER_ENV, ProcessHandle, killpg, read_start_ticks
-from warm_pool.records import InstanceRecord, InstanceRecords, marked
 from warm_pool.runtimes import RuntimeKeeper
 from warm_pool.snapshot import Acquired, SnapshotSource
 

@@ -17,8 +17,8 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from warm_pool.backend import Placement
-from warm_pool.procs import OWNER_ENV, ProcessHandle, read_start_ticks
+from warm_pool.backends.base import Placement
+from warm_pool.backends.procs import OWNER_ENV, ProcessHandle, read_start_ticks
 
 log = logging.getLogger("warm_pool.records")
 _SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")

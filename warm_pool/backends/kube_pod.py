@@ -20,7 +20,7 @@ import base64
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from warm_pool.backend import Placement
+from warm_pool.backends.base import Placement
 from warm_pool.launch import LaunchSpec
 
 SNAPSHOT_LABEL_PREFIX = "snapshots.stoker.dev/"
