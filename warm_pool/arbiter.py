@@ -265,13 +265,11 @@ def fits_now(grant: Grant, mine: Sequence[Member], wish: Wish, free: Mapping[str
     example: grant READY 3 with 1 awake, 2 sleepers on a device with room for one wake → READY 2,
     SLEEPING + 1, denied + 1.
 
-    The order sleepers are checked in is the live fleet's, the order the pool lists its instances
-    (oldest first), which is also the order the arbiter picks them in. The simulator used to check
-    them newest first (the one `warm_pool.plan` wakes); the two differ when one deployment's
-    sleepers are on different devices and only some of those devices have room: READY 2 asked with
-    1 awake, its older sleeper on a full device and its newer one on a free one, the simulator
-    granted the wake and the live fleet made it wait. The simulator now lists its members oldest
-    first too, for the arbiter and for this, and so waits as the live fleet does.
+    Sleepers are checked in the order `mine` lists them: the live seat (`warm_pool.fleet_seat`) and
+    the simulator both list them newest first (by creation), the one `warm_pool.plan` wakes, so the room
+    checked is on the device of the sleeper that is then woken. (They used to differ: the live
+    fleet listed its sleepers oldest first while the plan woke the newest, so with one
+    deployment's sleepers on two devices the room could be checked on the wrong one.)
     """
     awake = sum(1 for m in mine if m.awake)
     growth = grant.ready - awake

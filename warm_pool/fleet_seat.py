@@ -58,12 +58,23 @@ class FleetSeat:
     def members(
         self, instances: Iterable[Instance], phases: Mapping[str, Phase], footprint: Footprint
     ) -> list[Member]:
-        """Every instance that holds device memory: awake unless SLEEPING with no wake under way."""
-        out = []
+        """Every instance that holds device memory: awake unless SLEEPING with no wake under way. The
+        sleepers come last, newest first (by creation): the order `warm_pool.plan` wakes them in, so the
+        arbiter and `arbiter.fits_now` check the device of the sleeper that is then woken."""
+        awake_ones, sleepers = [], []
         for i in instances:
             if i.device is None or i.state == S.STOPPED:
                 continue
             awake = i.state != S.SLEEPING or phases.get(i.id) == Phase.WAKING
             holds = footprint.awake if awake else footprint.asleep
-            out.append(Member(i.id, self.name, i.device, awake, self._outstanding.get(i.id, 0) > 0, holds))
-        return out
+            m = Member(
+                i.id,
+                self.name,
+                i.device,
+                awake,
+                self._outstanding.get(i.id, 0) > 0,
+                holds,
+                created_at=i.created_at,
+            )
+            (awake_ones if awake else sleepers).append(m)
+        return awake_ones + sorted(sleepers, key=lambda m: m.created_at, reverse=True)

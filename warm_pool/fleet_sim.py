@@ -18,7 +18,7 @@ goes through the fleet arbiter (`warm_pool.arbiter.arbitrate`) before the apply 
    sleep here is instant when the instance is idle (the arbiter never picks a busy one).
 5. The asking deployment's growth is then limited to what fits in the memory free now by the
    function the live fleet calls (`warm_pool.arbiter.fits_now`): wakes on the sleeper's own device,
-   oldest sleeper first, fresh starts on the grant's `start_on` devices, else on the first device
+   newest sleeper first (the one the plan wakes), fresh starts on the grant's `start_on` devices, else on the first device
    with room. What does not fit waits for a later tick, its requests held.
 
 Warm runtimes (`InstanceModel.warm_runtimes`, each deployment its own here) hold `runtime_bytes` each
@@ -227,12 +227,13 @@ class _Deployment(sim.Simulation):
     def _fits_now(self, grant: Grant) -> tuple[int, int]:
         """The grant's READY and SLEEPING cut to the growth that fits the memory free now, as the live
         fleet cuts it (`arbiter.fits_now`); the devices of the starts it grants are kept for `_start`."""
+        members = [i for i in sorted(self._instances.values(), key=lambda i: i.id) if i.leaving != "stop"]
+        awake = [i for i in members if i.state != "sleeping"]
+        # Sleepers newest first, as the live seat lists them: the one the plan wakes.
+        sleepers = sorted((i for i in members if i.state == "sleeping"), key=lambda i: -i.id)
         mine = [
             Member(str(i.id), self.name, self.device_of[i.id], i.state != "sleeping")
-            for i in sorted(
-                self._instances.values(), key=lambda i: i.id
-            )  # oldest first, as the pool lists them
-            if i.leaving != "stop"
+            for i in awake + sleepers
         ]
         now = fits_now(grant, mine, self.wish, self.fleet.free(self))
         self._start_on = list(now.start_on)

@@ -149,3 +149,28 @@ FITS_NOW = {
 @pytest.mark.parametrize("grant, mine, free, expected", FITS_NOW.values(), ids=FITS_NOW.keys())
 def test_fits_now(grant: Grant, mine: list[Member], free: dict[str, int], expected: Grant) -> None:
     assert fits_now(grant, mine, wish("a", grant.ready), free) == expected
+
+
+def test_a_seat_lists_its_sleepers_in_the_order_the_plan_wakes_them() -> None:
+    """The arbiter and `fits_now` check the device of the first sleeper they are given: the seat
+    lists sleepers newest first, as `warm_pool.plan` wakes them, so the room checked is where the
+    wake then happens. Two sleepers on two devices, the newer on d1."""
+    from warm_pool.census import Phase
+    from warm_pool.fleet import Devices, Fleet, Footprint
+    from warm_pool.fleet_seat import FleetSeat
+    from warm_pool.states import Instance, InstanceState
+
+    seat = FleetSeat("chat", Fleet(Devices.cpu_budget(1 << 30)))
+    old = Instance(
+        "chat-old", "chat", created_at=1.0, max_concurrency=4, state=InstanceState.SLEEPING, device="d0"
+    )
+    new = Instance(
+        "chat-new", "chat", created_at=5.0, max_concurrency=4, state=InstanceState.SLEEPING, device="d1"
+    )
+    ready = Instance(
+        "chat-up", "chat", created_at=0.0, max_concurrency=4, state=InstanceState.READY, device="d0"
+    )
+    members = seat.members([old, ready, new], {}, Footprint(awake=100, asleep=10))
+    assert [(m.id, m.awake) for m in members] == [("chat-up", True), ("chat-new", False), ("chat-old", False)]
+    waking = seat.members([old, new], {"chat-old": Phase.WAKING}, Footprint(awake=100, asleep=10))
+    assert [(m.id, m.awake, m.holds) for m in waking] == [("chat-old", True, 100), ("chat-new", False, 10)]
