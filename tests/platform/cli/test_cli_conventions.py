@@ -85,6 +85,28 @@ def test_every_client_command_takes_url_and_its_help_names_stoker_url():
         )
 
 
+@pytest.mark.parametrize(
+    ("argv", "url"),
+    [
+        (["--url", "http://gw:8080", "ls"], "http://gw:8080"),  # before the command, as kubectl's flags
+        (["ls", "--url", "http://gw:8080"], "http://gw:8080"),
+        (["--url", "http://a:1", "ls", "--url", "http://b:2"], "http://b:2"),  # the command's own wins
+        (["ls"], None),  # neither: $STOKER_URL, else the default (`admin_client.base_url`)
+        (["--url", "http://gw:8080", "cost", "--since", "1h"], "http://gw:8080"),
+    ],
+)
+def test_url_is_taken_before_the_command_too(argv, url):
+    assert build_parser().parse_args(argv).url == url
+
+
+def test_url_before_the_command_reaches_the_platform():
+    """The real CLI: `stoker --url URL ls` names that address in its error (nothing listens there)."""
+    proc = stoker("--url", "http://127.0.0.1:9", "ls")
+    assert (
+        proc.returncode == 1 and "http://127.0.0.1:9" in proc.stderr and "invalid choice" not in proc.stderr
+    )
+
+
 def _parsers(parser: argparse.ArgumentParser, path: tuple[str, ...] = ("stoker",)):
     yield path, parser
     for action in parser._actions:
