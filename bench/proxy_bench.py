@@ -301,7 +301,7 @@ def make_keys(tmp: Path) -> tuple[str, str, Path]:
     import secrets
 
     from stoker.control.keys import KeyStore
-    from stoker.gateway.limits import Limits
+    from stoker.spec.keys import Limits
 
     path = tmp / "keys.db"
     store = KeyStore(path)

@@ -19,13 +19,14 @@ from stoker.errors import (
     APIError,
 )
 from stoker.gateway.endpoint import MAX_BODY_BYTES
-from stoker.gateway.keys import Access, validate_key_request
+from stoker.gateway.keys import Access
 from stoker.gateway.limits import Limiter
 from stoker.http import (
     parse_json_object,
     read_body,
 )
 from stoker.spec.deployment import not_found, validate
+from stoker.spec.keys import validate_key_request
 
 
 def admin_routes(

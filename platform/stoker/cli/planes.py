@@ -108,9 +108,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_controller(args: argparse.Namespace) -> int:
-    from stoker.gateway.limits import NO_LIMITS
     from stoker.http import ServerStopping
     from stoker.serve.controller import build_controller
+    from stoker.spec.keys import NO_LIMITS
 
     if args.data_dir:
         os.environ["STOKER_HOME"] = args.data_dir

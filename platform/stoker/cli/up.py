@@ -308,7 +308,7 @@ def activator_config(args: argparse.Namespace):
 
 def default_limits(args: argparse.Namespace):
     from stoker.errors import APIError
-    from stoker.gateway.limits import Limits
+    from stoker.spec.keys import Limits
 
     try:
         return Limits.parse(

@@ -15,8 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from stoker.errors import APIError
-from stoker.gateway.keys import PREFIX, KeyRecord, hash_key
-from stoker.gateway.limits import NO_LIMITS, Limits
+from stoker.spec.keys import NO_LIMITS, PREFIX, KeyRecord, Limits, hash_key
 
 
 class KeyStore:

@@ -33,8 +33,9 @@ from typing import TYPE_CHECKING, Protocol
 from activator import Balance
 from stoker.control.deployment import Deployment, Unit
 from stoker.errors import APIError, invalid
-from stoker.gateway.revisions import canary_verdict, parse_traffic
+from stoker.gateway.revisions import canary_verdict
 from stoker.spec.deployment import DeploymentSpec
+from stoker.spec.traffic import parse_traffic
 
 if TYPE_CHECKING:
     from activator import Activator

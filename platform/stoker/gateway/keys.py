@@ -18,91 +18,17 @@ given key and finds the hash in a dict: the timing of that says nothing about an
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import hmac
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from stoker.errors import error_response, invalid, unauthorized
-from stoker.gateway.limits import NO_LIMITS, Limits
-from stoker.spec.deployment import NAME
+from stoker.errors import error_response, unauthorized
+from stoker.spec.keys import ADMIN, NO_LIMITS, KeyRecord, Limits, Principal
 
-PREFIX = "sk-stoker-"
 OPEN_PATHS = frozenset({"/healthz", "/openapi.json"})  # no key needed
 SCOPE_KEY = "stoker.principal"  # where `KeyAuth` leaves the caller in the ASGI scope
-TENANT = NAME  # same alphabet as deployment names: safe in logs, tables and URLs
-
-
-@dataclass(frozen=True)
-class KeyRecord:
-    id: str
-    tenant: str
-    deployments: tuple[str, ...]
-    created: float  # unix seconds
-    limits: Limits = NO_LIMITS  # its own; the platform's defaults apply where these say nothing
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "tenant": self.tenant,
-            "deployments": list(self.deployments),
-            "created": self.created,
-            **self.limits.to_dict(),
-        }
-
-    @functools.cached_property
-    def principal(self) -> Principal:
-        return Principal(False, self.tenant, frozenset(self.deployments), self.id, self.limits)
-
-
-@dataclass(frozen=True)
-class Principal:
-    """Who a request comes from: the admin (may call everything) or a tenant's key."""
-
-    admin: bool
-    tenant: str | None = None
-    deployments: frozenset[str] = frozenset()
-    key_id: str = "admin"  # the key's id: whose limits, and whose turn in a hold queue
-    limits: Limits = NO_LIMITS
-
-    def may_call(self, deployment: str) -> bool:
-        return self.admin or deployment in self.deployments
-
-
-ADMIN = Principal(admin=True)
-
-
-def hash_key(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()
-
-
-KEY_FIELDS = ("tenant", "deployments", "rps", "tpm", "max_concurrent")
-
-
-def validate_key_request(body: Any) -> tuple[str, tuple[str, ...], Limits]:
-    """A `POST /admin/v1/keys` body: `{"tenant": str, "deployments": [name, ...]}` and optional
-    limits `rps`, `tpm`, `max_concurrent`; or a 400 naming the field."""
-    if not isinstance(body, dict):
-        raise invalid("The request body must be a JSON object.")
-    unknown = sorted(set(body) - set(KEY_FIELDS))
-    if unknown:
-        raise invalid(f"Unknown field(s) {unknown}; allowed: {', '.join(KEY_FIELDS)}.", unknown[0])
-    tenant = body.get("tenant")
-    if not isinstance(tenant, str) or not TENANT.fullmatch(tenant):
-        raise invalid(
-            f"'tenant' must be 1-63 lowercase letters, digits, '.', '_' or '-', starting with a letter or digit; got {tenant!r}.",
-            "tenant",
-        )
-    names = body.get("deployments")
-    if not isinstance(names, list) or not names or len(names) > 1024:
-        raise invalid("'deployments' must be a list of 1 to 1024 deployment names.", "deployments")
-    for name in names:
-        if not isinstance(name, str) or not NAME.fullmatch(name):
-            raise invalid(f"'deployments' holds {name!r}, which is no deployment name.", "deployments")
-    return tenant, tuple(dict.fromkeys(names)), Limits.parse(body)
 
 
 class KeyLookup(Protocol):

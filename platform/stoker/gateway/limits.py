@@ -28,67 +28,15 @@ import math
 import re
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter
 
-from stoker.errors import APIError, invalid
+from stoker.errors import APIError
+from stoker.spec.keys import NO_LIMITS, Limits, is_integer
 
 DEFAULT_MAX_TOKENS = 256  # charged for a request that names no max_tokens, until its usage settles it
 RATE_LIMITED = 429
-
-
-@dataclass(frozen=True)
-class Limits:
-    """One key's limits; None: not limited on that axis."""
-
-    rps: float | None = None  # requests per second (bucket of max(1, rps))
-    tpm: int | None = None  # tokens (prompt + completion) per minute
-    max_concurrent: int | None = None  # requests held + in flight at once
-
-    @property
-    def any(self) -> bool:
-        return self.rps is not None or self.tpm is not None or self.max_concurrent is not None
-
-    def over(self, defaults: Limits) -> Limits:
-        """These limits, with `defaults` where these say nothing."""
-        return Limits(
-            self.rps if self.rps is not None else defaults.rps,
-            self.tpm if self.tpm is not None else defaults.tpm,
-            self.max_concurrent if self.max_concurrent is not None else defaults.max_concurrent,
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def parse(cls, body: dict[str, Any], prefix: str = "") -> Limits:
-        """`rps`, `tpm`, `max_concurrent` from a request body (absent or null: not set), or a 400
-        naming the field."""
-        rps = body.get("rps")
-        if rps is not None and not (_number(rps) and 0 < rps <= 1e6):
-            raise invalid(f"'{prefix}rps' must be a number in (0, 1000000], got {rps!r}.", f"{prefix}rps")
-        values: dict[str, Any] = {"rps": float(rps) if rps is not None else None}
-        for name, high in (("tpm", 10**12), ("max_concurrent", 1_000_000)):
-            value = body.get(name)
-            if value is not None and not (_integer(value) and 1 <= value <= high):
-                raise invalid(
-                    f"'{prefix}{name}' must be an integer in [1, {high}], got {value!r}.", f"{prefix}{name}"
-                )
-            values[name] = value
-        return cls(**values)
-
-
-def _number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _integer(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-NO_LIMITS = Limits()
 
 
 class TokenBucket:
@@ -285,7 +233,7 @@ def estimate_tokens(body: dict[str, Any], size: int) -> tuple[int, int]:
     """(prompt tokens, completion tokens at most) for a request body of `size` bytes: about four
     bytes a token for the prompt (the JSON around it counts too: an overestimate, settled later)."""
     most = body.get("max_completion_tokens", body.get("max_tokens"))
-    if not _integer(most) or most < 0:
+    if not is_integer(most) or most < 0:
         most = DEFAULT_MAX_TOKENS  # a bad value is the engine's to refuse; its answer settles this
     return size // 4 + 1, most
 

@@ -35,11 +35,10 @@ from prometheus_client import CollectorRegistry
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
 
 from activator import Activator, ActivatorConfig, ActivatorMetrics, Balance
-from stoker.gateway.keys import KeyRecord, hash_key
-from stoker.gateway.limits import Limits
 from stoker.gateway.metering import GatewayMeter, changed_samples
 from stoker.gateway.revisions import RevisionMetrics, RevisionStats, answer_on, pick_revision
 from stoker.gateway.routes import SyncedRoutes
+from stoker.spec.keys import KeyRecord, Limits, hash_key
 from stoker.spec.planes import MAX_REPORT_EVENTS, MAX_REPORT_FINISHED
 
 log = logging.getLogger("stoker.gateway")

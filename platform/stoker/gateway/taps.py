@@ -25,8 +25,8 @@ from typing import Any, Protocol
 
 from starlette.types import Send
 
-from stoker.gateway.keys import Principal
 from stoker.gateway.limits import Limiter, UsageTap
+from stoker.spec.keys import Principal
 
 Finish = Callable[[dict], None]  # called with the request's scope once it has ended
 

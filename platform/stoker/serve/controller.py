@@ -27,11 +27,12 @@ from stoker.control.routes import CascadeRoutes
 from stoker.errors import invalid
 from stoker.gateway.cascade import Cascades
 from stoker.gateway.keys import Access
-from stoker.gateway.limits import NO_LIMITS, Limiter
+from stoker.gateway.limits import Limiter
 from stoker.gateway.metering import GatewaySeries, parse_series
 from stoker.http import openai_exception_handlers, parse_json_object, read_body
 from stoker.node.gpu_metrics import register_gpu_metrics
 from stoker.serve.common import common_routes, middleware_for
+from stoker.spec.keys import NO_LIMITS
 from stoker.spec.planes import parse_gateway_id, parse_report, share
 
 log = logging.getLogger("stoker.planes")

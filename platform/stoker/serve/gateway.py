@@ -23,11 +23,12 @@ from stoker.errors import UNAVAILABLE, APIError
 from stoker.gateway.cascade import Cascades
 from stoker.gateway.endpoint import data_routes
 from stoker.gateway.keys import Access
-from stoker.gateway.limits import NO_LIMITS, Limiter
+from stoker.gateway.limits import Limiter
 from stoker.gateway.plane import GatewayPlane
 from stoker.gateway.request_log import Observer
 from stoker.http import openai_exception_handlers, read_body
 from stoker.serve.common import common_routes, middleware_for
+from stoker.spec.keys import NO_LIMITS
 
 log = logging.getLogger("stoker.planes")
 MAX_REPORT_BYTES = 8 << 20

@@ -22,13 +22,14 @@ from stoker.control.routes import CascadeRoutes
 from stoker.gateway.cascade import Cascades
 from stoker.gateway.endpoint import data_routes
 from stoker.gateway.keys import Access
-from stoker.gateway.limits import NO_LIMITS, Limiter
+from stoker.gateway.limits import Limiter
 from stoker.gateway.request_log import Observer
 from stoker.http import (
     openai_exception_handlers,
 )
 from stoker.node.gpu_metrics import register_gpu_metrics
 from stoker.serve.common import common_routes, middleware_for
+from stoker.spec.keys import NO_LIMITS
 
 log = logging.getLogger("stoker.gateway")
 

@@ -11,8 +11,8 @@ import pytest
 
 from stoker.control.cluster import GatewayLoad, RoutingTable
 from stoker.errors import APIError
-from stoker.gateway.keys import hash_key
 from stoker.gateway.plane import KeyTable, RemoteSource
+from stoker.spec.keys import hash_key
 from stoker.spec.planes import parse_report, share
 
 

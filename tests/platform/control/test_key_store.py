@@ -9,8 +9,7 @@ import pytest
 
 from stoker.control.keys import KeyStore
 from stoker.errors import APIError
-from stoker.gateway.keys import PREFIX, Principal, hash_key, validate_key_request
-from stoker.gateway.limits import Limits
+from stoker.spec.keys import PREFIX, Limits, Principal, hash_key, validate_key_request
 
 
 def test_keys_are_random_prefixed_stored_hashed_and_revocable(tmp_path):

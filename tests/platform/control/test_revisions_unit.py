@@ -12,8 +12,9 @@ import pytest
 from stoker.control.registry import Registry
 from stoker.control.rollout import _to_100
 from stoker.errors import APIError
-from stoker.gateway.revisions import BUCKETS, Answer, bucket_of, canary_verdict, choose, parse_traffic
+from stoker.gateway.revisions import BUCKETS, Answer, bucket_of, canary_verdict, choose
 from stoker.spec.deployment import DeploymentSpec, validate
+from stoker.spec.traffic import parse_traffic
 
 SPEC = DeploymentSpec(name="chat", model="a", snapshot_id="a" * 64)
 

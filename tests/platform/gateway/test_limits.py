@@ -8,7 +8,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from stoker.errors import APIError
-from stoker.gateway.limits import DEFAULT_MAX_TOKENS, Limiter, Limits, UsageTap, duration, estimate_tokens
+from stoker.gateway.limits import DEFAULT_MAX_TOKENS, Limiter, UsageTap, duration, estimate_tokens
+from stoker.spec.keys import Limits
 
 
 class Clock:
