@@ -31,7 +31,7 @@ def snapshot_store_dir() -> Path:
     return Path(store).expanduser() if store else data_dir() / "snapshots"
 
 
-def add_store_option(parser: argparse.ArgumentParser) -> None:
+def add_store_args(parser: argparse.ArgumentParser) -> None:
     """`--store DIR` on a command; `stoker.cli.main` exports it as $STOKER_SNAPSHOT_STORE, so the engine
     processes a platform starts use the same store."""
     parser.add_argument(

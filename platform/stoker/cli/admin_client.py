@@ -25,7 +25,7 @@ URL_ENV = "STOKER_URL"
 CALL_TIMEOUT_S = 600  # a deploy imports a model directory before it answers
 
 
-def add_url_option(parser: argparse.ArgumentParser, top: bool = False) -> None:
+def add_url_args(parser: argparse.ArgumentParser, top: bool = False) -> None:
     """`--url` on a command, and (`top`) on `stoker` itself, so it may come before the command as
     kubectl's global flags do. The command's own leaves the namespace alone when it is not given
     (`SUPPRESS`), so a `--url` given before the command stands; given after, it wins."""

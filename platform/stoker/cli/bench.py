@@ -20,7 +20,7 @@ import json
 import os
 from pathlib import Path
 
-from stoker.cli.admin_client import add_url_option, base_url, call
+from stoker.cli.admin_client import add_url_args, base_url, call
 from stoker.cli.plan import BENCH_KIND, Sample, explain, levels, parse_redundancy, plan, summarize
 from stoker.errors import CLIError
 from stoker.spec.durations import duration
@@ -57,7 +57,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument(
         "--json", action="store_true", help="one JSON object: the figures and every request's sample"
     )
-    add_url_option(b)
+    add_url_args(b)
     b.set_defaults(func=cmd_bench)
 
     p = sub.add_parser(

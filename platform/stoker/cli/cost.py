@@ -10,7 +10,7 @@ import argparse
 import json
 import urllib.parse
 
-from stoker.cli.admin_client import add_url_option, call
+from stoker.cli.admin_client import add_url_args, call
 from stoker.control.cost import HISTORY_S
 from stoker.errors import CLIError
 from stoker.spec.durations import duration
@@ -27,7 +27,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="only the last DURATION (e.g. 15m, 1h; at most 24h, by whole minutes; default: since the platform started)",
     )
     p.add_argument("--json", action="store_true", help="print a JSON list, one object per deployment")
-    add_url_option(p)
+    add_url_args(p)
     p.set_defaults(func=cmd_cost)
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from snapshots.sizes import format_size
 from stoker.cli import revisions as revision_commands
-from stoker.cli.admin_client import add_url_option, call, stream
+from stoker.cli.admin_client import add_url_args, call, stream
 from stoker.errors import CLIError
 from stoker.spec.deployment import BALANCES, ENGINES, default
 from stoker.spec.durations import duration, format_duration
@@ -190,7 +190,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     revoke.add_argument("id", help="the key's id (`stoker keys ls`)")
     revoke.set_defaults(func=cmd_keys_revoke)
     for command in (deploy, ls, describe, logs, rm, create, keys_ls, revoke):
-        add_url_option(command)
+        add_url_args(command)
     revision_commands.register(sub)
 
 

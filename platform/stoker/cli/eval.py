@@ -27,7 +27,7 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
-from stoker.cli.admin_client import add_url_option, base_url
+from stoker.cli.admin_client import add_url_args, base_url
 from stoker.errors import CLIError
 
 MAX_SET_BYTES = 16 << 20
@@ -71,7 +71,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="exit 1 when the share of passing cases is under this (0..1)",
     )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
-    add_url_option(p)
+    add_url_args(p)
     p.set_defaults(func=cmd_eval)
 
 

@@ -46,7 +46,7 @@ COLUMNS = (
 )
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def add_fleet_args(p: argparse.ArgumentParser) -> None:
     """`stoker simulate`'s fleet flags."""
     p.add_argument(
         "--fleet",

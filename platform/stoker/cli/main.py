@@ -2,7 +2,9 @@
 
 Each command group is a module of this folder with a `register(sub)` that adds its commands to the
 top parser (as vLLM's `entrypoints/cli/` does with its command classes); `COMMANDS` lists them in
-the order `stoker --help` shows them. Heavy imports (torch, transformers) happen inside the command
+the order `stoker --help` shows them. Flags that several commands share come in groups, each added
+by an `add_*_args(parser)` (`add_url_args`, `add_store_args`, `add_activator_args`, …): two names,
+one for a command, one for a group of flags. Heavy imports (torch, transformers) happen inside the command
 that needs them, so `stoker --help` stays instant. The conventions every command shares (one-line
 errors, defaults in `--help`, "did you mean") are `stoker.cli.parser`'s.
 
@@ -17,7 +19,7 @@ import importlib
 import sys
 from importlib import metadata
 
-from stoker.cli.admin_client import add_url_option
+from stoker.cli.admin_client import add_url_args
 from stoker.cli.parser import StokerParser, run
 
 # The command modules, in `stoker --help`'s order; each has `register(sub)`.
@@ -47,7 +49,7 @@ def version() -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = StokerParser(prog="stoker", description="Serverless inference for LLMs.")
     parser.add_argument("--version", action="version", version=f"stoker {version()}")
-    add_url_option(parser, top=True)
+    add_url_args(parser, top=True)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:
         importlib.import_module(f"stoker.cli.{name}").register(sub)

@@ -25,7 +25,7 @@ from stoker.cli.up import (
     serve,
 )
 from stoker.errors import CLIError
-from stoker.paths import add_store_option
+from stoker.paths import add_store_args
 from stoker.spec.durations import duration
 
 
@@ -83,7 +83,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         default="15s",
         help="how long a Lease not renewed stays held (renewed every third of it): a standby's wait",
     )
-    add_store_option(controller)
+    add_store_args(controller)
     controller.set_defaults(func=cmd_controller)
 
     gateway = sub.add_parser(

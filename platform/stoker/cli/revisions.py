@@ -12,7 +12,7 @@ import argparse
 import json
 import urllib.parse
 
-from stoker.cli.admin_client import add_url_option, call
+from stoker.cli.admin_client import add_url_args, call
 from stoker.errors import CLIError
 
 
@@ -45,7 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     rollback.add_argument("--json", action="store_true", help="print the revisions as JSON")
     rollback.set_defaults(func=cmd_rollback)
     for command in (revisions, traffic, rollback):
-        add_url_option(command)
+        add_url_args(command)
 
 
 def _revision(value: str) -> int:

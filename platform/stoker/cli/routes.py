@@ -9,7 +9,7 @@ import json
 import math
 import urllib.parse
 
-from stoker.cli.admin_client import add_url_option, call
+from stoker.cli.admin_client import add_url_args, call
 from stoker.spec.routes import DEFAULT_MIN_MEAN_LOGPROB, LOGPROB_FLOOR, OUTCOMES
 
 
@@ -45,7 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     rm.add_argument("name", help="the route")
     rm.set_defaults(func=cmd_rm)
     for command in (create, ls, rm):
-        add_url_option(command)
+        add_url_args(command)
 
 
 def _logprob(value: str) -> float:

@@ -29,8 +29,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--trace", type=Path, help="CSV with TIMESTAMP, ContextTokens, GeneratedTokens (or --fleet FILE)"
     )
-    fleet.add_arguments(p)
-    whatif.add_arguments(p)
+    fleet.add_fleet_args(p)
+    whatif.add_whatif_args(p)
     p.add_argument(
         "--policy",
         action="append",

@@ -40,7 +40,7 @@ from snapshots.sizes import format_size
 from snapshots.usage import GcReport
 from stoker.cli import snapshot_remote
 from stoker.errors import CLIError
-from stoker.paths import add_store_option, snapshot_budget, snapshot_store_dir
+from stoker.paths import add_store_args, snapshot_budget, snapshot_store_dir
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -102,9 +102,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     rm.set_defaults(func=cmd_rm)
 
     snapshot_remote.register(sub)
-    add_store_option(parser)
+    add_store_args(parser)
     for command in sub.choices.values():
-        add_store_option(command)
+        add_store_args(command)
 
 
 def _store() -> SnapshotStore:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from activator.config import ActivatorConfig
 from stoker.errors import CLIError
-from stoker.paths import add_store_option
+from stoker.paths import add_store_args
 from stoker.spec.durations import duration, format_duration
 
 
@@ -22,7 +22,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     up = sub.add_parser("up", help="run the platform (gateway, activators, warm pools) in the foreground")
     for add in (add_serve_args, add_activator_args, add_pool_args, add_limit_args, add_request_log_args):
         add(up)
-    add_store_option(up)
+    add_store_args(up)
     up.set_defaults(func=cmd_up)
 
 

@@ -37,7 +37,7 @@ COLUMNS = (
 )
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def add_whatif_args(p: argparse.ArgumentParser) -> None:
     w = p.add_argument_group("what-if over the platform's arrival log")
     w.add_argument(
         "--from-log",
