@@ -88,13 +88,17 @@ chromium:
 	  echo "chromium not available: the dashboard's browser test will be skipped"
 
 # Whole files per worker, handed out in collection order: tests/conftest.py puts the slowest first
-# (SLOW_FILES), so the two workers end together (xdist would otherwise order files by test count).
+# (SLOW_FILES), so the workers end together (xdist would otherwise order files by test count).
+# Three workers on two cores: with two, the cores were busy only ~71 % of the run (tests wait out
+# idle timeouts, holds and a real-time trace replay); a third fills that: 787 s -> 659 s of pytest on
+# a quiet 2-core machine (docs/development/tests.md). TEST_WORKERS=2 for a machine that is loaded.
+TEST_WORKERS ?= 3
 test: $(STAMP) $(VLLM_STAMP) $(PROMTOOL) chromium
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mkdocs build --strict --quiet
 	$(PYC)
-	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # The inner loop: pure and in-process tests only (no platform, engine, vLLM, moto or CLI process:
 # the `live` mark, given at collection by tests/conftest.py), ruff first. Under 2 minutes.
