@@ -15,8 +15,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from stoker.control.cost import HISTORY_S
 from stoker.errors import invalid
+from stoker.spec.cost import HISTORY_S
 from stoker.spec.durations import parse_duration
 
 

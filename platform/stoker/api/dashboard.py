@@ -16,14 +16,16 @@ referrer, no caching.
 from __future__ import annotations
 
 from importlib import resources
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from stoker.control.history import History
 from stoker.errors import invalid
+
+if TYPE_CHECKING:
+    from stoker.control.history import History
 
 OPEN_PATHS = frozenset({"/dashboard", "/dashboard/app.js"})  # served without a key (`keys.KeyAuth`)
 

@@ -11,8 +11,8 @@ import json
 import urllib.parse
 
 from stoker.cli.admin_client import add_url_args, call
-from stoker.control.cost import HISTORY_S
 from stoker.errors import CLIError
+from stoker.spec.cost import HISTORY_S
 from stoker.spec.durations import duration
 
 

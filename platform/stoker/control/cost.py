@@ -51,8 +51,8 @@ from prometheus_client import CollectorRegistry, Counter
 from stoker.control.arrival_log import LOG_DIR, ArrivalLog
 from stoker.control.prices import PriceTable
 from stoker.gateway.limits import MeterTap
+from stoker.spec.cost import HISTORY_S
 
-HISTORY_S = 24 * 3600
 _MINUTES = HISTORY_S // 60 + 1  # the current minute too
 _UNCOUNTED = ("STOPPED",)
 

@@ -1,5 +1,5 @@
 """The data plane stays small: a `stoker gateway` process, started for real, imports no pool, no
-lifecycle and no instance backend, and the `stoker.gateway` package imports nothing of the control
+lifecycle, no instance backend and no module of `stoker.control`, and the `stoker.gateway` package imports nothing of the control
 plane, the admin API, the process shapes or the CLI (imports point down only)."""
 
 from __future__ import annotations
@@ -24,8 +24,7 @@ CONTROL_ONLY = (
     "warm_pool.backends.kube",
     "warm_pool.instances",
     "warm_pool.launch",
-    "stoker.control.platform",
-    "stoker.control.deployment",
+    "stoker.control",  # nothing of the control plane at all
 )
 
 # A real `stoker gateway`: once its app is built and serving, it writes what it imported and exits.
