@@ -17,6 +17,9 @@ nothing unless the test was going to fail anyway, and then it fails later, sayin
 from __future__ import annotations
 
 import os
+import subprocess
+import time
+from collections.abc import Callable
 
 
 def _factor(text: str) -> float:
@@ -64,3 +67,32 @@ STOP = deadline(90)  # a process exiting after SIGTERM, draining included
 # --- bounds handed to the platform ---------------------------------------------------------------
 HOLD = deadline(120)  # `--hold-deadline` where it is a give-up bound, not the thing tested (the
 #                       product's default: 120 s, longer than any start on an unloaded machine)
+
+
+def wait_healthy(
+    proc: subprocess.Popen,
+    url: str,
+    timeout: float,
+    name: str,
+    log_tail: Callable[[], str],
+    poll_s: float = 0.1,
+) -> None:
+    """Until GET `url` is 200, within `timeout` (a bound from here): a process that exits first, or a
+    wait that runs out, fails saying what it waited for, for how long, what it last saw, and the
+    tail of the process's log (`name` says whose)."""
+    import httpx
+
+    end = time.monotonic() + timeout
+    last = "no answer yet"
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited {proc.returncode} before {url} answered 200:\n{log_tail()}")
+        try:
+            r = httpx.get(url, timeout=1)
+            if r.status_code == 200:
+                return
+            last = f"status {r.status_code}: {r.text[:200]}"
+        except httpx.TransportError as exc:
+            last = f"{type(exc).__name__}: {exc}"
+        time.sleep(poll_s)
+    raise TimeoutError(f"{name}: {url} not 200 within {timeout:g} s (last: {last}); its log:\n{log_tail()}")

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from tests.conftest import STOKER
-from tests.deadlines import FACTOR, HOLD, HTTP_READ, PLATFORM_START, STOP, WAIT, deadline
+from tests.deadlines import FACTOR, HOLD, HTTP_READ, PLATFORM_START, STOP, WAIT, deadline, wait_healthy
 from tests.platform.engine.conftest import free_port
 
 
@@ -47,26 +47,15 @@ class PlatformProcess:
             defaults = (*self._hold(), *self._runtimes())
             cmd = [STOKER, self.command, "--port", str(self.port), *self.args, *defaults]
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=self.env)
-        end = time.monotonic() + PLATFORM_START
-        last = "no answer yet"
-        while time.monotonic() < end:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"stoker {self.command} exited {self.proc.returncode} before {self.url}/healthz "
-                    f"answered 200:\n{self.log_tail()}"
-                )
-            try:
-                r = httpx.get(f"{self.url}/healthz", timeout=1)
-                if r.status_code == 200:
-                    return self
-                last = f"status {r.status_code}: {r.text[:200]}"
-            except httpx.TransportError as exc:
-                last = f"{type(exc).__name__}: {exc}"
-            time.sleep(0.05)
-        raise TimeoutError(
-            f"stoker {self.command}: {self.url}/healthz not 200 within {PLATFORM_START:g} s "
-            f"(last: {last}); its log:\n{self.log_tail()}"
+        wait_healthy(
+            self.proc,
+            f"{self.url}/healthz",
+            PLATFORM_START,
+            f"stoker {self.command}",
+            self.log_tail,
+            poll_s=0.05,
         )
+        return self
 
     def log_tail(self, chars: int = 3000) -> str:
         return self.log.read_text(errors="replace")[-chars:] if self.log and self.log.exists() else ""

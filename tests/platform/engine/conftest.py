@@ -9,17 +9,15 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-import httpx
 import pytest
 
 from tests.conftest import STOKER
-from tests.deadlines import ENGINE_START, STOP, deadline
+from tests.deadlines import ENGINE_START, STOP, deadline, wait_healthy
 
 
 def free_port() -> int:
@@ -36,26 +34,7 @@ class EngineProcess:
 
     def wait_ready(self, timeout: float = ENGINE_START) -> None:
         """Until /health is 200; `timeout` is a bound from tests/deadlines.py (it scales)."""
-        end = time.monotonic() + timeout
-        last = "no answer yet"
-        while time.monotonic() < end:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"engine exited with {self.proc.returncode} before {self.url}/health answered 200:\n"
-                    f"{self.log_tail()}"
-                )
-            try:
-                r = httpx.get(f"{self.url}/health", timeout=1)
-                if r.status_code == 200:
-                    return
-                last = f"status {r.status_code}: {r.text[:200]}"
-            except httpx.TransportError as exc:
-                last = f"{type(exc).__name__}: {exc}"
-            time.sleep(0.1)
-        raise TimeoutError(
-            f"engine: {self.url}/health not 200 within {timeout:g} s (last: {last}); its log:\n"
-            f"{self.log_tail()}"
-        )
+        wait_healthy(self.proc, f"{self.url}/health", timeout, "engine", self.log_tail)
 
     def log_tail(self, chars: int = 3000) -> str:
         return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else ""
