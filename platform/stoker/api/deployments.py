@@ -25,7 +25,7 @@ from stoker.http import (
     parse_json_object,
     read_body,
 )
-from stoker.spec.deployment import not_found, validate
+from stoker.spec.deployment import not_found
 from stoker.spec.keys import validate_key_request
 
 
@@ -78,10 +78,7 @@ def admin_routes(
 
     async def create_deployment(request: Request) -> Response:
         body = parse_json_object(await read_body(request.receive, request.scope, MAX_BODY_BYTES))
-        name = validate(body)["name"]  # a bad body is its 400 before any other check
-        if (taken := name_taken(name)) is not None:  # e.g. a cascade route's name
-            raise taken
-        spec, created = await platform.deploy(body)
+        spec, created = await platform.deploy(body, name_taken)
         d = platform.get(spec.name)
         deployed = next(r for r in platform.revisions(spec.name) if r["revision"] == spec.revision)
         return JSONResponse(describe(d) | {"deployed": deployed}, status_code=201 if created else 200)

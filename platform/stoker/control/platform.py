@@ -226,12 +226,17 @@ class Platform:
         """Every serving instance's engine metrics, federated now (`stoker.control.federate`)."""
         return await self._federation.scrape(self.engine_targets())
 
-    async def deploy(self, body: object) -> tuple[DeploymentSpec, bool]:
+    async def deploy(
+        self, body: object, name_taken: Callable[[str], APIError | None] = lambda name: None
+    ) -> tuple[DeploymentSpec, bool]:
         """Create a deployment, or update one: every deploy is a new revision. One that the running
         instances can serve as they are (the same snapshot and engine) takes over at once; another
         model or engine warms first and takes the traffic once it is READY (`stoker.control.rollout`).
-        Returns the new revision's spec and whether the deployment was created."""
+        `name_taken`: why the name is another kind of thing's (a cascade route's), or None; the
+        admin API passes it. Returns the new revision's spec and whether the deployment was created."""
         fields = validate(body)
+        if (taken := name_taken(fields["name"])) is not None:
+            raise taken
         canary = canary_percent(body)
         if canary is not None and fields["name"] not in self._deployments:
             raise invalid(

@@ -9,7 +9,9 @@ import json
 import sqlite3
 import time
 from pathlib import Path
+from typing import Any
 
+from stoker.gateway.cascade import Cascades
 from stoker.spec.routes import CascadeRoute, route_not_found
 
 
@@ -58,3 +60,13 @@ class CascadeRoutes:
 
     def close(self) -> None:
         self._db.close()
+
+
+def owned_cascades(platform: Any) -> Cascades:
+    """The cascade routes a process owns (`stoker up`, `stoker controller`): served from this table
+    in the platform's `stoker.db`, opened at first use (`stoker.gateway.cascade`)."""
+    return Cascades(
+        platform,
+        platform.metrics_registry,
+        table=lambda: CascadeRoutes(Path(platform.data_dir) / "stoker.db"),
+    )

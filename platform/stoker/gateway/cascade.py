@@ -186,8 +186,10 @@ class Cascades:
     @property
     def table(self) -> RouteTable:
         """The routes this process owns, to read and write (the admin API's)."""
-        if self._synced is not None or self._open_table is None:
+        if self._synced is not None:
             raise RuntimeError("this process serves a synced copy of the routes; the controller owns them")
+        if self._open_table is None:
+            raise RuntimeError("these cascades were built without a table of their own (`table`)")
         if self._table is None:
             self._table = self._open_table()
         return self._table

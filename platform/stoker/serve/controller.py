@@ -9,7 +9,6 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from starlette.applications import Starlette
@@ -23,7 +22,7 @@ from stoker.api.deployments import admin_routes
 from stoker.api.routes import cascade_routes
 from stoker.control.history import HistoryConfig, HistorySampler
 from stoker.control.platform import Platform
-from stoker.control.routes import CascadeRoutes
+from stoker.control.routes import owned_cascades
 from stoker.errors import invalid
 from stoker.gateway.cascade import Cascades
 from stoker.gateway.keys import Access
@@ -98,7 +97,6 @@ def build_controller(
     access: Access | None = None,
     poll_timeout_s: float = 20.0,
     leave_instances: bool = True,
-    on_shutdown: Callable[[], object] | None = None,
     leader: Any = None,  # a `stoker.control.leader.LeaderElector`: act only while holding its Lease
     on_lost_lease: Callable[[], object] | None = None,
 ) -> Starlette:
@@ -109,11 +107,7 @@ def build_controller(
     (the process exits) leaving every instance to the next leader, whatever `leave_instances`."""
     limiter = Limiter(NO_LIMITS, registry=platform.metrics_registry)  # keys are revoked here too
     # The cascade routes are owned here and served by the gateways, from the routing table.
-    cascades = Cascades(
-        platform,
-        platform.metrics_registry,
-        table=lambda: CascadeRoutes(Path(platform.data_dir) / "stoker.db"),
-    )
+    cascades = owned_cascades(platform)  # cascade routes (`stoker.gateway.cascade`)
     register_gpu_metrics(platform.metrics_registry)  # the local backend's GPUs, where NVML sees any
     # The dashboard's last hour: the pools' figures from here, the requests' from the gateways.
     gateway_series = GatewaySeries()
@@ -218,8 +212,6 @@ def build_controller(
                 await asyncio.gather(election, return_exceptions=True)
             if access is not None:
                 access.keys.close()
-            if on_shutdown is not None:
-                on_shutdown()
 
     return Starlette(
         routes=[

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable
-from pathlib import Path
 
 from starlette.applications import Starlette
 
@@ -18,8 +16,7 @@ from stoker.api.deployments import admin_routes
 from stoker.api.routes import cascade_routes
 from stoker.control.history import HistoryConfig, HistorySampler
 from stoker.control.platform import Platform
-from stoker.control.routes import CascadeRoutes
-from stoker.gateway.cascade import Cascades
+from stoker.control.routes import owned_cascades
 from stoker.gateway.endpoint import data_routes
 from stoker.gateway.keys import Access
 from stoker.gateway.limits import Limiter
@@ -38,18 +35,13 @@ def build_gateway(
     platform: Platform,
     *,
     access: Access | None = None,  # None: no keys at all, everyone is the admin (benchmarks)
-    on_shutdown: Callable[[], object] | None = None,
     observer: Observer | None = None,  # the request log, drift and traces (`stoker.gateway.request_log`)
 ) -> Starlette:
     """Both planes in one process (`stoker up`): OpenAI's routes, the admin API, the pools."""
     limiter = Limiter(
         access.default_limits if access is not None else NO_LIMITS, registry=platform.metrics_registry
     )
-    cascades = Cascades(
-        platform,
-        platform.metrics_registry,
-        table=lambda: CascadeRoutes(Path(platform.data_dir) / "stoker.db"),
-    )  # cascade routes (`stoker.gateway.cascade`)
+    cascades = owned_cascades(platform)  # cascade routes (`stoker.gateway.cascade`)
     # The last hour for /dashboard (`stoker.control.history`); the GPUs' own figures where NVML sees any.
     sampler = HistorySampler(platform.metrics_registry, HistoryConfig.from_env())
     register_gpu_metrics(platform.metrics_registry)
