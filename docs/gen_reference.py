@@ -149,25 +149,10 @@ def deploy_flags() -> dict[str, argparse.Action]:
 
 
 def accepted_fields(module, names: list[str]) -> tuple[set[str], list[str]]:
-    """Which of `names` a deploy body may set, and the accepted names that are not spec fields: asked
-    of `validate` itself (an unknown field is refused with the list of allowed ones)."""
-    accepted = set()
-    for name in names:
-        try:
-            module.validate({"name": "probe", "model": "probe", name: None})
-        except Exception as exc:  # any error: only its message matters
-            if "Unknown field" in str(exc):
-                continue
-        accepted.add(name)
-    extra: list[str] = []
-    try:
-        module.validate({"name": "probe", "model": "probe", "__probe__": 1})
-    except Exception as exc:
-        message = str(exc)
-        if "allowed:" in message:
-            listed = message.split("allowed:", 1)[1].strip().rstrip(".")
-            extra = [item.strip() for item in listed.split(",") if item.strip() and item.strip() not in names]
-    return accepted, extra
+    """Which of `names` a deploy body may set, and the accepted names that are not spec fields
+    (`DEPLOY_FIELDS`, the list `validate` holds bodies to)."""
+    accepted = set(module.DEPLOY_FIELDS)
+    return accepted & set(names), [name for name in module.DEPLOY_FIELDS if name not in names]
 
 
 def number(value: float) -> str:
@@ -175,17 +160,11 @@ def number(value: float) -> str:
 
 
 def deploy_schema() -> dict:
-    """The deploy body's JSON schema from the OpenAPI description, where it is found: the types,
-    ranges and notes of the fields that are not the spec's (`canary_percent`)."""
-    for name in ("stoker.api.openapi", "stoker.openapi"):
-        try:
-            module = importlib.import_module(name)
-        except ImportError:
-            continue
-        build = getattr(module, "_deploy_request", None)
-        if build is not None:
-            return build().get("properties", {})
-    return {}
+    """The deploy body's JSON schema from the OpenAPI description: the types, ranges and notes of
+    the fields that are not the spec's (`canary_percent`)."""
+    from stoker.api.openapi import deploy_request
+
+    return deploy_request().get("properties", {})
 
 
 def field_range(module, name: str, kind: str, schema: dict) -> str:

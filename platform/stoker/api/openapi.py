@@ -133,7 +133,9 @@ _COMPLETION_RESPONSE = {
 }
 
 
-def _deploy_request() -> dict[str, Any]:
+def deploy_request() -> dict[str, Any]:
+    """The deploy body's schema (also the reference page's source for the fields the spec does not
+    hold: `canary_percent`)."""
     fields: dict[str, Any] = {}
     for name, (kind, low, high) in FIELDS.items():
         fields[name] = {
@@ -272,7 +274,7 @@ def openapi_schema() -> dict[str, Any]:
                 },
                 "post": {
                     "summary": "Create a deployment, or update its settings",
-                    "requestBody": {"required": True, **_json(_deploy_request())},
+                    "requestBody": {"required": True, **_json(deploy_request())},
                     "responses": {
                         "200": {"description": "updated", **_json(deployment)},
                         "201": {"description": "created", **_json(deployment)},

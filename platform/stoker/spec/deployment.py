@@ -87,22 +87,28 @@ def default(field: str) -> Any:
 _DEFAULTS = {f.name: f.default for f in fields(DeploymentSpec)}
 BALANCES = MODES
 LOG_FLAGS = ("log_requests", "log_content")  # true or false, default false
+# Every field a deploy body may hold, in the order the reference and the errors list them.
+# `canary_percent` is the deploy's, not the revision's: the platform reads it (`stoker.control.rollout`).
+DEPLOY_FIELDS = (
+    "name",
+    "model",
+    "engine",
+    "policy",
+    "balance",
+    "auto_rollback",
+    "canary_percent",
+    *LOG_FLAGS,
+    *FIELDS,
+)
 
 
 def validate(body: Any) -> dict[str, Any]:
     """Check a deploy request; returns its fields (model not yet resolved). Raises 400 naming the field."""
     if not isinstance(body, dict):
         raise invalid("The request body must be a JSON object.")
-    # `canary_percent` is the deploy's, not the revision's: the platform reads it (`stoker.control.rollout`).
-    allowed = {"name", "model", "engine", "policy", "balance", "auto_rollback", "canary_percent", *FIELDS}
-    allowed |= set(LOG_FLAGS)
-    unknown = sorted(set(body) - allowed)
+    unknown = sorted(set(body) - set(DEPLOY_FIELDS))
     if unknown:
-        raise invalid(
-            f"Unknown field(s) {unknown}; allowed: name, model, engine, policy, balance, auto_rollback, "
-            f"canary_percent, {', '.join(LOG_FLAGS)}, {', '.join(FIELDS)}.",
-            unknown[0],
-        )
+        raise invalid(f"Unknown field(s) {unknown}; allowed: {', '.join(DEPLOY_FIELDS)}.", unknown[0])
     name = body.get("name")
     if not isinstance(name, str) or not NAME.fullmatch(name):
         raise invalid(
