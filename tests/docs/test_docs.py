@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from stoker.cli.main import build_parser
+from tests.deadlines import CLI
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
@@ -72,7 +73,9 @@ def parse_error(parser, argv: list[str]) -> str | None:
 
 
 def test_the_generated_reference_is_current(tmp_path):
-    subprocess.run([sys.executable, str(DOCS / "gen_reference.py"), "--out", str(tmp_path)], check=True)
+    subprocess.run(
+        [sys.executable, str(DOCS / "gen_reference.py"), "--out", str(tmp_path)], check=True, timeout=CLI
+    )
     stale = [
         name
         for name in GENERATED
@@ -128,6 +131,7 @@ def test_the_site_builds_strict(tmp_path):
         capture_output=True,
         text=True,
         env={**os.environ, "NO_COLOR": "1"},
+        timeout=CLI,
     )
     assert result.returncode == 0, f"mkdocs build --strict failed:\n{result.stdout}{result.stderr}"
 

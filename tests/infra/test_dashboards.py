@@ -26,7 +26,7 @@ import yaml
 
 from stoker.node.gpu_metrics import GPU_METRICS
 from tests.conftest import promtool
-from tests.deadlines import deadline
+from tests.deadlines import CLI, deadline
 from tests.platform.conftest import PlatformProcess
 from tests.platform.engine.conftest import free_port
 
@@ -228,7 +228,9 @@ needs_promtool = pytest.mark.skipif(
 @needs_promtool
 def test_the_rules_pass_promtool_check():
     assert promtool(), "promtool not found: `make test` fetches it into .tools/"
-    out = subprocess.run([promtool(), "check", "rules", str(RULES)], capture_output=True, text=True)
+    out = subprocess.run(
+        [promtool(), "check", "rules", str(RULES)], capture_output=True, text=True, timeout=CLI
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert re.search(r"SUCCESS: (\d+) rules found", out.stdout)
 
@@ -236,7 +238,9 @@ def test_the_rules_pass_promtool_check():
 @needs_promtool
 def test_the_rules_pass_their_unit_tests():
     assert promtool(), "promtool not found: `make test` fetches it into .tools/"
-    out = subprocess.run([promtool(), "test", "rules", str(RULE_TESTS)], capture_output=True, text=True)
+    out = subprocess.run(
+        [promtool(), "test", "rules", str(RULE_TESTS)], capture_output=True, text=True, timeout=CLI
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     tested = set(re.findall(r"alertname: (\w+)", RULE_TESTS.read_text()))
     assert {"StokerHighErrorRate", "StokerCanaryRolledBack", "StokerDeploymentUnavailable"} <= tested
