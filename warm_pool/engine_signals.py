@@ -21,7 +21,7 @@ mean is how full the engine is.
 each instance scraped at most once per `interval_s` (on the injected clock), a per-request
 timeout, a cap on the body, a bound on scrapes in flight. An instance that cannot be read (refused,
 slow, not 200, too big, not Prometheus text) contributes nothing until it can, and is logged at
-debug: a dying engine is the pool's business (`_reap_dead`), not the scraper's.
+debug: a dying engine is the pool's business (`Lifecycle.check`), not the scraper's.
 
     PoolError
     └── EngineMetricsError   an engine's /metrics could not be fetched or read (aiohttp's errors,

@@ -1,7 +1,7 @@
 """The pool of one deployment: a thin loop around the deployment's scaling policy. Its collaborators:
-the observer (`warm_pool.observe`), its seat among shared devices (`warm_pool.fleet_seat`), its
-recycler (`warm_pool.recycler`); each instance's way through its states is `warm_pool.lifecycle`'s
-(still a mixin of this class), its settings `warm_pool.pool_spec`'s, the census it decides on
+its instances and their way through their states (`warm_pool.lifecycle`), the observer
+(`warm_pool.observe`), its seat among shared devices (`warm_pool.fleet_seat`), its recycler
+(`warm_pool.recycler`); its settings are `warm_pool.pool_spec`'s, the census it decides on
 `warm_pool.census`'s.
 
 Every second, and at once when poked (a request arrived with nothing to serve it), the loop runs one
@@ -42,7 +42,7 @@ flight) is asked `GET /is_sleeping` in the background, read at a later tick (`wa
 A READY instance found asleep (slept by someone else) leaves routing as SLEEPING, and the policy
 wakes or stops it; a SLEEPING one found awake joins routing as READY, and the policy puts it back
 to sleep if it is not wanted; one that refuses the instance's key (401) is replaced. No answer is no
-news: liveness is the activator's probes' and `_reap_dead`'s.
+news: liveness is the activator's probes' and the check stage's.
 
 A failed start, sleep or wake, or a process that dies (READY or SLEEPING), makes the instance FAILED:
 it is stopped and replaced after an exponential backoff. A start that fails because the snapshot
@@ -59,22 +59,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import secrets
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 
-from cachetools import LRUCache
-
 from snapshots import WarmReport
 from warm_pool import plan
 from warm_pool.arbiter import Wish
-from warm_pool.backends.base import Backend
-from warm_pool.census import Census, Member, Phase
+from warm_pool.backends.base import Backend, Running
+from warm_pool.census import Census, Member
 from warm_pool.engine_calls import HttpEngines
 from warm_pool.engine_signals import EngineScraper
 from warm_pool.errors import PoolError
-from warm_pool.failures import FailureRecord, StartFailures
+from warm_pool.failures import FailureRecord
 from warm_pool.fleet import Fleet
 from warm_pool.fleet_seat import FleetSeat
 from warm_pool.instances import InstanceOps
@@ -83,20 +80,17 @@ from warm_pool.lifecycle import Lifecycle
 from warm_pool.metrics import PoolMetrics
 from warm_pool.observe import Observer, View
 from warm_pool.page_tier import PageTier
-from warm_pool.policies.base import Decision, ScalingConfig, Tier
+from warm_pool.policies.base import Decision, ScalingConfig
 from warm_pool.policies.settings import bind_policy, startup_priors
 from warm_pool.pool_spec import Demand, PoolSpec
-from warm_pool.reconcile import SleepStates
 from warm_pool.recycler import Recycler
-from warm_pool.states import Instance, InstanceState, new_instance_id
+from warm_pool.states import Instance, InstanceState
 from warm_pool.tracker import ObservationTracker
 
 log = logging.getLogger("stoker.pool")
 
-S = InstanceState
 
-
-class Pool(Lifecycle):
+class Pool:
     def __init__(
         self,
         spec: PoolSpec,
@@ -110,7 +104,7 @@ class Pool(Lifecycle):
         fleet: Fleet | None = None,  # devices shared with other deployments' pools
     ) -> None:
         self._ops = InstanceOps(spec.instance_settings(), backend, engines=engines, gpus=gpus, clock=clock)
-        self.spec = spec
+        self._spec = spec  # changed through the `spec` setter, which tells the lifecycle and the ops
         self.name = spec.key  # unique among pools: the fleet and the gauges tell them apart by it
         self._metrics = metrics
         self._clock = clock
@@ -123,32 +117,25 @@ class Pool(Lifecycle):
         self._policy_state = self._bound.initial_state
         cpu_vllm = spec.engine == "vllm" and spec.vllm is not None and spec.vllm.runtime.cpu_build
         self._tracker = ObservationTracker(startup_priors("vllm-cpu" if cpu_vllm else spec.engine))
-        self._demand: Demand | None = None
-        self._instances: dict[str, Instance] = {}
-        self._phases: dict[str, Phase] = {}  # instances in the middle of a sleep or a wake
-        # Where each instance's latest READY came from, for counting cold starts by tier. Bounded:
-        # a request can only outlive its instance by the grace period, so 256 is plenty.
-        self._tiers: LRUCache[str, Tier] = LRUCache(maxsize=256)
-        self._launches: dict[str, asyncio.Task] = {}  # starts in progress, cancellable
-        self._turns: dict[str, asyncio.Task] = {}  # sleeps and wakes in progress, cancellable
-        self._stops: dict[str, asyncio.Task] = {}  # drains and stops in progress, never cancelled
         self._wake = asyncio.Event()
         self._closing = False
-        self._failures = 0  # consecutive failed starts, for the restart backoff
-        self._not_before = 0.0  # no new start before this time (backoff after a failure)
-        self._corrupt: str | None = None  # set when a start found the snapshot corrupt: no more starts
-        # The last failure of any instance, and failed starts in a row (`warm_pool.failures`).
-        self._start_failures = StartFailures(spec.unavailable_after)
+        # Its instances, what is in flight for each, its failed starts (`warm_pool.lifecycle`).
+        self.lifecycle = Lifecycle(
+            spec,
+            self._ops,
+            metrics,
+            self._tracker,
+            self._recycler,
+            clock=clock,
+            fleet=self._fleet,
+            poke=self.poke,
+        )
         self.last_decision: Decision | None = None
         self._page = PageTier(spec.deployment, spec.snapshot)  # the snapshot in the page cache
-        # False once an engine reports no sleep levels (vLLM's CPU build): then nothing is put to sleep.
-        self.can_sleep: bool = True
         # The observe stage (`warm_pool.observe`): the load, the census, the READY engines' own queue
         # and KV-cache figures (read in the background, each engine at most every 5 s of this pool's
         # clock) and the tracker, into the policy's observation.
         self._observer = Observer(self._tracker, EngineScraper(clock), self._page, backend, self._recycler)
-        # What the settled engines say of their sleep, asked in the background (`_reconcile`).
-        self._sleep_states = SleepStates(clock, interval_s=spec.reconcile_interval_s, name=spec.deployment)
         if self._fleet is not None:
             self._fleet.register(self)
             devices = self._fleet.devices
@@ -164,16 +151,17 @@ class Pool(Lifecycle):
     def spec(self, spec: PoolSpec) -> None:
         self._spec = spec
         self._ops.settings = spec.instance_settings()
+        self.lifecycle.spec = spec
 
     # ---- the activator's InstanceSource -------------------------------------------------------------
 
     def endpoints(self) -> list[Instance]:
-        return [i for i in self._instances.values() if i.state == S.READY and i.id not in self._phases]
+        return self.lifecycle.endpoints()
 
     def engines(self) -> list[Instance]:
         """Every instance whose engine serves HTTP now: READY (routing or not), SLEEPING, DRAINING.
         For reading them (their metrics), never for routing: that is `endpoints`."""
-        return [i for i in self._instances.values() if i.state in (S.READY, S.SLEEPING, S.DRAINING)]
+        return self.lifecycle.engines()
 
     def poke(self) -> None:
         self._wake.set()
@@ -185,13 +173,8 @@ class Pool(Lifecycle):
     def report_unhealthy(self, endpoint_id: str, reason: str) -> None:
         """The activator's probe says the engine is failed: replaced, as a dead process is. Ignored
         unless it is still in the routing set (one on its way to sleep or out may answer 503)."""
-        inst = self._instances.get(endpoint_id)
-        if inst is None or inst.state != S.READY or inst.id in self._phases:
-            return
-        if (task := self._turns.pop(inst.id, None)) is not None:
-            task.cancel()
-        self._failed(inst, reason, "health")
-        self._wake.set()
+        if self.lifecycle.unhealthy(endpoint_id, reason):
+            self._wake.set()
 
     def request_arrived(self) -> None:
         self._tracker.arrived(self._clock())
@@ -200,7 +183,7 @@ class Pool(Lifecycle):
     def request_finished(self, service_s: float | None, cold_on: str | None) -> None:
         self._tracker.finished(self._clock(), service_s)
         if cold_on is not None:
-            tier = self._tiers.get(cold_on)
+            tier = self.lifecycle.tier_of(cold_on)
             if tier is None:  # practically never: 256 newer instances came up meanwhile
                 log.warning("cold start on %s, whose tier is forgotten; not counted", cold_on)
             else:
@@ -209,7 +192,7 @@ class Pool(Lifecycle):
     # ---- wiring and control ---------------------------------------------------------------------------
 
     def attach(self, demand: Demand) -> None:
-        self._demand = demand
+        self._demand = self.lifecycle.demand = demand
 
     def reconfigure(self, scaling: ScalingConfig, policy: str) -> None:
         """New settings take effect at the next tick (now). Another policy starts from its initial
@@ -219,12 +202,14 @@ class Pool(Lifecycle):
             self._policy_state = bound.initial_state
         self._bound = bound
         self.spec = replace(self.spec, scaling=scaling, policy=policy)
-        lifted = self._start_failures.lift()  # deployed again: held requests wait for one more try
-        if self._corrupt is not None or lifted:  # the snapshot gets one more start to check out
-            self._corrupt = None
-            if self._demand is not None:
-                self._demand.set_unavailable(None)
+        if self.lifecycle.redeployed() and self._demand is not None:
+            self._demand.set_unavailable(None)  # held requests wait for one more try
         self._wake.set()
+
+    @property
+    def can_sleep(self) -> bool:
+        """False once an engine reported no sleep levels (vLLM's CPU build): then nothing sleeps."""
+        return self.lifecycle.can_sleep
 
     @property
     def policy(self) -> str:
@@ -234,16 +219,16 @@ class Pool(Lifecycle):
     def unavailable(self) -> str | None:
         """Why no instance can start: a corrupt snapshot (until the deployment is deployed again), or
         `unavailable_after` failed starts in a row (until one succeeds)."""
-        return self._corrupt or self._start_failures.unavailable
+        return self.lifecycle.corrupt or self.lifecycle.start_failures.unavailable
 
     @property
     def last_failure(self) -> FailureRecord | None:
-        return self._start_failures.last
+        return self.lifecycle.start_failures.last
 
     @property
     def failed_starts(self) -> int:
         """Failed starts since the last one that reached READY."""
-        return self._start_failures.in_a_row
+        return self.lifecycle.start_failures.in_a_row
 
     def instances(self) -> list[dict]:
         """Each instance as an operator sees it; `since` is when it entered its state (epoch s)."""
@@ -252,7 +237,7 @@ class Pool(Lifecycle):
             {
                 "id": i.id,
                 "state": i.state.value,
-                "phase": self._phases.get(i.id),
+                "phase": self.lifecycle.phases.get(i.id),
                 "url": i.url if i.port is not None or i.address is not None else None,
                 "runs_as": self._ops.handle_name(i),  # "pid 4242", "pod ns/name": where to look
                 "device": i.device,
@@ -262,14 +247,18 @@ class Pool(Lifecycle):
                     i.id, now
                 ),  # since READY first; what --max-instance-age counts
             }
-            for i in sorted(self._instances.values(), key=lambda i: i.created_at)
+            for i in sorted(self.lifecycle.instances.values(), key=lambda i: i.created_at)
         ]
 
     def counts(self) -> dict[str, int]:
-        counts = {state.value: 0 for state in S}
-        for inst in self._instances.values():
+        counts = {state.value: 0 for state in InstanceState}
+        for inst in self.lifecycle.instances.values():
             counts[inst.state.value] += 1
         return counts
+
+    async def adopt(self, running: list[Running]) -> list[str]:
+        """Take over engines a previous controller started for this deployment (`Lifecycle.adopt`)."""
+        return await self.lifecycle.adopt(running)
 
     async def warm_snapshot(self) -> WarmReport:
         """Read the snapshot's files into the page cache (the page-cache tier): `PageTier.warm`."""
@@ -295,35 +284,13 @@ class Pool(Lifecycle):
         adopt (starts in progress are still stopped: nothing records them as whole)."""
         self._closing = True
         self._wake.set()
-        scrape = self._observer.cancel()
-        for task in [*self._launches.values(), *self._turns.values()]:
-            task.cancel()
-        await asyncio.gather(
-            *self._launches.values(),
-            *self._turns.values(),
-            *self._stops.values(),
-            *scrape,
-            return_exceptions=True,
-        )
+        await self.lifecycle.halt(*self._observer.cancel())
         if self._fleet is not None:
             self._fleet.forget(self.name)
         await self._page.close()
         await self._observer.aclose()
-        await self._sleep_states.aclose()
-        await self._ops.close()
-        self._phases.clear()
-        if not stop_instances:
-            self._account(self._clock())
-            return
-        grace = self.spec.grace_period_s if drain else 0.0
-        live = [i for i in self._instances.values() if i.state != S.STOPPED]
-        if live:
-            log.info("pool %s: stopping %d instance(s), %gs of grace", self.spec.deployment, len(live), grace)
-        await asyncio.gather(
-            *(self._drain(i, grace) for i in list(self._instances.values()) if i.state != S.STOPPED),
-            return_exceptions=True,
-        )
-        self._account(self._clock())
+        grace = None if not stop_instances else self.spec.grace_period_s if drain else 0.0
+        await self.lifecycle.close(grace)
 
     # ---- one tick, its stages in the order they run -------------------------------------------------
 
@@ -331,16 +298,16 @@ class Pool(Lifecycle):
         if self._closing:
             return
         now = self._clock()
-        self._check(now)
+        self.lifecycle.check(now)
         view = self._observer.observe(
             now,
             self._demand.load(),
-            self._instances,
-            self._phases,
+            self.lifecycle.instances,
+            self.lifecycle.phases,
             spec=self.spec,
-            can_sleep=self.can_sleep,
+            can_sleep=self.lifecycle.can_sleep,
             last=self.last_decision,
-            leaving=self._stops.keys(),
+            leaving=self.lifecycle.stops.keys(),
         )
         decision = self._decide(view, now)
         granted, start_on = self._arbitrate(decision, view)
@@ -348,23 +315,13 @@ class Pool(Lifecycle):
         actions = self._plan(granted, census, view.load.outstanding, now)
         self._apply(actions, granted, start_on, now)
 
-    def _check(self, now: float) -> None:
-        """The engines' own word first: dead ones are replaced, sleep beliefs corrected (`warm_pool.lifecycle`)."""
-        self._reap_dead(now)
-        self._reconcile()
-
     def _decide(self, view: View, now: float) -> Decision:
         """The policy (`warm_pool.policies`, pure), bound with the shared rules."""
         decision, self._policy_state = self._bound.decide(view.observation, self._policy_state, now)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("pool %s: %s from %s", self.spec.deployment, decision, view.observation)
         self.last_decision = decision
-        if (
-            decision.ready == 0
-            and not view.census.coming
-            and self._start_failures.lift()
-            and not self._corrupt
-        ):
+        if decision.ready == 0 and not view.census.coming and self.lifecycle.idle_lift():
             self._demand.set_unavailable(None)  # nobody calls: the next request is held and tries again
         self._metrics.decided(self.name, decision.ready, decision.sleeping, decision.forecast)
         return decision
@@ -386,8 +343,7 @@ class Pool(Lifecycle):
             view.full, view.census, wanted, granted, now, self.spec.max_instance_age_s
         )
         if retire is not None:
-            inst = self._instances[retire]
-            self._spawn(self._stops, inst, self._drain(inst, self.spec.grace_period_s))
+            self.lifecycle.retire(retire, self.spec.grace_period_s)
         return census
 
     def _plan(
@@ -398,8 +354,8 @@ class Pool(Lifecycle):
             decision.ready,
             decision.sleeping,
             census,
-            can_sleep=self.can_sleep,
-            may_start=now >= self._not_before and self._corrupt is None,
+            can_sleep=self.lifecycle.can_sleep,
+            may_start=self.lifecycle.may_start(now),
             outstanding=outstanding,
         )
 
@@ -408,29 +364,24 @@ class Pool(Lifecycle):
     ) -> None:
         """Carry out the plan's actions (tasks and backend calls, `warm_pool.lifecycle`). Fresh starts
         go on the devices in `start_on` (the fleet's), in order."""
-        devices = iter(start_on)
-        by_id = self._instances
+        devices, life = iter(start_on), self.lifecycle
         for action in actions:
             match action:
                 case plan.TakeBack(id=ident):
-                    self._take_back(by_id[ident])
+                    life.take_back(ident)
                 case plan.Wake(id=ident):
-                    self._begin_wake(by_id[ident])
+                    life.begin_wake(ident)
                 case plan.Start():
-                    self._start_instance(now, next(devices, None))
+                    life.start(now, next(devices, None))
                 case plan.Cancel(id=ident):
-                    if (task := self._launches.get(ident)) is not None:
-                        task.cancel()
+                    life.cancel_start(ident)
                 case plan.Sleep(id=ident):
-                    self._begin_sleep(by_id[ident])
+                    life.begin_sleep(ident)
                 case plan.Drain(id=ident, grace=grace):
-                    inst = by_id[ident]
-                    self._spawn(
-                        self._stops, inst, self._drain(inst, self.spec.grace_period_s if grace else 0.0)
-                    )
+                    life.retire(ident, self.spec.grace_period_s if grace else 0.0)
         if self.spec.snapshot.snapshot_id in decision.warm:
             self._page.warm_in_background(now)
-        self._account(now)
+        self.lifecycle.account(now)
 
     # ---- the fleet's FleetMember ----------------------------------------------------------------------
 
@@ -440,53 +391,11 @@ class Pool(Lifecycle):
     def fleet_members(self) -> list[Member]:
         if self._seat is None or self.spec.footprint is None:
             return []
-        return self._seat.members(self._instances.values(), self._phases, self.spec.footprint)
+        return self._seat.members(
+            self.lifecycle.instances.values(), self.lifecycle.phases, self.spec.footprint
+        )
 
     def _reserved(self, inst: Instance) -> int | None:
         if inst.device is None or self.spec.footprint is None:
             return None
         return next((m.holds for m in self.fleet_members() if m.id == inst.id), 0)
-
-    def _start_instance(self, now: float, device: str | None = None) -> None:
-        inst = Instance(
-            device=device,
-            id=new_instance_id(self.spec.deployment),
-            deployment=self.spec.deployment,
-            created_at=now,
-            max_concurrency=self.spec.instance_concurrency,
-            host=self.spec.host,
-            # Its engine serves only who holds this: the proxy, this pool. Nothing else on the
-            # machine can call, sleep or wake it (vLLM guards only its /v1 routes with it).
-            secret=secrets.token_urlsafe(32),
-        )
-        self._instances[inst.id] = inst
-        self._spawn(self._launches, inst, self._launch(inst))
-
-    def _reap_dead(self, now: float) -> None:
-        """READY and SLEEPING instances whose process is gone become FAILED and are replaced."""
-        for inst in list(self._instances.values()):
-            if inst.state in (S.READY, S.SLEEPING) and self._ops.is_alive(inst) is False:
-                if (task := self._turns.pop(inst.id, None)) is not None:
-                    task.cancel()
-                self._failed(inst, f"its engine ({self._ops.handle_name(inst)}) died", "serving")
-
-    # ---- bookkeeping ---------------------------------------------------------------------------------
-
-    def _move(self, inst: Instance, new: InstanceState, now: float) -> None:
-        left, seconds = inst.move_to(new, now)
-        self._metrics.add_instance_seconds(self.spec.deployment, left, seconds)
-        self._metrics.set_instances(self.name, self._state_counts())
-        if self._fleet is not None and inst.device is not None and new in (S.SLEEPING, S.STOPPED, S.READY):
-            self._fleet.changed()  # memory came free (or a wake finished): pools waiting may go
-
-    def _account(self, now: float) -> None:
-        for inst in self._instances.values():
-            state, seconds = inst.accrue(now)
-            self._metrics.add_instance_seconds(self.spec.deployment, state, seconds)
-        self._metrics.set_instances(self.name, self._state_counts())
-
-    def _state_counts(self) -> dict[InstanceState, int]:
-        counts = dict.fromkeys(S, 0)
-        for inst in self._instances.values():
-            counts[inst.state] += 1
-        return counts

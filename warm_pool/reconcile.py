@@ -13,7 +13,7 @@ asks each settled instance (READY or SLEEPING, no sleep, wake, start or drain of
 | READY | asleep | `TO_SLEEPING`: out of routing, SLEEPING | it cannot serve; the policy then wakes it (a wake, not a start) or stops it, through the usual paths |
 | SLEEPING | awake | `TO_READY`: READY, into routing | its memory is spent either way, and it serves: the policy sees one more READY instance and puts it back to sleep (after the grace period, as any scale-down) if it is not wanted. Putting it straight back to sleep instead would undo a wake someone wanted, and flap with them |
 | READY or SLEEPING | 401 | `REPLACE`: failed, stopped, replaced | it holds another key than ours: neither the pool nor the proxy can call it |
-| any | no answer in time, refused, another status, not `{"is_sleeping": bool}` | none | liveness is the activator's (`/health` probes, ejection) and `_reap_dead`'s, not this |
+| any | no answer in time, refused, another status, not `{"is_sleeping": bool}` | none | liveness is the activator's (`/health` probes, ejection) and the pool's check stage's (`Lifecycle.check`), not this |
 | PENDING, STARTING, DRAINING, FAILED, STOPPED | anything | none | not settled: what it does is in flight |
 
 `correction` is that table, pure; `read_answer` turns one HTTP answer into what the engine says.

@@ -115,7 +115,7 @@ async def ticks_until(rig: Rig, at: float, condition: Callable[[], bool]) -> Non
 async def answered(rig: Rig, at: float, asked: int) -> None:
     """Tick at `at` until the engines were asked `asked` times in all and that round's answers are
     in, then once more: the tick that reads them."""
-    await ticks_until(rig, at, lambda: rig.backend.asked >= asked and not rig.pool._sleep_states.in_flight)
+    await ticks_until(rig, at, lambda: rig.backend.asked >= asked and not rig.pool.lifecycle.sleep_states.in_flight)
     await rig.tick(at)
 
 
@@ -129,7 +129,7 @@ def corrections(rig: Rig, believed: str, observed: str) -> float:
 
 
 def port_of(rig: Rig, instance_id: str) -> int:
-    return rig.pool._instances[instance_id].port
+    return rig.pool.lifecycle.instances[instance_id].port
 
 
 async def test_a_ready_instance_slept_by_someone_else_leaves_routing_and_is_woken(rig: Rig) -> None:
@@ -167,7 +167,7 @@ async def test_an_engine_that_refuses_the_instance_key_is_replaced(rig: Rig) -> 
     first = await rig.serve_one(0.0)
     rig.backend.key[port_of(rig, first)] = "another"  # it holds another key than the pool's
     await ticks_until(rig, 1.0, lambda: corrections(rig, "READY", "unauthorized") == 1)
-    await eventually(lambda: first not in rig.pool._instances)
+    await eventually(lambda: first not in rig.pool.lifecycle.instances)
     assert rig.sample("stoker_instance_restarts_total") == 1
     rig.demand.now.queued = 1  # after the restart backoff (1 s), a fresh instance
     await ticks_until(rig, 3.0, lambda: bool(rig.pool.endpoints()))
@@ -197,7 +197,7 @@ async def test_the_tick_never_waits_for_an_answer_and_one_round_at_a_time(rig: R
     await ticks_until(rig, 1.0, lambda: rig.backend.asked == 1)
     for at in (7.0, 13.0, 19.0):  # each past the interval: the loop decides, asks nothing new
         await rig.tick(at)
-    assert rig.backend.asked == 1 and rig.pool._sleep_states.in_flight
+    assert rig.backend.asked == 1 and rig.pool.lifecycle.sleep_states.in_flight
     rig.backend.gate.set()
     await answered(rig, 19.0, asked=1)
     await answered(rig, 25.0, asked=2)
@@ -217,4 +217,4 @@ async def test_an_answer_that_crossed_the_pools_own_sleep_is_not_applied(rig: Ri
     await answered(rig, 11.0, asked=2)
     assert rig.pool.counts()["SLEEPING"] == 1 and corrections(rig, "SLEEPING", "awake") == 0
     assert [action for action, _ in rig.backend.calls] == ["sleep"]
-    assert first in rig.pool._instances
+    assert first in rig.pool.lifecycle.instances
