@@ -84,7 +84,8 @@ async def test_without_sleep_mode_an_idle_instance_is_stopped_and_never_put_to_s
 ) -> None:
     scaling = ScalingConfig(max=1, idle_timeout_s=600, stable_window_s=1)
     async with running_pool(tmp_path, tiny_model_dir, NoSleepBackend(), scaling) as rig:
-        rig.pool.lifecycle.can_sleep = False  # what the launch learns from the engine; said here before any launch
+        # what the launch learns from the engine; said here before any launch
+        rig.pool.lifecycle.can_sleep = False
         first = await rig.serve_one(0.0)
         await rig.tick(5.0)  # with sleep mode this instance would go to sleep here (test_pool_sleep)
         assert (rig.pool.last_decision.ready, rig.pool.last_decision.sleeping) == (0, 0)

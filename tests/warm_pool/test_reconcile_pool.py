@@ -115,7 +115,9 @@ async def ticks_until(rig: Rig, at: float, condition: Callable[[], bool]) -> Non
 async def answered(rig: Rig, at: float, asked: int) -> None:
     """Tick at `at` until the engines were asked `asked` times in all and that round's answers are
     in, then once more: the tick that reads them."""
-    await ticks_until(rig, at, lambda: rig.backend.asked >= asked and not rig.pool.lifecycle.sleep_states.in_flight)
+    await ticks_until(
+        rig, at, lambda: rig.backend.asked >= asked and not rig.pool.lifecycle.sleep_states.in_flight
+    )
     await rig.tick(at)
 
 
