@@ -284,13 +284,18 @@ class ServerStopping:
     """Whether the server that serves an app has begun to stop (uvicorn's `should_exit`), for the
     parts of the app built before the server is (long polls and log follows end then, instead of
     holding a drain for its grace period). Made by the wiring, handed to those parts, and bound to
-    the server by whoever creates it (`bind`); false until then."""
+    the server by whoever creates it (`bind`); false until then. `stop` begins the server's stop
+    from inside the app (a controller that lost its Lease)."""
 
     def __init__(self) -> None:
         self._server = None
 
     def bind(self, server) -> None:
         self._server = server
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
 
     def __call__(self) -> bool:
         return self._server is not None and bool(self._server.should_exit)

@@ -10,19 +10,16 @@ import socket
 from urllib.parse import urlsplit
 
 from stoker.cli.up import (
-    access_of,
     activator_config,
     add_activator_args,
     add_limit_args,
     add_pool_args,
     add_request_log_args,
     add_serve_args,
-    admin_key_of,
-    build_platform,
     default_limits,
-    log_setup,
-    request_observer,
-    serve,
+    listen_of,
+    platform_settings,
+    request_logging,
 )
 from stoker.errors import CLIError
 from stoker.paths import add_store_args
@@ -108,40 +105,31 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_controller(args: argparse.Namespace) -> int:
-    from stoker.http import ServerStopping
-    from stoker.serve.controller import build_controller
-    from stoker.spec.keys import NO_LIMITS
+    from stoker.serve.controller import run_controller
+    from stoker.serve.options import ControllerOptions
+    from warm_pool.errors import InvalidConfig
 
     if args.data_dir:
         os.environ["STOKER_HOME"] = args.data_dir
-    admin_key = admin_key_of(args)
-    log_setup(args)
-    extra, leader = {}, None
-    if args.backend == "kubernetes":
-        extra, leader = _kubernetes(args)
-    stopping = ServerStopping()
-    platform = build_platform(
-        args, controller=True, gateway_stale_after_s=args.gateway_stale_after, stopping=stopping, **extra
-    )
-    access = access_of(args, admin_key, NO_LIMITS)
-    holder: dict = {}
-    app = build_controller(
-        platform,
-        access=access,
+    options = ControllerOptions(
+        listen_of(args),
+        platform_settings(args),
+        gateway_stale_after_s=args.gateway_stale_after,
         leave_instances=not args.stop_instances_on_exit,
-        leader=leader,
-        on_lost_lease=lambda: setattr(holder["server"], "should_exit", True),
+        kube=_kubernetes(args) if args.backend == "kubernetes" else None,
     )
-    return serve(app, args, stopping, holder)
+    try:
+        return run_controller(options)
+    except InvalidConfig as exc:  # a setting the backend refuses, before anything is served
+        raise CLIError(str(exc)) from None
 
 
-def _kubernetes(args: argparse.Namespace) -> tuple[dict, object]:
-    """The Kubernetes backend, its pods' GPUs, and the Lease election, from the flags."""
-    from lightkube import AsyncClient, KubeConfig
+def _kubernetes(args: argparse.Namespace):
+    """The Kubernetes backend's and the Lease's settings (`stoker.serve.options.KubeSettings`)."""
+    from lightkube import KubeConfig
     from lightkube.core.exceptions import ConfigError
 
-    from stoker.control.leader import LeaderElector
-    from warm_pool.backends.kube import KubeBackend, PodGpus
+    from stoker.serve.options import KubeSettings
 
     if not args.engine_image:
         raise CLIError("--backend kubernetes needs --engine-image (the image instance pods run)")
@@ -152,56 +140,38 @@ def _kubernetes(args: argparse.Namespace) -> tuple[dict, object]:
     except (ConfigError, OSError) as exc:
         raise CLIError(f"cannot read the Kubernetes config: {exc}") from None
     current = config.get()
-    namespace = args.namespace or (current.namespace if current is not None else None) or "default"
-    client = AsyncClient(config=config, namespace=namespace)
-    pull_env = {k: os.environ[k] for k in ("AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION") if k in os.environ}
-    try:
-        backend = KubeBackend(
-            client,
-            namespace,
-            image=args.engine_image,
-            store_path=args.store_path,
-            owner=args.owner,
-            pull_env=pull_env,
-            pull_secret=args.s3_secret,
-        )
-    except ValueError as exc:
-        raise CLIError(str(exc)) from None
-    # Unique per process, as client-go's: a restarted controller does not take its predecessor's
-    # lease as its own while that one may still be acting.
-    identity = args.identity or f"{socket.gethostname()}_{secrets.token_hex(4)}"
-    lease = args.lease_duration
-    leader = LeaderElector(client, namespace, args.lease_name, identity, lease_s=lease, renew_s=lease / 3)
-    return {"backend": backend, "gpus": PodGpus()}, leader
+    return KubeSettings(
+        config,
+        namespace=args.namespace or (current.namespace if current is not None else None) or "default",
+        image=args.engine_image,
+        store_path=args.store_path,
+        owner=args.owner,
+        # Unique per process, as client-go's: a restarted controller does not take its predecessor's
+        # lease as its own while that one may still be acting.
+        identity=args.identity or f"{socket.gethostname()}_{secrets.token_hex(4)}",
+        lease_name=args.lease_name,
+        lease_s=args.lease_duration,
+        pull_secret=args.s3_secret,
+        pull_env={k: os.environ[k] for k in ("AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION") if k in os.environ},
+    )
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
-    from prometheus_client import CollectorRegistry
-
-    from stoker.gateway.keys import Access
-    from stoker.gateway.plane import GatewayPlane
-    from stoker.http import own_origins
-    from stoker.serve.gateway import build_data_gateway
+    from stoker.serve.gateway import run_gateway
+    from stoker.serve.options import GatewayOptions
 
     if args.data_dir:
         os.environ["STOKER_HOME"] = args.data_dir
-    admin_key = admin_key_of(args)
-    controller = _controller_url(args.controller)
-    log_setup(args)
-    observer = request_observer(args)  # this gateway's request log, drift and traces
-    holding, limits = activator_config(args), default_limits(args)
-    gateway_id = args.gateway_id or f"{socket.gethostname()}-{os.getpid()}"
-    plane = GatewayPlane(
-        controller,
-        admin_key,
-        gateway_id,
-        holding,
-        CollectorRegistry(),
+    options = GatewayOptions(
+        listen_of(args),
+        _controller_url(args.controller),
+        gateway_id=args.gateway_id or f"{socket.gethostname()}-{os.getpid()}",
+        holding=activator_config(args),
+        limits=default_limits(args),
         report_interval_s=args.report_interval,
+        logging=request_logging(args),
     )
-    observer.register(plane.metrics_registry)
-    access = Access(admin_key, plane.keys, own_origins(args.host, args.port), limits)
-    return serve(build_data_gateway(plane, access=access, observer=observer), args)
+    return run_gateway(options)
 
 
 def _controller_url(url: str) -> str:

@@ -228,25 +228,24 @@ def add_request_log_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def request_observer(args: argparse.Namespace):
-    """The gateway's request log, drift and traces (`stoker.gateway.request_log.Observer`); its gauges are
-    registered with `Observer.register`."""
+def request_logging(args: argparse.Namespace):
+    """The request log's, drift's and traces' settings (`stoker.serve.options.RequestLogging`)."""
     from snapshots.sizes import parse_size
     from stoker.gateway import otel  # imports no OpenTelemetry package unless an endpoint is set
     from stoker.gateway.drift import Drift
-    from stoker.gateway.request_log import LOG_DIR, Observer, RequestLogFile
-    from stoker.paths import data_dir
+    from stoker.gateway.request_log import RequestLogFile
+    from stoker.serve.options import RequestLogging
 
     try:
         size = parse_size(args.request_log_size)
     except ValueError as exc:
         raise CLIError(f"--request-log-size: {exc}") from None
     try:
-        file = RequestLogFile(data_dir() / LOG_DIR, size, args.request_log_files)
+        RequestLogFile.check(size, args.request_log_files)
     except ValueError as exc:
         raise CLIError(f"--request-log-size/--request-log-files: {exc}") from None
     try:
-        drift = Drift(args.drift_window, args.drift_min_requests)
+        Drift.check(args.drift_window, args.drift_min_requests)
     except ValueError as exc:
         raise CLIError(f"--drift-window/--drift-min-requests: {exc}") from None
     tracing = None
@@ -255,7 +254,9 @@ def request_observer(args: argparse.Namespace):
             tracing = otel.tracing_from_env()
         except otel.TracingUnavailable as exc:
             raise CLIError(str(exc)) from None
-    return Observer(file, drift, log_all=args.request_log, tracing=tracing)
+    return RequestLogging(
+        size, args.request_log_files, args.request_log, args.drift_window, args.drift_min_requests, tracing
+    )
 
 
 def duration_or_off(value: str) -> float | None:
@@ -265,8 +266,11 @@ def duration_or_off(value: str) -> float | None:
     return duration(value) or None
 
 
-def admin_key_of(args: argparse.Namespace) -> str | None:
+def listen_of(args: argparse.Namespace):
+    """Where the process serves and its admin key (`STOKER_ADMIN_KEY`); a non-loopback address needs
+    one, or `--allow-open`."""
     from stoker.http import is_loopback
+    from stoker.serve.options import Listen
 
     admin_key = os.environ.get("STOKER_ADMIN_KEY") or None
     if admin_key is None and not is_loopback(args.host) and not args.allow_open:
@@ -274,15 +278,7 @@ def admin_key_of(args: argparse.Namespace) -> str | None:
             f"refusing to serve {args.host} without STOKER_ADMIN_KEY (anyone reaching it could deploy "
             "and call models): set STOKER_ADMIN_KEY, or pass --allow-open"
         )
-    return admin_key
-
-
-def log_setup(args: argparse.Namespace) -> None:
-    import logging
-
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    return Listen(args.host, args.port, args.log_level, admin_key)
 
 
 def activator_config(args: argparse.Namespace):
@@ -318,12 +314,12 @@ def default_limits(args: argparse.Namespace):
         raise CLIError(exc.message.replace("'key_", "'--key-").replace("_", "-")) from None
 
 
-def build_platform(args: argparse.Namespace, **extra):
+def platform_settings(args: argparse.Namespace):
+    """The platform's settings from the pool flags (`stoker.serve.options.PlatformSettings`)."""
     from snapshots.errors import SnapshotError
     from snapshots.sizes import parse_size
-    from stoker.control.platform import Platform
     from stoker.control.vllm import VllmOptions
-    from stoker.paths import data_dir, snapshot_store_dir
+    from stoker.serve.options import PlatformSettings
     from warm_pool.fleet import Devices
 
     try:
@@ -348,18 +344,15 @@ def build_platform(args: argparse.Namespace, **extra):
         kv = parse_size(args.instance_kv)
     except (SnapshotError, ValueError) as exc:
         raise CLIError(f"--device-memory/--instance-kv: {exc}") from None
-    return Platform(
-        data_dir(),
-        prices=prices_of(args),
-        store_dir=snapshot_store_dir(),
-        stable_window_s=args.stable_window,
+    return PlatformSettings(
         vllm=vllm,
+        stable_window_s=args.stable_window,
         unavailable_after=args.unavailable_after,
         devices=devices,
         instance_kv_bytes=kv,
         max_instance_age_s=max_instance_age_of(args),
         warm_runtimes=warm_runtimes_of(args),
-        **extra,
+        prices=prices_of(args),
     )
 
 
@@ -406,58 +399,12 @@ def gpu_devices():
         raise CLIError(f"--share-gpus: NVML could not read the GPUs: {exc}") from None
 
 
-def access_of(args: argparse.Namespace, admin_key: str | None, default_limits):
-    import logging
-
-    from stoker.control.keys import KeyStore
-    from stoker.gateway.keys import Access
-    from stoker.http import own_origins
-    from stoker.paths import data_dir
-
-    keys = KeyStore(data_dir() / "stoker.db")
-    if admin_key is None:
-        log = logging.getLogger("stoker.up")
-        if len(keys) == 0:
-            log.warning(
-                "OPEN MODE: no STOKER_ADMIN_KEY and no API keys; anyone who can reach %s:%d may deploy "
-                "and call every model. Set STOKER_ADMIN_KEY to require keys.",
-                args.host,
-                args.port,
-            )
-        else:
-            log.warning(
-                "no STOKER_ADMIN_KEY: /v1 takes the %d API key(s), but the admin API is open to anyone "
-                "who can reach %s:%d",
-                len(keys),
-                args.host,
-                args.port,
-            )
-    return Access(admin_key, keys, own_origins(args.host, args.port), default_limits)
-
-
-def serve(app, args: argparse.Namespace, stopping=None, holder: dict | None = None) -> int:
-    """Serve `app` until SIGTERM; `stopping` (a `stoker.http.ServerStopping` the app's parts were
-    given) is bound to the server; `holder["server"]` is the server, for whoever must stop it."""
-    from stoker.http import make_server, run_server
-
-    server = make_server(app, host=args.host, port=args.port, log_level=args.log_level, grace_period_s=60)
-    if holder is not None:
-        holder["server"] = server
-    if stopping is not None:
-        stopping.bind(server)
-    return 0 if run_server(server) else 1
-
-
 def cmd_up(args: argparse.Namespace) -> int:
-    from stoker.http import ServerStopping
-    from stoker.serve.up import build_gateway
+    from stoker.serve.options import UpOptions
+    from stoker.serve.up import run_up
 
-    admin_key = admin_key_of(args)
-    log_setup(args)
-    holding, limits = activator_config(args), default_limits(args)
-    observer = request_observer(args)
-    stopping = ServerStopping()
-    platform = build_platform(args, activator_config=holding, stopping=stopping)
-    observer.register(platform.metrics_registry)
-    app = build_gateway(platform, access=access_of(args, admin_key, limits), observer=observer)
-    return serve(app, args, stopping)
+    listen = listen_of(args)
+    options = UpOptions(
+        listen, platform_settings(args), activator_config(args), default_limits(args), request_logging(args)
+    )
+    return run_up(options)

@@ -127,13 +127,18 @@ class Drift:
     """Windows per deployment, the reference, the scores. Not thread-safe: the event loop's."""
 
     def __init__(self, window_s: float = 300.0, min_requests: int = 20) -> None:
+        self.check(window_s, min_requests)
+        self.window_s = window_s
+        self.min_requests = min_requests
+        self._tracks: dict[str, _Track] = {}
+
+    @staticmethod
+    def check(window_s: float, min_requests: int) -> None:
+        """ValueError unless these are a window and a count of answers drift can be scored on."""
         if not 1.0 <= window_s <= 7 * 86400:
             raise ValueError(f"the drift window must be 1 s..7 d, got {window_s:g} s")
         if not 1 <= min_requests <= 1_000_000:
             raise ValueError(f"drift needs 1..1000000 answers a window, got {min_requests}")
-        self.window_s = window_s
-        self.min_requests = min_requests
-        self._tracks: dict[str, _Track] = {}
 
     def record(self, record: Any, now: float) -> None:
         """One answer (a `request_log.RequestRecord`) at `now`."""

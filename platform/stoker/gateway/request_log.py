@@ -214,18 +214,23 @@ class RequestLogFile:
     """The JSONL file, appended one record a write, rotated by size (see the module)."""
 
     def __init__(self, dir: Path, max_bytes: int = DEFAULT_MAX_BYTES, keep: int = DEFAULT_KEEP) -> None:
-        if max_bytes < 4096:
-            raise ValueError(
-                f"the request log's size before rotation must be 4096 bytes or more, got {max_bytes}"
-            )
-        if not 1 <= keep <= 100:
-            raise ValueError(f"the request log keeps 1..100 old files, got {keep}")
+        self.check(max_bytes, keep)
         self.dir = dir
         self.path = dir / LOG_FILE
         self.max_bytes = max_bytes
         self.keep = keep
         self._fd: int | None = None
         self._size = 0
+
+    @staticmethod
+    def check(max_bytes: int, keep: int) -> None:
+        """ValueError unless these are a size and a count of old files the log can keep."""
+        if max_bytes < 4096:
+            raise ValueError(
+                f"the request log's size before rotation must be 4096 bytes or more, got {max_bytes}"
+            )
+        if not 1 <= keep <= 100:
+            raise ValueError(f"the request log keeps 1..100 old files, got {keep}")
 
     def _open(self) -> int:
         if self._fd is None:

@@ -1,12 +1,15 @@
-"""What every process shape serves alike: health, its own metrics and the API's schema
-(`common_routes`), and the middleware stack in front of any route (`middleware_for`).
+"""What every process shape serves and builds alike: health, its own metrics and the API's schema
+(`common_routes`), the middleware stack in front of any route (`middleware_for`), the request log
+(`observer_of`), the log's format, and the server (`serve_app`).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -16,10 +19,8 @@ from stoker.api.dashboard import OPEN_PATHS as DASHBOARD_PATHS
 from stoker.api.openapi import openapi_schema
 from stoker.gateway.endpoint import Router
 from stoker.gateway.keys import OPEN_PATHS, Access, KeyAuth
-from stoker.http import (
-    AdminGuard,
-    InternalErrors,
-)
+from stoker.http import AdminGuard, InternalErrors, ServerStopping, make_server, run_server
+from stoker.serve.options import Listen, RequestLogging
 
 
 def common_routes(platform: Router, registry: CollectorRegistry) -> list[Route]:
@@ -60,3 +61,36 @@ def middleware_for(access: Access | None, component: str, keys: Any = None) -> l
             Middleware(AdminGuard, origins=access.origins),
         ]
     return middleware
+
+
+def observer_of(settings: RequestLogging):
+    """The request log, drift and traces (`stoker.gateway.request_log.Observer`) a process keeps; its
+    gauges are registered with `Observer.register`."""
+    from stoker.gateway.drift import Drift
+    from stoker.gateway.request_log import LOG_DIR, Observer, RequestLogFile
+    from stoker.paths import data_dir
+
+    file = RequestLogFile(data_dir() / LOG_DIR, settings.max_bytes, settings.files)
+    drift = Drift(settings.drift_window_s, settings.drift_min_requests)
+    return Observer(file, drift, log_all=settings.log_all, tracing=settings.tracing)
+
+
+def log_setup(listen: Listen) -> None:
+    logging.basicConfig(
+        level=listen.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+
+
+def serve_app(app: Starlette, listen: Listen, stopping: ServerStopping | None = None) -> int:
+    """Serve `app` until SIGTERM (then drain within the grace period); `stopping`, which the app's
+    parts were given, is bound to the server. The process's exit status."""
+    server = make_server(
+        app,
+        host=listen.host,
+        port=listen.port,
+        log_level=listen.log_level,
+        grace_period_s=listen.grace_period_s,
+    )
+    if stopping is not None:
+        stopping.bind(server)
+    return 0 if run_server(server) else 1

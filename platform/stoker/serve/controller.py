@@ -1,4 +1,5 @@
-"""`stoker controller`: the control plane as a process of its own. The registry, pools, policies and
+"""`stoker controller`: the control plane as a process of its own (`run_controller` wires it from
+its options, `build_controller` is its app). The registry, pools, policies and
 the backend; the admin API; what gateways learn (`routing_table`, long-polled) and what they report
 (`stoker.control.cluster`). `stoker up` runs both planes in one process (`stoker.serve.up`).
 """
@@ -28,9 +29,11 @@ from stoker.gateway.cascade import Cascades
 from stoker.gateway.keys import Access
 from stoker.gateway.limits import Limiter
 from stoker.gateway.metering import GatewaySeries, parse_series
-from stoker.http import openai_exception_handlers, parse_json_object, read_body
+from stoker.http import ServerStopping, openai_exception_handlers, parse_json_object, read_body
 from stoker.node.gpu_metrics import register_gpu_metrics
-from stoker.serve.common import common_routes, middleware_for
+from stoker.serve.common import common_routes, log_setup, middleware_for, serve_app
+from stoker.serve.control_plane import access_of, platform_of
+from stoker.serve.options import ControllerOptions, KubeSettings
 from stoker.spec.keys import NO_LIMITS
 from stoker.spec.planes import parse_gateway_id, parse_report, share
 
@@ -227,3 +230,52 @@ def build_controller(
         middleware=middleware_for(access, "controller"),
         lifespan=lifespan,
     )
+
+
+def run_controller(options: ControllerOptions) -> int:
+    """`stoker controller`, wired: the platform (on the Kubernetes backend, with its Lease election,
+    where `options.kube` says), the keys, the app, served until SIGTERM or until the Lease is lost.
+    The exit status. A setting the backend refuses raises `warm_pool.errors.InvalidConfig`."""
+    log_setup(options.listen)
+    wiring, leader = {}, None
+    if options.kube is not None:
+        wiring, leader = _kubernetes(options.kube)
+    stopping = ServerStopping()
+    platform = platform_of(
+        options.platform,
+        controller=True,
+        gateway_stale_after_s=options.gateway_stale_after_s,
+        stopping=stopping,
+        **wiring,
+    )
+    app = build_controller(
+        platform,
+        access=access_of(options.listen, NO_LIMITS),
+        leave_instances=options.leave_instances,
+        leader=leader,
+        on_lost_lease=stopping.stop,  # the process exits; the next leader adopts the instances
+    )
+    return serve_app(app, options.listen, stopping)
+
+
+def _kubernetes(kube: KubeSettings) -> tuple[dict[str, Any], Any]:
+    """The Kubernetes backend with its pods' GPUs, and the Lease election."""
+    from lightkube import AsyncClient
+
+    from stoker.control.leader import LeaderElector
+    from warm_pool.backends.kube import KubeBackend, PodGpus
+
+    client = AsyncClient(config=kube.config, namespace=kube.namespace)
+    backend = KubeBackend(
+        client,
+        kube.namespace,
+        image=kube.image,
+        store_path=kube.store_path,
+        owner=kube.owner,
+        pull_env=kube.pull_env,
+        pull_secret=kube.pull_secret,
+    )
+    leader = LeaderElector(
+        client, kube.namespace, kube.lease_name, kube.identity, lease_s=kube.lease_s, renew_s=kube.lease_s / 3
+    )
+    return {"backend": backend, "gpus": PodGpus()}, leader

@@ -1,4 +1,5 @@
-"""`stoker gateway`: the data plane as a process of its own. OpenAI's routes through each
+"""`stoker gateway`: the data plane as a process of its own (`run_gateway` wires it from its
+options, `build_data_gateway` is its app). OpenAI's routes through each
 deployment's activator (`stoker.gateway.plane`), fed by the routing table the controller publishes.
 
 A gateway passes the admin API (`/admin/…`, `/metrics/engines`) through to its controller with the
@@ -13,6 +14,7 @@ import contextlib
 import logging
 
 import aiohttp
+from prometheus_client import CollectorRegistry
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -26,8 +28,9 @@ from stoker.gateway.keys import Access
 from stoker.gateway.limits import Limiter
 from stoker.gateway.plane import GatewayPlane
 from stoker.gateway.request_log import Observer
-from stoker.http import openai_exception_handlers, read_body
-from stoker.serve.common import common_routes, middleware_for
+from stoker.http import openai_exception_handlers, own_origins, read_body
+from stoker.serve.common import common_routes, log_setup, middleware_for, observer_of, serve_app
+from stoker.serve.options import GatewayOptions
 from stoker.spec.keys import NO_LIMITS
 
 log = logging.getLogger("stoker.planes")
@@ -130,3 +133,22 @@ async def _pass_through(plane: GatewayPlane, request: Request) -> Response:
 
     passed = {k: v for k, v in upstream.headers.items() if k.lower() in _PASS_RESPONSE}
     return StreamingResponse(chunks(), status_code=upstream.status, headers=passed)
+
+
+def run_gateway(options: GatewayOptions) -> int:
+    """`stoker gateway`, wired: the plane fed by the controller's routing table, its activators, the
+    keys' synced hashes, this gateway's request log, the app, served until SIGTERM. The exit status."""
+    log_setup(options.listen)
+    observer = observer_of(options.logging)  # this gateway's request log, drift and traces
+    plane = GatewayPlane(
+        options.controller,
+        options.listen.admin_key,
+        options.gateway_id,
+        options.holding,
+        CollectorRegistry(),
+        report_interval_s=options.report_interval_s,
+    )
+    observer.register(plane.metrics_registry)
+    listen = options.listen
+    access = Access(listen.admin_key, plane.keys, own_origins(listen.host, listen.port), options.limits)
+    return serve_app(build_data_gateway(plane, access=access, observer=observer), listen)

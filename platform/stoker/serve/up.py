@@ -1,6 +1,6 @@
-"""`stoker up`'s app: both planes in one process. OpenAI's routes (`stoker.gateway.endpoint`), the
-admin API (`stoker.api`), health, metrics and the schema, behind the keys' middleware; also the
-pieces the split planes share (`common_routes`, `middleware_for`).
+"""`stoker up`: both planes in one process. `build_gateway` is its app: OpenAI's routes
+(`stoker.gateway.endpoint`), the admin API (`stoker.api`), health, metrics and the schema, behind
+the keys' middleware; `run_up` wires the process from its options (`stoker.serve.options`).
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from stoker.gateway.endpoint import data_routes
 from stoker.gateway.keys import Access
 from stoker.gateway.limits import Limiter
 from stoker.gateway.request_log import Observer
-from stoker.http import (
-    openai_exception_handlers,
-)
+from stoker.http import ServerStopping, openai_exception_handlers
 from stoker.node.gpu_metrics import register_gpu_metrics
-from stoker.serve.common import common_routes, middleware_for
+from stoker.serve.common import common_routes, log_setup, middleware_for, observer_of, serve_app
+from stoker.serve.control_plane import access_of, platform_of
+from stoker.serve.options import UpOptions
 from stoker.spec.keys import NO_LIMITS
 
 log = logging.getLogger("stoker.gateway")
@@ -77,3 +77,15 @@ def build_gateway(
         middleware=middleware,
         lifespan=lifespan,
     )
+
+
+def run_up(options: UpOptions) -> int:
+    """`stoker up`, wired: the platform with its activators, the keys, the request log, the app,
+    served until SIGTERM. The exit status."""
+    log_setup(options.listen)
+    observer = observer_of(options.logging)
+    stopping = ServerStopping()
+    platform = platform_of(options.platform, activator_config=options.holding, stopping=stopping)
+    observer.register(platform.metrics_registry)
+    app = build_gateway(platform, access=access_of(options.listen, options.limits), observer=observer)
+    return serve_app(app, options.listen, stopping)

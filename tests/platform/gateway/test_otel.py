@@ -37,8 +37,9 @@ def test_off_without_an_endpoint_and_nothing_imported():
         "import sys, argparse\n"
         "from prometheus_client import CollectorRegistry\n"
         "import stoker.serve.up, stoker.cli.up as s\n"
+        "from stoker.serve.common import observer_of\n"
         "p = argparse.ArgumentParser(); s.add_request_log_args(p)\n"
-        "o = s.request_observer(p.parse_args([])); o.register(CollectorRegistry())\n"
+        "o = observer_of(s.request_logging(p.parse_args([]))); o.register(CollectorRegistry())\n"
         "assert o.tracing is None\n"
         "print(sorted(m for m in sys.modules if m.startswith('opentelemetry')))\n"
     )

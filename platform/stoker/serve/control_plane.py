@@ -1,0 +1,48 @@
+"""What the two shapes that run the control plane (`stoker up`, `stoker controller`) build alike:
+the `Platform` from its settings, and the keys' store with the access it gives. A `stoker gateway`
+never imports this (its keys are the controller's, synced: `stoker.gateway.plane`)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from stoker.control.keys import KeyStore
+from stoker.control.platform import Platform
+from stoker.gateway.keys import Access
+from stoker.http import own_origins
+from stoker.paths import data_dir, snapshot_store_dir
+from stoker.serve.options import Listen, PlatformSettings
+from stoker.spec.keys import Limits
+
+log = logging.getLogger("stoker.up")
+
+
+def platform_of(settings: PlatformSettings, **wiring: Any) -> Platform:
+    """The platform over $STOKER_HOME and its snapshot store; `wiring` is what the shape adds (the
+    activator's config, its backend, `controller=True` ...)."""
+    return Platform(data_dir(), store_dir=snapshot_store_dir(), **settings.platform_kwargs(), **wiring)
+
+
+def access_of(listen: Listen, limits: Limits) -> Access:
+    """The admin key, the tenant keys' store (`$STOKER_HOME/stoker.db`), this process's own origins
+    (for the admin API's browser guard) and the keys' default limits. Without an admin key the log
+    says loudly what is open."""
+    keys = KeyStore(data_dir() / "stoker.db")
+    if listen.admin_key is None:
+        if len(keys) == 0:
+            log.warning(
+                "OPEN MODE: no STOKER_ADMIN_KEY and no API keys; anyone who can reach %s:%d may deploy "
+                "and call every model. Set STOKER_ADMIN_KEY to require keys.",
+                listen.host,
+                listen.port,
+            )
+        else:
+            log.warning(
+                "no STOKER_ADMIN_KEY: /v1 takes the %d API key(s), but the admin API is open to anyone "
+                "who can reach %s:%d",
+                len(keys),
+                listen.host,
+                listen.port,
+            )
+    return Access(listen.admin_key, keys, own_origins(listen.host, listen.port), limits)
