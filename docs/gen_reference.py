@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 import html
 import importlib
+import json
 import os
 import sys
 from pathlib import Path
@@ -225,14 +226,30 @@ def fields_page() -> str:
 
     rows = []
     for field in spec_fields:
+        if field.name == "engine_settings":  # flat in JSON: their own table, below
+            continue
         if field.default is not dataclasses.MISSING:
             default = code(str(field.default).lower() if isinstance(field.default, bool) else field.default)
         else:
             default = "required" if field.name in accepted else ""
         kind = field.type if isinstance(field.type, str) else field.type.__name__
         rows.append(row(field.name, kind, default, field.name in accepted))
+    from stoker.spec.engine import SETTINGS
+    from stoker.spec.engine import default as engine_default
+
     for name in extra:
-        rows.append(row(name, "", "", True))
+        if name not in SETTINGS:
+            rows.append(row(name, "", "", True))
+    engine_rows = []
+    for name, setting in SETTINGS.items():
+        action = flag_for(name, flags)
+        flag = code(action.option_strings[0]) if action is not None else ""
+        value = engine_default(name)
+        shown = "the engine's" if value is None else "none" if value in ([], {}) else code(json.dumps(value))
+        engines = ", ".join(f"`{e}`" for e in setting.engines)
+        engine_rows.append(
+            f"| `{name}` | {shown} | {cell(setting.describe)} | {engines} | {flag} | {cell(setting.help)} |"
+        )
 
     settable = sorted(accepted | set(extra))
     return "\n".join(
@@ -252,6 +269,18 @@ def fields_page() -> str:
             "",
             "A deploy body may set: " + ", ".join(f"`{name}`" for name in settable) + ". "
             "The others are the platform's: the snapshot id the model resolved to, and the revision number.",
+            "",
+            "## Engine settings",
+            "",
+            "How a deployment's engine runs (`stoker.spec.engine.SETTINGS`, carried by each revision as "
+            "`warm_pool.engine_settings.EngineSettings`): flat in the deploy body beside the fields above, "
+            "null or left out for the default. A change to any of them is a new revision whose instances "
+            "warm before the traffic moves. A setting of another engine is a 400 naming the engines it "
+            "belongs to; a deployment asking more GPUs than one instance can be given is refused at deploy.",
+            "",
+            "| field | default | a value must be | engines | `stoker deploy` flag | meaning |",
+            "|---|---|---|---|---|---|",
+            *engine_rows,
             "",
         ]
     )

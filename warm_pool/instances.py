@@ -13,12 +13,13 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from snapshots.pins import Pin
 from warm_pool.backends.base import Backend, Handle, Placement, Running
 from warm_pool.engine_calls import EngineCapabilities, HttpEngines
+from warm_pool.engine_settings import EngineSettings
 from warm_pool.errors import PoolError
 from warm_pool.launch import GpuInventory, LaunchSpec, cpu_engine_spec
 from warm_pool.reconcile import Observed
@@ -45,6 +46,7 @@ class InstanceSettings:
     host: str
     threads: int | None
     vllm: VllmLaunch | None
+    engine_settings: EngineSettings = field(default_factory=EngineSettings)
 
 
 @dataclass
@@ -121,6 +123,7 @@ class InstanceOps:
             s.host,
             inst.port,
             inst.secret,
+            s.engine_settings,
         )
         handle = await self.backend.start(placement, spec)
         self._handles[inst.id] = handle
@@ -165,7 +168,7 @@ class InstanceOps:
         await self._vllm.close()
 
     async def _spec(self, inst: Instance, snapshot_dir: Path) -> LaunchSpec:
-        s = self.settings
+        s, engine = self.settings, self.settings.engine_settings
         if s.engine == "vllm":
             share = self.share_of(inst.device) if inst.device is not None else None
             if share is not None and inst.device.startswith("gpu") and not self._vllm.cpu_build:
@@ -174,10 +177,18 @@ class InstanceOps:
                     [int(inst.device.removeprefix("gpu"))],
                     ("--gpu-memory-utilization", f"{share:.3f}"),
                 )
-                return await self._vllm.spec(inst, snapshot_dir, gpus, s.host, extra)
-            gpus = [] if self._vllm.cpu_build else self._gpus.acquire(1, inst.id)
-            return await self._vllm.spec(inst, snapshot_dir, gpus, s.host)
+                return await self._vllm.spec(inst, snapshot_dir, gpus, s.host, engine, extra)
+            n = engine.devices("vllm", self._vllm.cpu_build)
+            # Tensor parallel: all of them or none, released together when the instance stops.
+            gpus = self._gpus.acquire(n, inst.id) if n else []
+            return await self._vllm.spec(inst, snapshot_dir, gpus, s.host, engine)
+        n = engine.devices("cpu")
+        gpus = self._gpus.acquire(n, inst.id) if n else []
         extra = ("--max-num-seqs", str(s.instance_concurrency), "--grace-period", f"{s.grace_period_s:g}")
+        if engine.max_model_len is not None:
+            extra += ("--max-model-len", str(engine.max_model_len))
+        if engine.dtype != "auto":
+            extra += ("--dtype", engine.dtype)
         return cpu_engine_spec(
             snapshot_dir,
             inst.port,
@@ -186,6 +197,7 @@ class InstanceOps:
             threads=s.threads,
             extra_args=extra,
             api_key=inst.secret,
+            gpus=gpus,
         )
 
 

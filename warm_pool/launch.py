@@ -66,16 +66,23 @@ def cpu_engine_spec(
     stoker_executable: str | None = None,
     extra_args: Sequence[str] = (),
     api_key: str | None = None,
+    gpus: Sequence[int] = (),
 ) -> LaunchSpec:
+    """`stoker engine` on a snapshot. Without `gpus` on the CPU (`--device cpu`: with `auto` it would
+    take a GPU the inventory does not know it holds); with one, `--device auto` and
+    `CUDA_VISIBLE_DEVICES` naming it, so the engine runs on CUDA (its pinned-staging load, its sleep
+    and wake) where torch sees that device, and on the CPU where it does not."""
+    if len(gpus) > 1:
+        raise ValueError(f"Stoker's engine runs on one device, got {len(gpus)}")
     cmd = (stoker_executable,) if stoker_executable else default_stoker_command()
     argv = [*cmd, "engine", "--snapshot", str(snapshot_dir), "--port", str(port), "--host", host]
-    # The pool's "cpu" engine runs on the CPU: with `--device auto` the engine would take a GPU that
-    # the inventory does not know it holds. (`stoker engine --device cuda` runs it on a GPU by hand.)
-    argv += ["--served-model-name", served_name, "--device", "cpu"]
+    argv += ["--served-model-name", served_name, "--device", "auto" if gpus else "cpu"]
     if threads is not None:
         argv += ["--threads", str(threads)]
     # The instance's secret goes in the environment, readable by its owner only (argv is public).
     env = {**_UNBUFFERED, **({ENGINE_KEY_ENV: api_key} if api_key else {})}
+    if gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
     secret = frozenset({ENGINE_KEY_ENV} if api_key else ())
     return LaunchSpec(
         tuple([*argv, *extra_args]), env=env, program="stoker", program_argc=len(cmd), secret_env=secret

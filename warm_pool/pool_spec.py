@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from warm_pool.engine_settings import EngineSettings
 from warm_pool.fleet import Footprint
 from warm_pool.instances import InstanceSettings
 from warm_pool.policies import DEFAULT_POLICY
@@ -51,6 +52,7 @@ class PoolSpec:
     footprint: Footprint | None = None  # what an instance reserves on a shared device (with a fleet)
     revision: int = 1  # which of the deployment's revisions this pool serves
     max_instance_age_s: float = 0.0  # instances READY longer are replaced (`warm_pool.recycle`); 0: never
+    engine_settings: EngineSettings = field(default_factory=EngineSettings)  # devices, vLLM's, a pod's
 
     @property
     def key(self) -> str:
@@ -69,4 +71,5 @@ class PoolSpec:
             self.host,
             self.threads,
             self.vllm,
+            self.engine_settings,
         )

@@ -30,6 +30,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from warm_pool.engine_settings import MANAGED_ARGS
 from warm_pool.errors import EngineUnavailable, InvalidConfig
 
 RUNTIME_SCRIPT = Path(__file__).resolve().parent.parent / "infra" / "vllm-cpu" / "runtime.py"
@@ -120,7 +121,7 @@ def runtime_kind(runtime: VllmRuntime, count: int, script: Path = RUNTIME_SCRIPT
 
 
 # Arguments Stoker sets itself on every vLLM it starts; `stoker up --vllm-args` may not set them.
-RESERVED_ARGS = ("--host", "--port", "--served-model-name", "--model", "--dtype", "--enable-sleep-mode")
+RESERVED_ARGS = (*MANAGED_ARGS, "--dtype")
 
 
 def check_settings(args: Sequence[str], cpu_kv_cache_gib: float) -> None:

@@ -22,6 +22,7 @@ from snapshots import SnapshotError, compile_remote
 from snapshots.compile_cache import CompileCaches, CompileKey
 from snapshots.errors import StoreWriteError
 from snapshots.s3 import RemoteConfig
+from warm_pool.engine_settings import EngineSettings
 from warm_pool.errors import StartFailed
 from warm_pool.launch import LaunchSpec, vllm_spec
 from warm_pool.snapshot import SnapshotSource
@@ -62,26 +63,38 @@ class VllmStarts:
         return self.launch is not None and self.launch.runtime.cpu_build
 
     async def spec(
-        self, inst: Instance, snapshot_dir: Path, gpus: list[int], host: str, extra: tuple[str, ...] = ()
+        self,
+        inst: Instance,
+        snapshot_dir: Path,
+        gpus: list[int],
+        host: str,
+        settings: EngineSettings | None = None,
+        extra: tuple[str, ...] = (),
     ) -> LaunchSpec:
-        """vLLM on the snapshot, with what the snapshot says (dtype, context length) and a copy of the
-        snapshot's compile cache for this vLLM and these arguments, if one was kept."""
+        """vLLM on the snapshot, with the deployment's settings (`settings`; dtype and context length
+        default from what the snapshot says) and a copy of the snapshot's compile cache for this vLLM
+        and these arguments, if one was kept."""
+        settings = settings or EngineSettings()
         vllm = self.launch
         if vllm is None:
             raise StartFailed(f"deployment {self.deployment}: no vLLM on this machine")
         manifest = self.snapshot.store.manifest(self.snapshot.snapshot_id)
         config = await asyncio.to_thread(_read_json, snapshot_dir / "config.json")
         shape = snapshot_shape(manifest.dtype, config)
-        max_len = None if vllm.sets("--max-model-len") else shape.max_model_len
+        dtype = shape.dtype if settings.dtype == "auto" else settings.dtype
+        max_len = settings.max_model_len or (None if vllm.sets("--max-model-len") else shape.max_model_len)
+        # The deployment's arguments, then the operator's --vllm-args, which come last and win. The
+        # compile cache is keyed by them, not by `extra` (a shared GPU's memory share compiles alike).
+        args = (*settings.vllm_args(), *vllm.args)
         key = CompileKey.of(
             self.snapshot.snapshot_id,
             "vllm",
             vllm.runtime.version,
             {
-                "dtype": shape.dtype,
+                "dtype": dtype,
                 "max_model_len": str(max_len),
                 "gpus": str(len(gpus)),
-                "args": " ".join(vllm.args),
+                "args": " ".join(args),
             },
         )
         work, hit = await asyncio.to_thread(self.caches.checkout, key)
@@ -92,12 +105,12 @@ class VllmStarts:
             self.deployment,
             gpus,
             host=host,
-            dtype=shape.dtype,
+            dtype=dtype,
             max_model_len=max_len,
             sleep_mode=not vllm.runtime.cpu_build,
             cache_root=work,
             cpu_kv_cache_gib=vllm.cpu_kv_cache_gib,
-            extra_args=(*extra, *vllm.args),  # the operator's --vllm-args come last and win
+            extra_args=(*extra, *args),
             vllm_command=vllm.runtime.command,
             api_key=inst.secret,
         )

@@ -71,3 +71,31 @@ def test_the_snapshot_label_is_a_valid_label_key_of_40_hex() -> None:
 )
 def test_the_engine_binds_every_address_of_its_pod(args: tuple[str, ...], bound: list[str]) -> None:
     assert bind_anywhere(args) == bound
+
+
+def test_a_deployments_pod_settings_are_its_requests_placement_and_tolerations() -> None:
+    from warm_pool.engine_settings import EngineSettings
+
+    settings = EngineSettings(
+        gpus=2,
+        cpu="8",
+        memory="64Gi",
+        node_selector={"nvidia.com/gpu.product": "NVIDIA-H200"},
+        tolerations=({"key": "dedicated", "operator": "Equal", "value": "llm", "effect": "NoSchedule"},),
+    )
+    p = Placement("big-1a2b3c4d", "big", SNAPSHOT, None, "vllm", 2, "0.0.0.0", 8000, KEY, settings)
+    pod = pod_manifest(SETTINGS, p, SPECS["vllm"], started_at=1.5)
+    kubernetes_validate.validate(pod, "1.33.0", strict=True)
+    [container] = pod["spec"]["containers"]
+    assert container["resources"] == {
+        "requests": {"cpu": "8", "memory": "64Gi"},
+        "limits": {"nvidia.com/gpu": "2"},
+    }
+    assert pod["spec"]["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H200"}
+    assert pod["spec"]["tolerations"] == [
+        {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},  # GPU nodes' usual taint
+        {"key": "dedicated", "operator": "Equal", "value": "llm", "effect": "NoSchedule"},
+    ]
+    plain = pod_manifest(SETTINGS, placement(0, None), SPECS["cpu"], started_at=1.5)
+    assert "resources" not in plain["spec"]["containers"][0] and "tolerations" not in plain["spec"]
+    assert "nodeSelector" not in plain["spec"]

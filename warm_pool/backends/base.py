@@ -11,9 +11,10 @@ capabilities, its start-up phases) is HTTP to its address and the same on every 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
+from warm_pool.engine_settings import EngineSettings
 from warm_pool.launch import LaunchSpec
 from warm_pool.policies.base import Tier
 from warm_pool.snapshot import Acquired, SnapshotSource
@@ -39,6 +40,8 @@ class Placement:
     host: str  # the address the engine binds (the local backend also reaches it there)
     port: int  # the port the engine listens on (`Backend.engine_port`)
     secret: str  # the engine's key (`LaunchSpec.secret_env` names where the spec carries it)
+    # The deployment's engine settings: a pod's CPU and memory requests, node selector, tolerations.
+    engine_settings: EngineSettings = field(default_factory=EngineSettings)
 
 
 @dataclass(frozen=True)
@@ -99,6 +102,12 @@ class Backend(Protocol):
     async def read_log(self, instance_id: str, max_bytes: int) -> str | None:
         """The last `max_bytes` of the instance's engine log; None if there is none to read. (vLLM
         says how its start went only there: `warm_pool.vllm.startup_phases`.)"""
+        ...
+
+    async def device_capacity(self) -> tuple[int, str] | None:
+        """The most GPUs one instance can ever be given here (on one node), and where that figure
+        comes from, for a deploy that asks more; None: the platform's own inventory says (this
+        machine's GPUs)."""
         ...
 
 

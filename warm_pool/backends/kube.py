@@ -436,6 +436,21 @@ class KubeBackend:
             started_at=started_at,
         )
 
+    async def device_capacity(self) -> tuple[int, str] | None:
+        """The largest allocatable GPU count of any node (tensor parallel stays on one node). A
+        cluster whose nodes cannot be listed answers None: then the scheduler decides, and a pod
+        that fits nowhere stays Pending with its reason."""
+        most, nodes = 0, 0
+        try:
+            async for node in self._client.list(Node):
+                nodes += 1
+                allocatable = (node.status.allocatable if node.status is not None else None) or {}
+                most = max(most, _count(allocatable.get(self.settings.gpu_resource)))
+        except (ApiError, httpx2.HTTPError) as exc:
+            log.warning("listing nodes for their GPUs: %s", exc)
+            return None
+        return most, f"the largest allocatable {self.settings.gpu_resource} of the cluster's {nodes} node(s)"
+
     async def _some_node_holds(self, snapshot_id: str) -> bool:
         """Whether any node is labelled as holding the snapshot; False where nodes cannot be listed."""
         try:
@@ -446,3 +461,11 @@ class KubeBackend:
         except (ApiError, httpx2.HTTPError) as exc:
             log.debug("listing nodes: %s", exc)
         return False
+
+
+def _count(quantity: str | None) -> int:
+    """An extended resource's quantity ("2") as a count; anything else is none."""
+    try:
+        return max(int(quantity), 0) if quantity is not None else 0
+    except ValueError:
+        return 0

@@ -162,8 +162,14 @@ def _engine_container(settings: PodSettings, placement: Placement, spec: LaunchS
     }
     if spec.cwd is not None:
         container["workingDir"] = str(spec.cwd)
+    resources: dict = {}
+    if requests := placement.engine_settings.pod_resources():  # the deployment's `cpu`, `memory`
+        resources["requests"] = requests
     if placement.gpus > 0:
-        container["resources"] = {"limits": {settings.gpu_resource: str(placement.gpus)}}
+        # Extended resources are asked as limits (the request is taken to equal it).
+        resources["limits"] = {settings.gpu_resource: str(placement.gpus)}
+    if resources:
+        container["resources"] = resources
     return container
 
 
@@ -196,11 +202,14 @@ def pod_manifest(settings: PodSettings, placement: Placement, spec: LaunchSpec, 
     }
     if placement.snapshot_uri:
         pod_spec["initContainers"] = [_pull_container(settings, placement.snapshot_uri)]
+    tolerations = [dict(t) for t in placement.engine_settings.tolerations]
     if placement.gpus > 0:
         # GPU nodes are usually tainted with the resource's name so that other pods keep off them.
-        pod_spec["tolerations"] = [
-            {"key": settings.gpu_resource, "operator": "Exists", "effect": "NoSchedule"}
-        ]
+        tolerations.insert(0, {"key": settings.gpu_resource, "operator": "Exists", "effect": "NoSchedule"})
+    if tolerations:
+        pod_spec["tolerations"] = tolerations
+    if placement.engine_settings.node_selector:
+        pod_spec["nodeSelector"] = dict(placement.engine_settings.node_selector)
     return {
         "apiVersion": "v1",
         "kind": "Pod",

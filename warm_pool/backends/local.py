@@ -224,6 +224,9 @@ class LocalBackend:
     async def read_log(self, instance_id: str, max_bytes: int) -> str | None:
         return await asyncio.to_thread(_read_tail, self.log_path(instance_id), max_bytes)
 
+    async def device_capacity(self) -> tuple[int, str] | None:
+        return None  # this machine's: the platform's GPU inventory
+
     def is_alive(self, handle: ProcessHandle) -> bool:
         """The same process (PID and start time) still runs; a recycled PID does not count."""
         child = self._children.get(handle)

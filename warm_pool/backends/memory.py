@@ -67,6 +67,9 @@ class MemoryBackend:
     async def read_log(self, instance_id: str, max_bytes: int) -> str | None:
         return None
 
+    async def device_capacity(self) -> tuple[int, str] | None:
+        return None
+
     async def aclose(self) -> None:
         return None
 

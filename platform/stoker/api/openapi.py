@@ -18,6 +18,8 @@ from stoker.api.revisions import revision_paths
 from stoker.engine.protocol import MAX_STOP_SEQUENCES
 from stoker.gateway.drift import drift_paths
 from stoker.spec.deployment import BALANCES, ENGINES, FIELDS, NAME, default
+from stoker.spec.engine import SETTINGS
+from stoker.spec.engine import default as engine_default
 from stoker.spec.routes import DEFAULT_MIN_MEAN_LOGPROB, LOGPROB_FLOOR
 from warm_pool.instance_logs import MAX_TAIL_LINES
 from warm_pool.policies import POLICIES
@@ -148,6 +150,13 @@ def deploy_request() -> dict[str, Any]:
     fields["max_instance_age_s"]["description"] = (
         "0: the platform's --max-instance-age (off unless set); else at least 10"
     )
+    for name, setting in SETTINGS.items():  # the engine settings (`stoker.spec.engine`); null: the default
+        only = "" if setting.engines == ENGINES else f" ({' and '.join(setting.engines)} engine only)"
+        fields[name] = {
+            "anyOf": [setting.schema, {"type": "null"}],
+            "default": engine_default(name),
+            "description": setting.help + only,
+        }
     return {
         "type": "object",
         "required": ["name", "model"],

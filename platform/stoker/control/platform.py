@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 from prometheus_client import CollectorRegistry
@@ -43,6 +44,7 @@ from stoker.errors import APIError, invalid
 from stoker.gateway.revisions import RevisionMetrics, RevisionStats
 from stoker.paths import snapshot_budget
 from stoker.spec.deployment import DeploymentSpec, not_found, validate
+from stoker.spec.engine import settings_of
 from warm_pool.backends.base import Backend, Running
 from warm_pool.backends.local import LocalBackend
 from warm_pool.backends.records import InstanceRecords
@@ -245,11 +247,12 @@ class Platform:
             )
         if fields["engine"] == "vllm":
             await self._vllm_setup.launch()
+        await self._check_devices(fields)
         async with self._lock:
             snapshot_id = await self._resolve_model(fields["model"])
             if fields["engine"] == "vllm":
                 await self._vllm_setup.check_can_load(self.store, snapshot_id, fields["model"])
-            spec = DeploymentSpec(snapshot_id=snapshot_id, **fields)
+            spec = DeploymentSpec.from_dict({**fields, "snapshot_id": snapshot_id})
             current = self._deployments.get(spec.name)
             if current is None:
                 spec = self.registry.put(spec)
@@ -261,6 +264,38 @@ class Platform:
             current.latest = spec
             self.rollout.switch_to(current, spec, canary or 100)
             return spec, False
+
+    async def _check_devices(self, fields: dict[str, Any]) -> None:
+        """Refuse at deploy what no instance could ever be given: more GPUs than the backend has on
+        one node (or this machine has), or settings a shared device decides (`--share-gpus`)."""
+        engine = fields["engine"]
+        found = self._vllm_setup.found
+        n = settings_of(fields).devices(engine, cpu_build=found is not None and found.runtime.cpu_build)
+        if n and self.fleet is not None:
+            if n > 1:
+                raise invalid(
+                    f"'gpus' must be at most 1 on shared devices (--share-gpus, --device-memory), got {n}.",
+                    "gpus",
+                )
+            if fields["gpu_memory_utilization"] is not None:
+                raise invalid(
+                    "'gpu_memory_utilization' is the fleet's on shared devices: each instance gets its "
+                    "footprint's share (--share-gpus).",
+                    "gpu_memory_utilization",
+                )
+        if n == 0:
+            return
+        capacity = await self.backend.device_capacity()
+        if capacity is None:
+            capacity = len(self.gpus.gpus), "this machine's GPUs (STOKER_GPUS or CUDA_VISIBLE_DEVICES)"
+        most, where = capacity
+        if n > most:
+            asked = "the engine's default of 1" if fields["gpus"] is None else str(n)
+            raise invalid(
+                f"'gpus': each instance of {fields['name']!r} asks for {asked} GPU(s), and at most {most} "
+                f"can be given to one instance here ({where}).",
+                "gpus",
+            )
 
     async def set_traffic(self, name: str, split: object) -> Deployment:
         """`stoker traffic`: split the traffic between revisions by percent (`stoker.control.rollout`)."""
@@ -338,6 +373,7 @@ class Platform:
                 footprint=self._footprint(spec) if self.fleet is not None else None,
                 revision=spec.revision,
                 max_instance_age_s=self.max_instance_age(spec),
+                engine_settings=spec.engine_settings,
             ),
             self.backend,
             self.cost.pool_metrics(self._pool_metrics, spec),

@@ -13,7 +13,7 @@ import json
 import sqlite3
 import time
 from collections.abc import Iterator
-from dataclasses import fields, replace
+from dataclasses import replace
 from pathlib import Path
 
 from stoker.spec.deployment import DeploymentSpec
@@ -149,8 +149,7 @@ class Registry:
 
 def _spec(text: str) -> DeploymentSpec:
     """A stored spec; fields a later version dropped are ignored, fields it added take defaults."""
-    known = {f.name for f in fields(DeploymentSpec)}
-    return DeploymentSpec(**{k: v for k, v in json.loads(text).items() if k in known})
+    return DeploymentSpec.from_dict(json.loads(text))
 
 
 def _traffic_json(traffic: dict[int, int] | None) -> str | None:

@@ -1,11 +1,13 @@
 """A deployment, as a user asks for it with `stoker deploy`: a name, the model (as they wrote it and
-as the snapshot id it resolved to), the engine, the scaling policy and its bounds. Every field's
-type, default, range and validation, written once; the admin API, the registry, the CLI and the
-planes all read them from here.
+as the snapshot id it resolved to), the engine and its settings (`stoker.spec.engine`), the scaling
+policy and its bounds. Every field's type, default, range and validation, written once; the admin
+API, the registry, the CLI and the planes all read them from here. In JSON (the deploy body, the
+registry, the admin API) the engine settings sit beside the other fields, flat.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import asdict, dataclass, fields
@@ -13,13 +15,14 @@ from typing import Any
 
 from activator.affinity import LEAST_OUTSTANDING, MODES, Balance
 from stoker.errors import APIError, invalid
+from stoker.spec.engine import ENGINES, SETTINGS, validate_engine
+from warm_pool.engine_settings import EngineSettings
 from warm_pool.policies import DEFAULT_POLICY, POLICIES
 from warm_pool.policies.base import IDLE_TIMEOUT_S, TARGET_CONCURRENCY
 from warm_pool.policies.settings import idle_timeout_error
 from warm_pool.recycle import max_age_error
 
 NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")
-ENGINES = ("cpu", "vllm")
 
 
 @dataclass(frozen=True)
@@ -52,14 +55,32 @@ class DeploymentSpec:
     # Instances older than this (from their first READY) are replaced without a dip
     # (`warm_pool.recycle`); 0: the platform's `--max-instance-age`, off unless it sets one.
     max_instance_age_s: float = 0.0
+    # How its engine runs: devices, vLLM's settings, a pod's resources and placement.
+    engine_settings: EngineSettings = dataclasses.field(default_factory=EngineSettings)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """Flat: the engine settings beside the other fields."""
+        out = asdict(self)
+        out.update(out.pop("engine_settings"))
+        return out
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> DeploymentSpec:
+        """From `to_dict`'s shape (or a validated deploy body with its snapshot id). Fields a later
+        version dropped are ignored, fields it added take their defaults."""
+        own = {f.name for f in fields(cls)} - {"engine_settings"}
+        settings = EngineSettings(**{k: values[k] for k in SETTINGS if k in values})
+        return cls(**{k: v for k, v in values.items() if k in own}, engine_settings=settings)
 
     def serves_like(self, other: DeploymentSpec) -> bool:
         """Whether instances of `other` can serve this revision as they are: the same bytes on the
-        same engine (settings apply to running instances; a model or engine change needs new ones)."""
-        return (self.snapshot_id, self.engine) == (other.snapshot_id, other.engine)
+        same engine run the same way (scaling settings apply to running instances; a model, engine
+        or engine-setting change needs new ones)."""
+        return (self.snapshot_id, self.engine, self.engine_settings) == (
+            other.snapshot_id,
+            other.engine,
+            other.engine_settings,
+        )
 
 
 # field -> (kind, low, high); the one table of the ranges a deploy accepts. Each field's default is
@@ -84,7 +105,7 @@ def default(field: str) -> Any:
     return _DEFAULTS[field]
 
 
-_DEFAULTS = {f.name: f.default for f in fields(DeploymentSpec)}
+_DEFAULTS = {f.name: f.default for f in fields(DeploymentSpec) if f.name != "engine_settings"}
 BALANCES = MODES
 LOG_FLAGS = ("log_requests", "log_content")  # true or false, default false
 # Every field a deploy body may hold, in the order the reference and the errors list them.
@@ -99,6 +120,7 @@ DEPLOY_FIELDS = (
     "canary_percent",
     *LOG_FLAGS,
     *FIELDS,
+    *SETTINGS,
 )
 
 
@@ -164,6 +186,7 @@ def validate(body: Any) -> dict[str, Any]:
         raise invalid(message[0].upper() + message[1:] + ".", "idle_timeout_s")
     if (message := max_age_error(out["max_instance_age_s"], allow_zero=True)) is not None:
         raise invalid(f"'max_instance_age_s' {message}.", "max_instance_age_s")
+    out.update(validate_engine(body, engine))
     return out
 
 

@@ -30,3 +30,42 @@ def test_hostile_bodies_leave_the_instance_and_the_connection_serving(shared_pla
     finally:
         conn.close()
     assert httpx.get(f"{shared_platform.url}/healthz").status_code == 200
+
+
+def test_engine_settings_are_refused_in_one_line_or_carried_by_a_new_revision(
+    shared_platform, tiny_model_dir
+):
+    p = shared_platform
+    # More GPUs than this machine has (none): refused at deploy, naming what was asked and what there is.
+    out = p.cli("deploy", "big", "--model", str(tiny_model_dir), "--gpus", "1", check=False)
+    assert out.returncode == 1 and out.stderr.count("\n") == 1, out.stderr
+    assert "asks for 1 GPU(s), and at most 0 can be given to one instance here" in out.stderr
+    # A passthrough argument that collides with what Stoker manages, named.
+    out = p.cli(
+        "deploy",
+        "big",
+        "--model",
+        str(tiny_model_dir),
+        "--engine",
+        "vllm",
+        "--engine-arg=--port=9",
+        check=False,
+    )
+    assert out.returncode == 1 and "'engine_args' may not pass --port: Stoker sets it" in out.stderr
+    assert "big" not in p.deployments()  # nothing half-made
+    # Accepted: shown by describe, in the admin API, and a change is a new revision that warms first.
+    first = p.deploy(
+        "sized", tiny_model_dir, "--max-model-len", "256", "--cpu", "2", "--toleration", "gpu:NoSchedule"
+    )
+    assert first["deployed"]["revision"] == 1
+    described = p.cli("describe", "sized").stdout
+    assert "Engine settings: max_model_len 256; cpu 2; tolerations gpu:NoSchedule" in described, described
+    api = p.admin_get("/admin/v1/deployments/sized")
+    assert (api["max_model_len"], api["cpu"], api["tolerations"]) == (
+        256,
+        "2",
+        [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
+    )
+    second = p.deploy("sized", tiny_model_dir, "--max-model-len", "512")
+    assert (second["deployed"]["revision"], second["deployed"]["state"]) == (2, "warming")
+    p.cli("rm", "sized")

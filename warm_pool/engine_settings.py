@@ -1,0 +1,125 @@
+"""A deployment's engine settings, as each revision carries them (`stoker deploy --gpus 2 --dtype
+bfloat16 …`): how many devices an instance takes, vLLM's own settings by vLLM's names, further vLLM
+arguments passed through, and where a pod may run. Plain data: `stoker.spec.engine` validates them
+(one table of types, ranges and defaults), the launch turns them into arguments
+(`warm_pool.launch`, `warm_pool.vllm_starts`), the Kubernetes backend into a pod's resources and
+placement (`warm_pool.backends.kube_pod`).
+
+    gpus                     devices per instance: vLLM's tensor-parallel size (acquired and
+                             released together, on one node); None: the engine's default (vLLM 1
+                             on a GPU build, 0 on its CPU build; Stoker's engine 0, the CPU)
+    dtype, quantization,     vLLM's --dtype (auto: from the snapshot), --quantization,
+    max_model_len,           --max-model-len (None: the model's context length), ...
+    gpu_memory_utilization,
+    max_num_seqs,
+    enable_prefix_caching,
+    enforce_eager
+    engine_args              further vLLM arguments, refused where they collide with what Stoker
+                             manages (`MANAGED_ARGS`) or with a named setting (`NAMED_ARGS`)
+    cpu, memory              a pod's requests (Kubernetes quantities: "4", "500m", "16Gi")
+    node_selector,           where a pod may be scheduled
+    tolerations
+
+A change to any of them needs new instances: it is a new revision, warmed before the switch
+(`stoker.spec.deployment.DeploymentSpec.serves_like`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+# vLLM arguments Stoker sets on every vLLM it starts, from the snapshot, the instance or the pool:
+# neither `stoker up --vllm-args` nor a deployment's engine_args may set them.
+MANAGED_ARGS: dict[str, str] = {
+    "--host": "the address is the instance's",
+    "--port": "the port is the instance's",
+    "--model": "the model is the deployment's snapshot",
+    "--served-model-name": "the served name is the deployment's",
+    "--api-key": "the key is the instance's own",
+    "--enable-sleep-mode": "sleep mode is on wherever the build supports it",
+    "--middleware": "the engine's guard is Stoker's",
+    "--config": "a config file could set any of these",
+    "--uds": "the engine listens on the instance's port",
+    "--tensor-parallel-size": "use 'gpus'",
+    "-tp": "use 'gpus'",
+}
+# vLLM arguments a deployment names as settings of their own.
+NAMED_ARGS: dict[str, str] = {
+    "--dtype": "dtype",
+    "--quantization": "quantization",
+    "-q": "quantization",
+    "--max-model-len": "max_model_len",
+    "--gpu-memory-utilization": "gpu_memory_utilization",
+    "--max-num-seqs": "max_num_seqs",
+    "--enable-prefix-caching": "enable_prefix_caching",
+    "--no-enable-prefix-caching": "enable_prefix_caching",
+    "--enforce-eager": "enforce_eager",
+}
+
+
+def arg_collision(args: Sequence[str]) -> tuple[str, str] | None:
+    """(the argument, why it may not be passed) for the first of `args` that sets what Stoker
+    manages or what a named setting sets, or None. `--flag=value` and `--flag value` alike; a
+    leading word that is no flag is refused too (vLLM would take it for the model)."""
+    for i, arg in enumerate(args):
+        name = arg.split("=", 1)[0]
+        if name in MANAGED_ARGS:
+            return name, f"Stoker sets it ({MANAGED_ARGS[name]})"
+        if name in NAMED_ARGS:
+            return name, f"use the '{NAMED_ARGS[name]}' setting"
+        if i == 0 and not arg.startswith("-"):
+            return arg, "a positional argument would be taken for the model"
+    return None
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    gpus: int | None = None
+    dtype: str = "auto"
+    quantization: str | None = None
+    max_model_len: int | None = None
+    gpu_memory_utilization: float | None = None
+    max_num_seqs: int | None = None
+    enable_prefix_caching: bool | None = None
+    enforce_eager: bool = False
+    engine_args: tuple[str, ...] = ()
+    cpu: str | None = None
+    memory: str | None = None
+    node_selector: Mapping[str, str] = field(default_factory=dict)
+    tolerations: tuple[Mapping[str, Any], ...] = ()
+
+    def __post_init__(self) -> None:
+        # As read back from JSON: lists and dicts, made the same values as those built here.
+        object.__setattr__(self, "engine_args", tuple(self.engine_args))
+        object.__setattr__(self, "node_selector", dict(self.node_selector))
+        object.__setattr__(self, "tolerations", tuple(dict(t) for t in self.tolerations))
+
+    def devices(self, engine: str, cpu_build: bool = False) -> int:
+        """The devices an instance of `engine` takes: `gpus`, else the engine's default."""
+        if self.gpus is not None:
+            return self.gpus
+        return 1 if engine == "vllm" and not cpu_build else 0
+
+    def vllm_args(self) -> tuple[str, ...]:
+        """The named settings as vLLM arguments (dtype and context length are the launch's: they
+        default from the snapshot), then `engine_args`."""
+        args: list[str] = []
+        if self.quantization is not None:
+            args += ["--quantization", self.quantization]
+        if self.gpu_memory_utilization is not None:
+            args += ["--gpu-memory-utilization", f"{self.gpu_memory_utilization:g}"]
+        if self.max_num_seqs is not None:
+            args += ["--max-num-seqs", str(self.max_num_seqs)]
+        if self.enable_prefix_caching is not None:
+            args.append(
+                "--enable-prefix-caching" if self.enable_prefix_caching else "--no-enable-prefix-caching"
+            )
+        if self.enforce_eager:
+            args.append("--enforce-eager")
+        return (*args, *self.engine_args)
+
+    def pod_resources(self) -> dict[str, str]:
+        """A pod's requests of CPU and memory (limits are the cluster's policy)."""
+        return {k: v for k, v in (("cpu", self.cpu), ("memory", self.memory)) if v is not None}
