@@ -20,6 +20,7 @@ from warm_pool.errors import InvalidConfig, NoGpuAvailable
 # log's tail is what `StartFailed` shows.
 _UNBUFFERED = {"PYTHONUNBUFFERED": "1"}
 ENGINE_KEY_ENV = "STOKER_ENGINE_API_KEY"  # stoker.engine.app.API_KEY_ENV: warm_pool imports no stoker
+VLLM_KEY_ENV = "VLLM_API_KEY"  # vLLM's --api-key, from the environment
 
 
 @dataclass(frozen=True)
@@ -160,6 +161,39 @@ def vllm_spec(
         program="vllm",
         program_argc=len(vllm_command),
         secret_env=frozenset({"VLLM_API_KEY"} if api_key else ()),
+    )
+
+
+def vllm_pod_spec(
+    snapshot_dir: Path,
+    port: int,
+    served_name: str,
+    gpus: int,
+    *,
+    host: str = "0.0.0.0",
+    dtype: str = "auto",
+    max_model_len: int | None = None,
+    cpu_kv_cache_gib: float = 1.0,
+    extra_args: Sequence[str] = (),
+    api_key: str | None = None,
+) -> LaunchSpec:
+    """vLLM in an engine pod, decided in the pod: `stoker vllm-serve` asks the image's own vLLM which
+    build it is (`vllm --version`) and starts it as `vllm_spec` starts that build here (a GPU
+    build on the `gpus` devices the pod was given, with sleep mode; a CPU build without), by exec,
+    so that the pod's process is vLLM's. The controller runs no vLLM and need not know the image's."""
+    argv = ["stoker", "vllm-serve", "--snapshot", str(snapshot_dir), "--port", str(port), "--host", host]
+    argv += ["--served-model-name", served_name, "--gpus", str(gpus), "--dtype", dtype]
+    argv += ["--cpu-kv-cache", f"{cpu_kv_cache_gib:g}"]
+    if max_model_len is not None:
+        argv += ["--max-model-len", str(max_model_len)]
+    argv += ["--", *extra_args]
+    env = {**_UNBUFFERED, **({VLLM_KEY_ENV: api_key} if api_key else {})}
+    return LaunchSpec(
+        tuple(argv),
+        env=env,
+        program="stoker",
+        program_argc=1,
+        secret_env=frozenset({VLLM_KEY_ENV} if api_key else ()),
     )
 
 

@@ -41,15 +41,27 @@ _VERSION = re.compile(r"^\d+\.\d+(\.\d+)?\S*$")
 VLLM_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
 
 
+IN_IMAGE = "in-image"  # the version of a vLLM each engine pod finds in its own image
+
+
 @dataclass(frozen=True)
 class VllmRuntime:
     command: tuple[str, ...]
-    version: str  # as `vllm --version` printed it, e.g. "0.32.0+cpu"
+    version: str  # as `vllm --version` printed it, e.g. "0.32.0+cpu"; `IN_IMAGE`: the pod's own
 
     @property
     def cpu_build(self) -> bool:
         """A CPU build: PEP 440 local label "cpu" ("0.32.0+cpu"), as vLLM and torch mark theirs."""
         return "cpu" in self.version.partition("+")[2].split(".")
+
+    @property
+    def in_image(self) -> bool:
+        """The vLLM of the engine image, which each pod asks itself (`stoker vllm-serve`): the
+        controller runs none and does not know its build."""
+        return self.version == IN_IMAGE
+
+
+IMAGE_VLLM = VllmRuntime(("vllm",), IN_IMAGE)
 
 
 def vllm_command(explicit: str | None, environ: Mapping[str, str] | None = None) -> tuple[str, ...] | None:

@@ -24,7 +24,7 @@ from snapshots.errors import StoreWriteError
 from snapshots.s3 import RemoteConfig
 from warm_pool.engine_settings import EngineSettings
 from warm_pool.errors import StartFailed
-from warm_pool.launch import LaunchSpec, vllm_spec
+from warm_pool.launch import LaunchSpec, vllm_pod_spec, vllm_spec
 from warm_pool.snapshot import SnapshotSource
 from warm_pool.states import Instance
 from warm_pool.vllm import VllmLaunch, snapshot_shape
@@ -74,10 +74,12 @@ class VllmStarts:
         """vLLM on the snapshot, with the deployment's settings (`settings`; dtype and context length
         default from what the snapshot says) and a copy of the snapshot's compile cache for this vLLM
         and these arguments, if one was kept."""
-        settings = settings or EngineSettings()
         vllm = self.launch
         if vllm is None:
             raise StartFailed(f"deployment {self.deployment}: no vLLM on this machine")
+        settings = settings or EngineSettings()
+        if vllm.runtime.in_image:  # a pod, which asks its own vLLM its build (`vllm_pod_spec`)
+            return await self._pod_spec(inst, snapshot_dir, len(gpus), host, settings, extra)
         manifest = self.snapshot.store.manifest(self.snapshot.snapshot_id)
         config = await asyncio.to_thread(_read_json, snapshot_dir / "config.json")
         shape = snapshot_shape(manifest.dtype, config)
@@ -112,6 +114,26 @@ class VllmStarts:
             cpu_kv_cache_gib=vllm.cpu_kv_cache_gib,
             extra_args=(*extra, *args),
             vllm_command=vllm.runtime.command,
+            api_key=inst.secret,
+        )
+
+    async def _pod_spec(
+        self, inst: Instance, snapshot_dir: Path, gpus: int, host: str, settings: EngineSettings, extra: tuple
+    ) -> LaunchSpec:
+        """An engine pod's: the deployment's settings; what they leave to the snapshot (dtype, context
+        length) the pod reads from its node's copy, which this controller need not have. No compile
+        cache is kept here: the pod's vLLM keeps its own, under its $HOME."""
+        vllm = self.launch
+        return vllm_pod_spec(
+            snapshot_dir,
+            inst.port,
+            self.deployment,
+            gpus,
+            host=host,
+            dtype=settings.dtype,
+            max_model_len=settings.max_model_len,
+            cpu_kv_cache_gib=vllm.cpu_kv_cache_gib,
+            extra_args=(*extra, *settings.vllm_args(), *vllm.args),
             api_key=inst.secret,
         )
 

@@ -79,3 +79,18 @@ async def test_stokers_engine_given_a_gpu_runs_with_device_auto_on_it(source):
     )
     with pytest.raises(ValueError, match="one device"):
         cpu_engine_spec(source.path, 8000, "big", gpus=[0, 1])
+
+
+async def test_in_a_pod_vllm_is_the_images_and_the_pod_decides_its_build(source):
+    from warm_pool.backends.kube_pod import PodGpus
+    from warm_pool.vllm import IMAGE_VLLM
+
+    launch = VllmLaunch(IMAGE_VLLM, ("--seed=1",))
+    settings = EngineSettings(gpus=2, max_model_len=8192, dtype="bfloat16", enforce_eager=True)
+    s = InstanceSettings("big", source, "vllm", 30.0, 8, 300.0, 10.0, "0.0.0.0", None, launch, settings)
+    ops = InstanceOps(s, backend=None, engines=object(), gpus=PodGpus())
+    spec = await ops._spec(instance(1), source.path)
+    assert (spec.program, spec.args[0]) == ("stoker", "vllm-serve") and spec.secret_env == {"VLLM_API_KEY"}
+    args = " ".join(spec.args)
+    assert "--gpus 2 --dtype bfloat16" in args and "--max-model-len 8192" in args
+    assert args.endswith("-- --enforce-eager --seed=1") and "CUDA_VISIBLE_DEVICES" not in spec.env

@@ -26,6 +26,7 @@ from stoker.cli.parser import StokerParser, run
 COMMANDS = (
     "snapshot",
     "engine",
+    "vllm_serve",
     "runtime",
     "up",
     "deployments",

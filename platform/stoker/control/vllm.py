@@ -13,6 +13,7 @@ from snapshots.s3 import RemoteConfig
 from stoker.errors import invalid
 from warm_pool.errors import EngineUnavailable
 from warm_pool.vllm import (
+    IMAGE_VLLM,
     VllmLaunch,
     check_settings,
     loadable_reason,
@@ -29,12 +30,15 @@ log = logging.getLogger("stoker.platform")
 class VllmOptions:
     """`stoker up`'s vLLM settings: the command (None: $STOKER_VLLM, else `vllm` on PATH), extra
     arguments for every vLLM instance, a CPU build's KV cache in GiB, and the vLLM warm runtimes
-    kept once a vLLM is found (`infra/vllm-cpu/runtime.py`; 0: every start fresh)."""
+    kept once a vLLM is found (`infra/vllm-cpu/runtime.py`; 0: every start fresh). `in_image`: vLLM
+    runs in engine pods, each of which asks the image's own (`stoker vllm-serve`); this process runs
+    none and looks for none."""
 
     command: str | None = None
     args: tuple[str, ...] = ()
     cpu_kv_cache_gib: float = 1.0
     warm_runtimes: int = 0
+    in_image: bool = False
 
     def __post_init__(self) -> None:
         check_settings(self.args, self.cpu_kv_cache_gib)
@@ -58,6 +62,10 @@ class VllmSetup:
         if self.found is not None:
             return self.found
         options = self.options
+        if options.in_image:
+            self.found = VllmLaunch(IMAGE_VLLM, options.args, options.cpu_kv_cache_gib)
+            log.info("vLLM: the engine image's, which each engine pod asks for its build")
+            return self.found
         try:
             command = vllm_command(options.command)
             if command is None:

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from starlette.applications import Starlette
@@ -237,12 +238,14 @@ def run_controller(options: ControllerOptions) -> int:
     where `options.kube` says), the keys, the app, served until SIGTERM or until the Lease is lost.
     The exit status. A setting the backend refuses raises `warm_pool.errors.InvalidConfig`."""
     log_setup(options.listen)
-    wiring, leader = {}, None
+    wiring, leader, settings = {}, None, options.platform
     if options.kube is not None:
         wiring, leader = _kubernetes(options.kube)
+        # vLLM runs in the engine pods, each asking its image's own: none is looked for here.
+        settings = replace(settings, vllm=replace(settings.vllm, in_image=True))
     stopping = ServerStopping()
     platform = platform_of(
-        options.platform,
+        settings,
         controller=True,
         gateway_stale_after_s=options.gateway_stale_after_s,
         stopping=stopping,
