@@ -79,7 +79,15 @@ def test_the_stoker_image_starts_a_console_script_the_project_installs():
     assert arguments("Dockerfile", "FROM") == ["python:3.11-slim"]
 
 
-@pytest.mark.parametrize("name", IMAGES)
+def test_the_engine_images_stoker_uses_vllms_cuda_torch():
+    """Stoker's engine given a GPU in a pod (`--gpus 1`, `--device auto`) needs CUDA: its venv sees
+    the image's packages, vLLM's CUDA torch among them, and installs no torch of its own."""
+    runs = arguments("Dockerfile.engine", "RUN")
+    assert any("python3 -m venv" in run and "--system-site-packages /opt/stoker" in run for run in runs)
+    assert not [run for run in runs if "torch==" in run]
+
+
+@pytest.mark.parametrize("name", ["Dockerfile"])
 def test_torch_comes_first_from_the_cpu_index_at_the_makefiles_pin(name):
     runs = arguments(name, "RUN")
     torch = [i for i, run in enumerate(runs) if "torch==" in run]
