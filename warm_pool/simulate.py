@@ -31,7 +31,8 @@ in-flight requests finish, puts them to sleep (while fewer sleep than asked) or 
 sleeping instances are stopped, the longest asleep first. The
 observation counts instances on their way to sleep as sleeping.
 
-Accounting: `gpu_seconds` = READY instance-seconds (draining ones included: they hold the GPU),
+Accounting: `gpu_seconds` = READY instance-seconds (draining ones included: they hold the GPU;
+priced × `Prices.gpus`, the devices each instance holds),
 `starting_seconds` = starting and waking, `sleep_seconds` = SLEEPING. A request is a cold start if
 it was served by an instance that became READY (started or woke) after the request arrived.
 The run ends when the last request is served or rejected.
@@ -65,6 +66,11 @@ class Prices:
 
     gpu_per_hour: float = 3.00
     sleep_per_hour: float = 0.08
+    gpus: int = 1  # each instance's devices (a deployment's `gpus`): its awake hours cost that many
+
+    def __post_init__(self) -> None:
+        if self.gpus < 1:
+            raise ValueError(f"an instance holds at least 1 device, got {self.gpus}")
 
 
 @dataclass(frozen=True)
@@ -426,7 +432,8 @@ class Simulation:
     def _report(self) -> Report:
         n, served = len(self.trace), len(self._waits)
         gpu, starting, sleep = self._seconds["gpu"], self._seconds["starting"], self._seconds["sleep"]
-        cost = (gpu + starting) * self.prices.gpu_per_hour / 3600 + sleep * self.prices.sleep_per_hour / 3600
+        awake_usd = (gpu + starting) * self.prices.gpus * self.prices.gpu_per_hour / 3600
+        cost = awake_usd + sleep * self.prices.sleep_per_hour / 3600
         return Report(
             policy=self.policy.name,
             requests=n,

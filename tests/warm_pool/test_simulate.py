@@ -43,6 +43,18 @@ def test_a_tiny_trace_gives_the_waits_and_seconds_worked_out_by_hand():
     assert report.starting_seconds == pytest.approx(10.0)
     assert report.cost_per_1k_requests == pytest.approx(13 * 0.001 / 2 * 1000)  # $3.6/h = $0.001/s
     assert report.duration_s == 13.0
+    # The same run with instances on 4 GPUs each: the same seconds, four times the awake cost.
+    wide = simulate(
+        trace,
+        make_policy("keepalive", scaling),
+        scaling=scaling,
+        model=SMALL,
+        prices=Prices(3.6, 0.0, gpus=4),
+    )
+    assert wide.gpu_seconds == report.gpu_seconds
+    assert wide.cost_per_1k_requests == pytest.approx(4 * report.cost_per_1k_requests)
+    with pytest.raises(ValueError, match="at least 1 device"):
+        Prices(gpus=0)
 
 
 def test_a_full_queue_and_a_passed_deadline_reject():

@@ -86,6 +86,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     s.add_argument("--gpu-price", type=float, default=3.00, help="$ per GPU-hour (default 3.00)")
     s.add_argument(
+        "--gpus",
+        type=int,
+        default=1,
+        help="devices each instance holds, as `stoker deploy --gpus` (default 1)",
+    )
+    s.add_argument(
         "--sleep-price", type=float, default=0.08, help="$ per sleeping-instance-hour (default 0.08)"
     )
     p.set_defaults(func=cmd_simulate)
@@ -105,7 +111,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             _check_plot_target(args.plot)
         model, scaling, policies = setup(args)
         trace = load_trace(args.trace, thin=args.thin, time_scale=args.time_scale)
-        prices = Prices(args.gpu_price, args.sleep_price)
+        try:
+            prices = Prices(args.gpu_price, args.sleep_price, args.gpus)
+        except ValueError as exc:
+            raise CLIError(f"--gpus: {exc}") from None
         reports = [
             simulate(trace, policy, scaling=scaling, model=model, prices=prices, seed=args.seed)
             for policy in policies

@@ -9,7 +9,8 @@ and requests the gateway answers; the share of instance-seconds spent idle.
 
 **Cost.** Every instance-second a pool reports (`PoolMetrics.add_instance_seconds`, on each
 transition and each tick) is priced at once by the revision's engine and the state it was spent
-in (`stoker.control.prices`), plus the revision's snapshot storage for as long as its pool runs (its bytes
+in (`stoker.control.prices`), times the devices each of its instances holds (`gpus`: a
+tensor-parallel instance on 2 GPUs costs two device-hours an hour; at least 1), plus the revision's snapshot storage for as long as its pool runs (its bytes
 × $/GB-month, accrued on each tick). So `stoker_cost_usd_total{deployment,revision,state}` is
 `stoker_instance_seconds_total{deployment,state}` × price, split by revision (state `storage` for
 the snapshot).
@@ -158,7 +159,8 @@ class CostMeter:
         instead of `inner` (a `PoolMetrics`)."""
         self._ledger(spec.name, spec.revision)
         size = self._snapshot_bytes(spec.snapshot_id)
-        return PoolCostTap(inner, self, spec.name, spec.revision, spec.engine, size)
+        devices = max(1, spec.engine_settings.gpus or 0)
+        return PoolCostTap(inner, self, spec.name, spec.revision, spec.engine, size, devices)
 
     def _ledger(self, deployment: str, revision: int) -> Ledger:
         if (deployment, revision) not in self._revisions:
@@ -168,11 +170,11 @@ class CostMeter:
         return self._revisions[(deployment, revision)]
 
     def instance_seconds(
-        self, deployment: str, revision: int, engine: str, state: str, seconds: float
+        self, deployment: str, revision: int, engine: str, state: str, seconds: float, devices: int = 1
     ) -> None:
         if seconds <= 0 or state in _UNCOUNTED:
             return
-        usd = seconds * self.prices.per_second(engine, state)
+        usd = seconds * self.prices.per_second(engine, state) * devices
         self._ledger(deployment, revision).add(self._clock(), {f"s:{state}": seconds, f"usd:{state}": usd})
         if usd > 0:
             self._cost.labels(deployment, str(revision), state).inc(usd)
@@ -266,12 +268,20 @@ class PoolCostTap:
     told to the `CostMeter` under the pool's revision."""
 
     def __init__(
-        self, inner: Any, meter: CostMeter, deployment: str, revision: int, engine: str, size: int
+        self,
+        inner: Any,
+        meter: CostMeter,
+        deployment: str,
+        revision: int,
+        engine: str,
+        size: int,
+        devices: int = 1,
     ) -> None:
         self._inner = inner
         self._meter = meter
         self._key = (deployment, revision, engine)
         self._size = size
+        self._devices = devices  # each instance's: its seconds are priced that many times
         self._stored_at: float | None = None
 
     def __getattr__(self, name: str) -> Any:
@@ -280,7 +290,7 @@ class PoolCostTap:
     def add_instance_seconds(self, deployment: str, state: Any, seconds: float) -> None:
         self._inner.add_instance_seconds(deployment, state, seconds)
         name, revision, engine = self._key
-        self._meter.instance_seconds(name, revision, engine, str(state.value), seconds)
+        self._meter.instance_seconds(name, revision, engine, str(state.value), seconds, self._devices)
 
     def set_instances(self, pool: str, counts: Mapping[Any, int]) -> None:
         self._inner.set_instances(pool, counts)

@@ -172,8 +172,16 @@ def test_a_bad_since_is_a_400_naming_it(value):
 # ---- the meter, scripted on a logical clock -----------------------------------------------------------
 
 
-def _spec(revision: int, engine: str = "cpu") -> SimpleNamespace:
-    return SimpleNamespace(name="chat", revision=revision, engine=engine, snapshot_id=f"snap{revision}")
+def _spec(revision: int, engine: str = "cpu", **settings) -> SimpleNamespace:
+    from warm_pool.engine_settings import EngineSettings
+
+    return SimpleNamespace(
+        name="chat",
+        revision=revision,
+        engine=engine,
+        snapshot_id=f"snap{revision}",
+        engine_settings=EngineSettings(**settings),
+    )
 
 
 async def _answer(tap, chunks: list[bytes], status: int = 200) -> None:
@@ -300,3 +308,16 @@ def test_the_price_table_knows_every_engine_a_deployment_can_name():
     from stoker.spec import deployment
 
     assert tuple(prices.ENGINES) == tuple(deployment.ENGINES)
+
+
+def test_an_instance_on_several_gpus_costs_each_of_them(tmp_path):
+    prices = PriceTable.parse({"ready_hour": 3.6})  # $0.001 a device-second
+    meter = CostMeter(prices, CollectorRegistry(), Clock(0.0), lambda sid: 0, ArrivalLog(tmp_path))
+    wide, one = _spec(1, "vllm", gpus=4), _spec(1, "vllm")  # the default: one device
+    wide.name, one.name = "wide", "one"
+    for spec in (wide, one):
+        meter.pool_metrics(PoolMetrics(CollectorRegistry()), spec).add_instance_seconds(
+            spec.name, S.READY, 10.0
+        )
+    cost = {row["deployment"]: row["cost_usd"] for row in meter.report()}
+    assert cost == pytest.approx({"wide": 4 * 10 * 0.001, "one": 10 * 0.001})
