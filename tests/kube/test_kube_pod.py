@@ -71,3 +71,14 @@ def test_the_snapshot_label_is_a_valid_label_key_of_40_hex() -> None:
 )
 def test_the_engine_binds_every_address_of_its_pod(args: tuple[str, ...], bound: list[str]) -> None:
     assert bind_anywhere(args) == bound
+
+
+def test_a_vllm_pod_loads_the_guard_from_its_image_not_from_the_controllers_path() -> None:
+    """The spec's `python_path` is where this machine keeps the guard; the engine image ships it and
+    sets its own PYTHONPATH (infra/docker/Dockerfile.engine), so the pod spec carries neither."""
+    spec = SPECS["vllm"]
+    assert spec.python_path
+    [container] = pod_manifest(SETTINGS, placement(2, None), spec, started_at=1.5)["spec"]["containers"]
+    assert container["args"][container["args"].index("--middleware") + 1] == "stoker_vllm_guard.EngineGuard"
+    assert "PYTHONPATH" not in {e["name"] for e in container["env"]}
+    assert not [a for a in container["args"] if spec.python_path[0] in a]

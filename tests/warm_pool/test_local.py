@@ -120,6 +120,15 @@ async def test_stop_of_a_process_that_already_exited_returns_its_status(tmp_path
     assert await backend.stop(handle, term_timeout_s=1) == 7
 
 
+async def test_a_specs_python_path_goes_ahead_on_the_processs_pythonpath(tmp_path):
+    backend = LocalBackend(tmp_path)
+    printing = python("import os; print(os.environ['PYTHONPATH'].split(os.pathsep)[0])")
+    handle = await backend.start(at("path-1"), LaunchSpec(printing, python_path=(str(tmp_path / "guard"),)))
+    assert await wait_gone(handle.pid)
+    assert await backend.stop(handle, term_timeout_s=1) == 0
+    assert backend.log_path("path-1").read_text() == f"{tmp_path / 'guard'}\n"
+
+
 async def test_startup_phases_are_empty_when_the_engine_has_none(tmp_path):
     async def metrics(_):
         return web.Response(
