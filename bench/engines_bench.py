@@ -152,7 +152,7 @@ class Server:
         self.spawned_at = 0.0
 
     def spawn(self, env: dict[str, str]) -> None:
-        env = {**env, **self.spec.env, **OFFLINE}
+        env = {**self.spec.environ(env), **OFFLINE}
         with self.log.open("ab") as log:
             self.spawned_at = time.perf_counter()
             self.proc = self.procs.spawn(

@@ -59,7 +59,7 @@ from common import (
 
 sys.path.insert(0, str(REPO))
 from warm_pool.handoff import SOCKET_NAME, TOKEN_ENV, Handoff, hand_off
-from warm_pool.launch import vllm_spec
+from warm_pool.launch import VLLM_GUARD_DIR, vllm_spec, with_python_path
 from warm_pool.vllm import snapshot_shape
 
 BENCH_HOME = Path.home() / ".cache" / "stoker-bench"
@@ -190,7 +190,9 @@ def start_runtime(procs: Processes, work: Path, spawn: bool, log: Path):
     """A runtime started ahead; returns (process, socket dir, token, seconds until its socket appeared)."""
     sock_dir = Path(tempfile.mkdtemp(prefix="rt-", dir=work))
     token = secrets.token_urlsafe(32)
-    env = {**os.environ, TOKEN_ENV: token, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+    # As the pool's keeper starts vLLM's runtimes: the guard's directory on their path (the launch has a key).
+    env = with_python_path(os.environ, [str(VLLM_GUARD_DIR)])
+    env.update({TOKEN_ENV: token, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"})
     env["VLLM_NO_USAGE_STATS"] = env["VLLM_DO_NOT_TRACK"] = "1"
     if spawn:
         env["STOKER_VLLM_RUNTIME_SPAWN"] = "1"
@@ -223,7 +225,7 @@ def one_start(kind: str, procs: Processes, snapshot: Path, cache_root: Path, wor
     lines = Lines(read_fd, log)
     t0 = time.perf_counter()
     if kind == "fresh":
-        env = {**os.environ, **spec.env, "HF_HUB_OFFLINE": "1"}
+        env = {**spec.environ(os.environ), "HF_HUB_OFFLINE": "1"}
         proc = procs.spawn(list(spec.argv), cwd=spec.cwd, env=env, stdout=write_fd, stderr=write_fd)
     else:
         handoff = Handoff(spec.args, dict(spec.env), str(spec.cwd))

@@ -109,7 +109,7 @@ def start_vllm(
         cache_root=cache_root,
         vllm_command=(str(VLLM),),
     )
-    env = {**os.environ, **spec.env, "HF_HUB_OFFLINE": "1"}
+    env = {**spec.environ(os.environ), "HF_HUB_OFFLINE": "1"}
     t0 = time.perf_counter()
     proc = procs.spawn(
         list(spec.argv), cwd=spec.cwd, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT

@@ -25,12 +25,23 @@ from warm_pool.vllm import startup_phases
 STARTUP_PHASE_METRIC = "stoker_engine_startup_phase_seconds"
 Headers = Mapping[str, str] | None  # an instance's `auth_headers`: its key
 _LOG_PHASE_BYTES = 1 << 20  # vLLM logs a few hundred lines while it starts; its phases are in them
-_MAX_INFO_BYTES = 1 << 20  # vLLM's /server_info holds its whole config and environment: ~20 KB
+_MAX_INFO_BYTES = 1 << 20  # vLLM's /server_info holds its whole config and environment: ~25 KB
 
 
 @dataclass(frozen=True)
 class EngineCapabilities:
-    """What an engine said it can do. An engine that said nothing can do nothing optional."""
+    """What an engine said it can do. An engine that said nothing can do nothing optional.
+
+    The two answers to `GET /server_info?config_format=json`:
+
+    - the CPU engine's: `{"engine": "stoker", "sleep_levels": [1, 2]}`;
+    - vLLM's (dev mode only; vLLM 0.32's `entrypoints/serve/dev/server_info`):
+      `{"vllm_config": {"model_config": {"enable_sleep_mode": false, ...}, "cache_config": ...},
+      "vllm_env": {...}, "system_env": {...}}`, its `VllmConfig` dumped by pydantic in JSON mode
+      (`--enable-sleep-mode` is `ModelConfig.enable_sleep_mode`). Without `config_format=json`,
+      `vllm_config` is the config's text (a string), which says nothing here. A real answer,
+      trimmed, is tests/data/vllm-0.32.0-cpu-server-info.json.
+    """
 
     sleep_levels: tuple[int, ...] = ()
 

@@ -2,7 +2,8 @@
 
 A `LaunchSpec` is plain data: the backend runs it, tests compare it. The CPU engine is
 `stoker engine`; vLLM is `vllm serve`: on GPUs with sleep mode and `CUDA_VISIBLE_DEVICES` naming the
-GPUs the inventory handed this instance, on a CPU (vLLM's CPU build) without either.
+GPUs the inventory handed this instance, on a CPU (vLLM's CPU build) without either, and with the
+instance's key behind Stoker's guard (`warm_pool/vllm_guard/stoker_vllm_guard.py`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,10 @@ from warm_pool.errors import InvalidConfig, NoGpuAvailable
 _UNBUFFERED = {"PYTHONUNBUFFERED": "1"}
 ENGINE_KEY_ENV = "STOKER_ENGINE_API_KEY"  # stoker.engine.app.API_KEY_ENV: warm_pool imports no stoker
 VLLM_KEY_ENV = "VLLM_API_KEY"  # vLLM's --api-key, from the environment
+# Stoker's guard inside vLLM's API server (`vllm serve --middleware`), and the directory that holds
+# only it: vLLM's Python, where Stoker is not installed, imports it from there.
+VLLM_GUARD = "stoker_vllm_guard.EngineGuard"
+VLLM_GUARD_DIR = Path(__file__).resolve().parent / "vllm_guard"
 
 
 @dataclass(frozen=True)
@@ -28,7 +33,11 @@ class LaunchSpec:
     """What starts an engine. `argv[:program_argc]` names the program as this machine runs it (a
     venv's script, `python -m stoker.cli.main`); a backend that runs it elsewhere (a pod's image) puts
     `program` there instead and keeps the arguments. `secret_env` names the variables of `env`
-    that hold secrets (the engine's key): a pod gets those from a Secret, never in its spec."""
+    that hold secrets (the engine's key): a pod gets those from a Secret, never in its spec.
+
+    `python_path` names directories the program's Python imports from, as this machine has them
+    (the vLLM guard's), put ahead on its `PYTHONPATH` (`environ`); a backend that runs the image's
+    program leaves them out, as it does `argv[:program_argc]`: the image ships them itself."""
 
     argv: tuple[str, ...]
     env: Mapping[str, str] = field(default_factory=dict)  # additions to the parent's environment
@@ -37,16 +46,35 @@ class LaunchSpec:
     program: str = "stoker"  # "stoker" | "vllm": the executable an engine image provides
     program_argc: int = 1
     secret_env: frozenset[str] = frozenset()
+    python_path: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "argv", tuple(self.argv))
         object.__setattr__(self, "env", MappingProxyType(dict(self.env)))
         object.__setattr__(self, "secret_env", frozenset(self.secret_env))
+        object.__setattr__(self, "python_path", tuple(self.python_path))
 
     @property
     def args(self) -> tuple[str, ...]:
         """The program's arguments, without what names the program."""
         return self.argv[self.program_argc :]
+
+    def environ(self, parent: Mapping[str, str]) -> dict[str, str]:
+        """The environment the program runs with on this machine: `parent`'s, `env` added, and
+        `python_path` ahead of whatever `PYTHONPATH` that gives."""
+        return with_python_path({**parent, **self.env}, self.python_path)
+
+
+def with_python_path(environ: Mapping[str, str], dirs: Sequence[str]) -> dict[str, str]:
+    """`environ` with `dirs` ahead on its `PYTHONPATH` (a copy; `environ` itself is unchanged).
+
+    >>> with_python_path({"PYTHONPATH": "/src"}, ["/guard"])["PYTHONPATH"]
+    '/guard:/src'
+    """
+    out = dict(environ)
+    if dirs:
+        out["PYTHONPATH"] = os.pathsep.join([*dirs, *filter(None, [out.get("PYTHONPATH")])])
+    return out
 
 
 def default_stoker_command() -> tuple[str, ...]:
@@ -110,6 +138,10 @@ def vllm_spec(
     sleep mode (served only in vLLM's dev mode). Without (vLLM's CPU build): a KV cache of
     `cpu_kv_cache_gib` in host memory, and no sleep mode, which the CPU build refuses.
 
+    With `api_key`, Stoker's guard (`VLLM_GUARD`) wants it on every route but `/health` and refuses
+    every route Stoker does not call, dev mode's among them. Sleep mode needs the key: dev mode
+    without the guard would serve `/collective_rpc` to anyone who reaches the port.
+
     The model is named relative to the store (the process starts in the snapshot's parent dir):
     vLLM hashes the model's path into its compile cache key, and `<snapshot id>` is the same on
     every node, where `/var/lib/…/<snapshot id>` need not be. A cache built on one node then loads
@@ -140,14 +172,18 @@ def vllm_spec(
     if sleep_mode:
         if not gpus:
             raise ValueError("vLLM's sleep mode needs a GPU")
+        if not api_key:
+            raise ValueError("vLLM's sleep mode needs an api_key: its dev mode is guarded by it")
         argv.append("--enable-sleep-mode")
         # vLLM serves /sleep, /wake_up and /server_info only in its dev mode; the pool needs them.
         env["VLLM_SERVER_DEV_MODE"] = "1"
+    python_path: tuple[str, ...] = ()
     if api_key:
         # vLLM's --api-key, from the environment: argv is visible to every local user. vLLM guards
-        # only its /v1 routes with it; /metrics, /health and, in dev mode, /sleep and /wake_up stay
-        # open on its loopback port.
+        # only its /v1 routes with it; the guard reads the same variable and guards every route.
         env["VLLM_API_KEY"] = api_key
+        argv += ["--middleware", VLLM_GUARD]
+        python_path = (str(VLLM_GUARD_DIR),)
     if cache_root is not None:
         # Where vLLM keeps its torch.compile artifacts: a directory of the snapshot store, keyed by
         # snapshot, vLLM version and the arguments that change compilation (snapshots.compile_cache).
@@ -161,6 +197,7 @@ def vllm_spec(
         program="vllm",
         program_argc=len(vllm_command),
         secret_env=frozenset({"VLLM_API_KEY"} if api_key else ()),
+        python_path=python_path,
     )
 
 

@@ -44,7 +44,7 @@ from warm_pool.backoff import restart_delay
 from warm_pool.census import Member
 from warm_pool.fleet import CPU_DEVICE, Fleet
 from warm_pool.handoff import SOCKET_NAME, TOKEN_ENV, Handoff, HandoffError, fits, hand_off, private_dir
-from warm_pool.launch import LaunchSpec, default_stoker_command
+from warm_pool.launch import LaunchSpec, default_stoker_command, with_python_path
 
 log = logging.getLogger("warm_pool.runtimes")
 RUNTIMES_MEMBER = "(warm runtimes)"  # their name among the fleet's members: no deployment has it
@@ -56,8 +56,10 @@ class RuntimeKind:
 
     `engine` is the pool's engine name ("cpu", "vllm"); `command` starts a runtime (the keeper adds
     `--socket-dir DIR`); a launch is taken when its `program` is `program` and its arguments begin
-    with `first_args`. `device_bytes` is device memory a runtime holds on `device` (a GPU runtime's
-    CUDA context, a configured figure); a CPU runtime's host memory is measured instead."""
+    with `first_args` and the directories of its `python_path` are among the runtime's (started
+    ahead on its PYTHONPATH: an interpreter reads that once). `device_bytes` is device memory a
+    runtime holds on `device` (a GPU runtime's CUDA context, a configured figure); a CPU runtime's
+    host memory is measured instead."""
 
     engine: str
     command: tuple[str, ...]
@@ -66,13 +68,18 @@ class RuntimeKind:
     first_args: tuple[str, ...] = ("engine",)
     device: str | None = None
     device_bytes: int = 0
+    python_path: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.count < 0:
             raise ValueError(f"warm runtimes of {self.engine} must be 0 or more, got {self.count}")
 
     def takes(self, spec: LaunchSpec) -> bool:
-        return spec.program == self.program and spec.args[: len(self.first_args)] == self.first_args
+        return (
+            spec.program == self.program
+            and spec.args[: len(self.first_args)] == self.first_args
+            and set(spec.python_path) <= set(self.python_path)
+        )
 
 
 @dataclass
@@ -347,7 +354,7 @@ class RuntimeKeeper:
         ident = f"{kind.engine}-{secrets.token_hex(4)}"
         directory = private_dir(self._root / ident)
         token = secrets.token_urlsafe(32)
-        env = os.environ | self._env
+        env = with_python_path(os.environ | self._env, kind.python_path)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{ident}.log"
         try:

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from warm_pool.engine_settings import MANAGED_ARGS
 from warm_pool.errors import EngineUnavailable, InvalidConfig
+from warm_pool.launch import VLLM_GUARD_DIR
 
 RUNTIME_SCRIPT = Path(__file__).resolve().parent.parent / "infra" / "vllm-cpu" / "runtime.py"
 
@@ -122,14 +123,17 @@ def runtime_command(runtime: VllmRuntime, script: Path = RUNTIME_SCRIPT) -> tupl
 
 def runtime_kind(runtime: VllmRuntime, count: int, script: Path = RUNTIME_SCRIPT):
     """The keeper's `RuntimeKind` for `count` vLLM runtimes: it takes launches of the program "vllm"
-    whose arguments begin with `serve` (warm_pool.launch.vllm_spec's). None for 0 or where
+    whose arguments begin with `serve` (warm_pool.launch.vllm_spec's), started with the vLLM
+    guard's directory on their path (a launch with a key loads the guard). None for 0 or where
     `runtime_command` has none."""
     from warm_pool.runtimes import RuntimeKind  # the keeper's module: only where runtimes are kept
 
     command = runtime_command(runtime, script)
     if count <= 0 or command is None:
         return None
-    return RuntimeKind("vllm", command, count, program="vllm", first_args=("serve",))
+    return RuntimeKind(
+        "vllm", command, count, program="vllm", first_args=("serve",), python_path=(str(VLLM_GUARD_DIR),)
+    )
 
 
 # Arguments Stoker sets itself on every vLLM it starts; `stoker up --vllm-args` may not set them.

@@ -96,7 +96,8 @@ def test_the_chart_renders_the_objects_stoker_needs(objects):
     assert kinds == sorted(
         ["ClusterRole"] * 2
         + ["ClusterRoleBinding"] * 2
-        + ["DaemonSet", "Deployment", "HorizontalPodAutoscaler", "PodDisruptionBudget", "Role"]
+        + ["DaemonSet", "Deployment", "HorizontalPodAutoscaler", "NetworkPolicy", "PodDisruptionBudget"]
+        + ["Role"]
         + ["RoleBinding", "StatefulSet"]
         + ["Service"] * 2
         + ["ServiceAccount"] * 3
@@ -527,6 +528,51 @@ def test_the_gateways_are_scaled_by_cpu_and_kept_up_through_drains(objects):
     pdb = one(objects, "PodDisruptionBudget", "gateway")
     assert pdb["spec"]["selector"] == gateway["spec"]["selector"]
     assert pdb["spec"]["minAvailable"] < hpa["spec"]["minReplicas"]  # a drain can always evict one
+
+
+# --- who may reach the engine pods ---------------------------------------------------------------
+
+
+def engine_pod(owner: str) -> dict:
+    """An engine pod as the controller's Kubernetes backend creates it for a release named `owner`
+    (the chart passes `--owner <release>`), on the backend's own engine port."""
+    from warm_pool.backends.base import Placement
+    from warm_pool.backends.kube_pod import PodSettings, pod_manifest
+    from warm_pool.launch import vllm_spec
+
+    settings = PodSettings(image="stoker-engine:1", store_path="/mnt/nvme/stoker", owner=owner)
+    placement = Placement("chat-1a2b3c4d", "chat", "ab" * 32, None, "vllm", 1, "0.0.0.0", 8000, "k")
+    spec = vllm_spec(Path(settings.store_path) / ("ab" * 32), 8000, "chat", [0], api_key="k")
+    return pod_manifest(settings, placement, spec, started_at=0.0)
+
+
+def test_only_the_controller_and_the_gateways_reach_engine_pods_on_the_engine_port(objects):
+    policy = one(objects, "NetworkPolicy")
+    spec = policy["spec"]
+    pod = engine_pod("stoker")
+    # It selects this release's engine pods, and none of the chart's own pods or another release's.
+    assert selects(spec["podSelector"], pod)
+    assert not selects(spec["podSelector"], engine_pod("other-release"))
+    assert not [w for w in workloads(objects) if selects(spec["podSelector"], w["spec"]["template"])]
+    # Ingress only, and from exactly the controller's and the gateways' pods, on the engine port.
+    assert spec["policyTypes"] == ["Ingress"] and "egress" not in spec
+    (rule,) = spec["ingress"]
+    (peer,) = rule["from"]
+    assert peer.keys() == {"podSelector"}  # this namespace only: no namespaceSelector, no ipBlock
+    allowed = [w for w in workloads(objects) if selects(peer["podSelector"], w["spec"]["template"])]
+    assert sorted((w["kind"], w["metadata"]["labels"]["app.kubernetes.io/component"]) for w in allowed) == [
+        ("Deployment", "gateway"),
+        ("StatefulSet", "controller"),
+    ]
+    [port] = pod["spec"]["containers"][0]["ports"]
+    assert rule["ports"] == [{"protocol": "TCP", "port": port["containerPort"]}]
+
+
+def test_the_network_policy_can_be_turned_off():
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert values["networkPolicy"] == {"enabled": True}
+    off = render({**DEFAULTS, "networkPolicy": {"enabled": False}})
+    assert not [o for o in off if o["kind"] == "NetworkPolicy"]
 
 
 # --- the chart's own files ---------------------------------------------------------------------

@@ -153,3 +153,21 @@ def test_the_build_context_leaves_out_local_state():
     for path in (".git", ".venv", ".venv-vllm", "platform/stoker/__pycache__", "stoker.egg-info", "tests"):
         assert ignored(path), path
     assert not ignored("platform/stoker/cli/main.py")
+
+
+def test_the_engine_image_puts_the_vllm_guard_alone_on_vllms_path():
+    """The controller starts vLLM pods with `--middleware stoker_vllm_guard.EngineGuard` and no
+    PYTHONPATH of its own (warm_pool.launch, kube_pod): the image must ship the guard there."""
+    from warm_pool.launch import VLLM_GUARD, VLLM_GUARD_DIR
+
+    module = VLLM_GUARD.rpartition(".")[0] + ".py"
+    source = (VLLM_GUARD_DIR / module).relative_to(REPO).as_posix()
+    [path] = [
+        rest.split("=", 1)[1].split("$")[0]
+        for rest in arguments("Dockerfile.engine", "ENV")
+        if rest.startswith("PYTHONPATH=")
+    ]
+    assert any(
+        f"install -D -m 0644 {source} {path}/{module}" in run for run in arguments("Dockerfile.engine", "RUN")
+    )
+    assert not ignored(source)

@@ -127,6 +127,9 @@ def test_runtime_kind_takes_the_pools_vllm_launches_and_nothing_else(tmp_path):
     snapshot = tmp_path / "store" / "abc"
     served = vllm_spec(snapshot, 1234, "d", [], sleep_mode=False, vllm_command=vllm.command)
     assert kind.takes(served)
+    # A launch with a key loads the guard: the runtime was started with its directory on its path.
+    guarded = vllm_spec(snapshot, 1234, "d", [], sleep_mode=False, vllm_command=vllm.command, api_key="k")
+    assert guarded.python_path and kind.python_path == guarded.python_path and kind.takes(guarded)
     assert not kind.takes(cpu_engine_spec(snapshot, 1234, "d"))
     assert runtime_kind(vllm, 0) is None  # the tier off
     # A vLLM that is not a virtualenv's script (no python beside it), or a wrapper with arguments.

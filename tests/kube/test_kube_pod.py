@@ -99,3 +99,14 @@ def test_a_deployments_pod_settings_are_its_requests_placement_and_tolerations()
     plain = pod_manifest(SETTINGS, placement(0, None), SPECS["cpu"], started_at=1.5)
     assert "resources" not in plain["spec"]["containers"][0] and "tolerations" not in plain["spec"]
     assert "nodeSelector" not in plain["spec"]
+
+
+def test_a_vllm_pod_loads_the_guard_from_its_image_not_from_the_controllers_path() -> None:
+    """The spec's `python_path` is where this machine keeps the guard; the engine image ships it and
+    sets its own PYTHONPATH (infra/docker/Dockerfile.engine), so the pod spec carries neither."""
+    spec = SPECS["vllm"]
+    assert spec.python_path
+    [container] = pod_manifest(SETTINGS, placement(2, None), spec, started_at=1.5)["spec"]["containers"]
+    assert container["args"][container["args"].index("--middleware") + 1] == "stoker_vllm_guard.EngineGuard"
+    assert "PYTHONPATH" not in {e["name"] for e in container["env"]}
+    assert not [a for a in container["args"] if spec.python_path[0] in a]

@@ -8,7 +8,15 @@ from pathlib import Path
 import pytest
 
 from warm_pool.errors import InvalidConfig, NoGpuAvailable
-from warm_pool.launch import GpuInventory, LaunchSpec, cpu_engine_spec, vllm_spec
+from warm_pool.launch import (
+    VLLM_GUARD,
+    VLLM_GUARD_DIR,
+    GpuInventory,
+    LaunchSpec,
+    cpu_engine_spec,
+    vllm_spec,
+    with_python_path,
+)
 
 SNAP = Path("/data/snapshots/abc123")
 
@@ -32,12 +40,14 @@ def test_cpu_engine_defaults_to_the_stoker_script_beside_this_python():
     )  # fmt: skip
 
 
-def test_vllm_on_one_gpu_with_sleep_mode():
-    spec = vllm_spec(SNAP, 8000, "llama", [3], dtype="bfloat16", max_model_len=8192, cache_root=Path("/c/w"))
+def test_vllm_on_one_gpu_with_sleep_mode_behind_the_guard():
+    spec = vllm_spec(
+        SNAP, 8000, "llama", [3], dtype="bfloat16", max_model_len=8192, cache_root=Path("/c/w"), api_key="k"
+    )
     assert spec.argv == (
         "vllm", "serve", "abc123", "--host", "127.0.0.1", "--port", "8000",
         "--served-model-name", "llama", "--dtype", "bfloat16", "--max-model-len", "8192",
-        "--enable-sleep-mode",
+        "--enable-sleep-mode", "--middleware", "stoker_vllm_guard.EngineGuard",
     )  # fmt: skip
     assert spec.cwd == Path("/data/snapshots")  # the model is named relative to the store
     assert dict(spec.env) == {
@@ -46,9 +56,32 @@ def test_vllm_on_one_gpu_with_sleep_mode():
         "VLLM_DO_NOT_TRACK": "1",
         "CUDA_VISIBLE_DEVICES": "3",
         "VLLM_SERVER_DEV_MODE": "1",
+        "VLLM_API_KEY": "k",  # also the guard's
         "VLLM_CACHE_ROOT": "/c/w",
         "TORCHINDUCTOR_CACHE_DIR": "/c/w/inductor",
     }
+    assert spec.secret_env == {"VLLM_API_KEY"}
+    assert spec.python_path == (str(VLLM_GUARD_DIR),)  # where vLLM's Python finds the guard
+
+
+def test_vllm_dev_mode_is_never_started_without_the_guard():
+    with pytest.raises(ValueError, match="sleep mode needs an api_key"):
+        vllm_spec(SNAP, 8000, "llama", [3])
+    bare = vllm_spec(SNAP, 8000, "m", [], sleep_mode=False)
+    assert "--middleware" not in bare.argv and "VLLM_SERVER_DEV_MODE" not in bare.env
+    assert bare.python_path == ()
+    keyed = vllm_spec(SNAP, 8000, "m", [], sleep_mode=False, api_key="k", extra_args=("--enforce-eager",))
+    assert keyed.argv[-3:] == ("--middleware", VLLM_GUARD, "--enforce-eager")
+
+
+def test_the_guards_directory_goes_ahead_on_the_programs_python_path():
+    spec = LaunchSpec(("vllm",), {"A": "1"}, python_path=("/guard",))
+    assert spec.environ({"PYTHONPATH": "/src", "B": "2"}) == {"PYTHONPATH": "/guard:/src", "A": "1", "B": "2"}
+    assert spec.environ({})["PYTHONPATH"] == "/guard"
+    assert LaunchSpec(("x",)).environ({"B": "2"}) == {"B": "2"}  # nothing to add: unchanged
+    parent = {"PYTHONPATH": "/src"}
+    assert with_python_path(parent, ["/a", "/b"])["PYTHONPATH"] == "/a:/b:/src"
+    assert parent == {"PYTHONPATH": "/src"}
 
 
 def test_vllm_cpu_build_has_no_sleep_mode_and_a_host_kv_cache():
@@ -73,8 +106,9 @@ def test_vllm_cpu_build_has_no_sleep_mode_and_a_host_kv_cache():
 
 
 def test_vllm_tensor_parallel_over_the_gpus_it_was_given():
-    spec = vllm_spec(SNAP, 8000, "big", [4, 5, 6, 7], extra_args=("--max-num-seqs", "64"))
-    assert spec.argv[-5:] == ("--tensor-parallel-size", "4", "--enable-sleep-mode", "--max-num-seqs", "64")
+    spec = vllm_spec(SNAP, 8000, "big", [4, 5, 6, 7], extra_args=("--max-num-seqs", "64"), api_key="k")
+    assert spec.argv[-7:-4] == ("--tensor-parallel-size", "4", "--enable-sleep-mode")
+    assert spec.argv[-2:] == ("--max-num-seqs", "64")
     assert spec.env["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
 
 

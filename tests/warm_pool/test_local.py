@@ -9,6 +9,7 @@ import signal
 import socket
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from aiohttp import web
@@ -120,6 +121,15 @@ async def test_stop_of_a_process_that_already_exited_returns_its_status(tmp_path
     assert await backend.stop(handle, term_timeout_s=1) == 7
 
 
+async def test_a_specs_python_path_goes_ahead_on_the_processs_pythonpath(tmp_path):
+    backend = LocalBackend(tmp_path)
+    printing = python("import os; print(os.environ['PYTHONPATH'].split(os.pathsep)[0])")
+    handle = await backend.start(at("path-1"), LaunchSpec(printing, python_path=(str(tmp_path / "guard"),)))
+    assert await wait_gone(handle.pid)
+    assert await backend.stop(handle, term_timeout_s=1) == 0
+    assert backend.log_path("path-1").read_text() == f"{tmp_path / 'guard'}\n"
+
+
 async def test_startup_phases_are_empty_when_the_engine_has_none(tmp_path):
     async def metrics(_):
         return web.Response(
@@ -153,12 +163,27 @@ async def test_vllms_phases_come_from_its_log_when_its_metrics_have_none(tmp_pat
     assert phases == {"weights": 1.65, "engine_init": 60.83}
 
 
+# vLLM 0.32's real answer (its CPU build in dev mode, trimmed: tests/data/README.md), and the same
+# answer from a launch with `--enable-sleep-mode`, which sets the one field the pool reads.
+VLLM_INFO = json.loads((Path(__file__).parents[1] / "data" / "vllm-0.32.0-cpu-server-info.json").read_text())
+VLLM_INFO_SLEEP = {
+    **VLLM_INFO,
+    "vllm_config": {
+        **VLLM_INFO["vllm_config"],
+        "model_config": {**VLLM_INFO["vllm_config"]["model_config"], "enable_sleep_mode": True},
+    },
+}
+VLLM_INFO_TEXT = {**VLLM_INFO_SLEEP, "vllm_config": "model='tiny-llama', enable_sleep_mode=True"}
+
+
 @pytest.mark.parametrize(
     ("status", "body", "levels"),
     [
         (200, {"sleep_levels": [2, 1]}, (1, 2)),  # the CPU engine
-        (200, {"vllm_config": {"model_config": {"enable_sleep_mode": True}}}, (1, 2)),  # vLLM, dev mode
-        (200, {"vllm_config": {"model_config": {"enable_sleep_mode": False}}}, ()),
+        (200, VLLM_INFO_SLEEP, (1, 2)),  # vLLM with sleep mode (dev mode serves the route)
+        (200, VLLM_INFO, ()),  # vLLM's CPU build: no sleep mode
+        (200, VLLM_INFO_TEXT, ()),  # the config as text (no config_format=json): says nothing
+        (200, {"vllm_config": {"model_config": {"enable_sleep_mode": "true"}}}, ()),
         (200, {"sleep_levels": ["1"]}, ()),
         (200, [1, 2], ()),
         (200, "not json", ()),

@@ -134,6 +134,25 @@ async def test_a_kind_added_later_is_kept_too(tmp_path):
         await keeper.aclose()
 
 
+async def test_a_kind_with_a_python_path_starts_its_runtimes_with_it_and_takes_launches_needing_it(tmp_path):
+    script = RUNTIME + "print('path', os.environ['PYTHONPATH'].split(os.pathsep)[0], flush=True)\n"
+    guarded = RuntimeKind("vllm", (sys.executable, "-c", script), 1, program="vllm", first_args=("serve",),
+                          python_path=("/opt/guard",))  # fmt: skip
+    keeper = RuntimeKeeper([guarded], tmp_path / "logs", interval_s=0.05)
+    keeper.start()
+    try:
+        await until(lambda: keeper.ready("vllm") == 1, what="a runtime ready")
+        needs = LaunchSpec(("vllm", "serve", "m"), program="vllm", python_path=("/opt/guard",))
+        assert not RuntimeKind("vllm", ("x",), 1, program="vllm", first_args=("serve",)).takes(needs)
+        rt = keeper.take(needs)
+        assert rt is not None
+        await keeper.hand_off(rt, needs, tmp_path / "engine.log")
+        assert await rt.process.wait() == 0
+        assert (tmp_path / "engine.log").read_text() == "became serve m\npath /opt/guard\n"
+    finally:
+        await keeper.aclose()
+
+
 async def test_a_runtime_that_dies_is_replaced_after_the_backoff(tmp_path):
     clock = Clock()
     keeper = RuntimeKeeper([kind(1)], tmp_path / "logs", clock=clock, interval_s=0.05)

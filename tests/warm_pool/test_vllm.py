@@ -115,6 +115,7 @@ def test_stoker_owns_some_arguments_and_bounds_the_cpu_kv_cache():
         "--served-model-name",
         "--dtype=bfloat16",
         "--enable-sleep-mode",
+        "--api-key=other",  # the instance's key is VLLM_API_KEY: the guard's and vLLM's own
     ):
         with pytest.raises(InvalidConfig, match="--vllm-args may not set --"):
             check_settings((owned,), 1.0)

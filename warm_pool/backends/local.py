@@ -133,7 +133,7 @@ class LocalBackend:
             with log_path.open("ab") as out:
                 process = await asyncio.create_subprocess_exec(
                     *spec.argv,
-                    env=os.environ | dict(spec.env) | self._owner,
+                    env=spec.environ(os.environ) | self._owner,
                     stdin=asyncio.subprocess.DEVNULL,
                     stdout=out,
                     stderr=asyncio.subprocess.STDOUT,

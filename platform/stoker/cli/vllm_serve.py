@@ -5,7 +5,8 @@ context length from `config.json`), builds the command exactly as a local start 
 (`warm_pool.launch.vllm_spec`: a GPU build on the devices the pod was given, with sleep mode; a CPU
 build without, its KV cache in host memory), and execs it: the pod's process is vLLM's, and its
 signals, exit status and log are vLLM's own. The instance key comes in the environment
-(`VLLM_API_KEY`, from the pod's Secret), never on the command line.
+(`VLLM_API_KEY`, from the pod's Secret), never on the command line, and with it Stoker's guard
+(`--middleware`, from the image's Stoker) keys every route but `/health`.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def cmd_vllm_serve(args: argparse.Namespace) -> int:
         vllm_command=runtime.command,
         api_key=os.environ.get(VLLM_KEY_ENV),
     )
-    env = {**os.environ, **spec.env}
+    env = spec.environ(os.environ)  # the guard's directory ahead on vLLM's PYTHONPATH
     build = "CPU" if runtime.cpu_build else f"GPU, {len(gpus)} device(s)"
     print(
         f"stoker vllm-serve: vLLM {runtime.version} ({build}): {' '.join(spec.argv)}",

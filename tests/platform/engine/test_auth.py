@@ -1,11 +1,15 @@
-"""An engine started with a key (as the platform starts every instance) serves only who has it."""
+"""An engine started with a key (as the platform starts every instance) serves only who has it:
+every route it serves but `/health` (the list below is checked against the app's own routes, so a
+route added later is covered or this fails), and any path it does not serve."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import httpx
 import pytest
 
-from stoker.engine.app import API_KEY_ENV
+from stoker.engine.app import API_KEY_ENV, OPEN_PATHS, build_app
 from tests.platform.engine.conftest import launch_engine
 from warm_pool.launch import ENGINE_KEY_ENV
 
@@ -22,11 +26,27 @@ def keyed_engine(tiny_snapshot, tmp_path_factory, stoker_env):
         e.stop()
 
 
-@pytest.mark.parametrize(
-    ("method", "path"),
-    [("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/sleep"), ("POST", "/wake_up"),
-     ("GET", "/metrics"), ("GET", "/server_info"), ("GET", "/is_sleeping")],
-)  # fmt: skip
+# Every route of stoker.engine.app.build_app but /health, path parameters filled in.
+ROUTES = [
+    ("GET", "/v1/models"), ("GET", "/v1/models/tiny"), ("POST", "/v1/completions"),
+    ("POST", "/v1/chat/completions"), ("POST", "/sleep"), ("POST", "/wake_up"), ("GET", "/metrics"),
+    ("GET", "/server_info"), ("GET", "/is_sleeping"),
+]  # fmt: skip
+
+
+def test_the_list_is_every_route_the_engine_serves_but_health():
+    engine = SimpleNamespace(config=SimpleNamespace(served_model_name="tiny"))  # read at build only
+    app = build_app(engine, max_body_bytes=1, on_startup=lambda: None, on_shutdown=lambda: None, api_key=KEY)
+    served = {
+        (method, route.path.replace("{model:path}", "tiny"))
+        for route in app.routes
+        for method in route.methods - {"HEAD"}
+    }
+    assert OPEN_PATHS == {"/health"}
+    assert served - {("GET", "/health")} == set(ROUTES)
+
+
+@pytest.mark.parametrize(("method", "path"), [*ROUTES, ("POST", "/collective_rpc"), ("GET", "/docs")])
 @pytest.mark.parametrize("auth", [None, "Bearer wrong", f"Basic {KEY}", f"Bearer {KEY}x", KEY])
 def test_without_the_key_every_route_but_health_is_a_401(keyed_engine, method, path, auth):
     headers = {"authorization": auth} if auth else {}

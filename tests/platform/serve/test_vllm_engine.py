@@ -8,24 +8,35 @@ The tiny model has a head size of 32: vLLM's CPU attention has no kernel for the
 
 A vLLM start is the slowest thing the suite does (a minute on a busy 2-core machine), so each test
 here starts vLLM once: a fresh start (held, served, streamed, drained on `rm`), and a start through
-a warm runtime (the tier, the forked engine core, and an idle stop instead of a sleep).
+a warm runtime (the tier, the forked engine core, and an idle stop instead of a sleep). The guard's
+tests share one more, started as the pool launches vLLM (`vllm_spec` with an instance key) and in
+vLLM's dev mode, which GPU instances run in: every route vLLM logged, asked with and without the
+key, and its real `/server_info` read as the pool reads it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
+import signal
 import stat
+import subprocess
 import threading
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
 from tests.conftest import REPO, build_tiny_model
-from tests.deadlines import HTTP_READ, VLLM_START, deadline
+from tests.deadlines import HTTP_READ, STOP, VLLM_START, deadline, wait_healthy
+from warm_pool.backends.local import free_port
+from warm_pool.engine_calls import EngineCapabilities, HttpEngines
+from warm_pool.launch import vllm_spec
+from warm_pool.reconcile import Observed
 
 VLLM = REPO / ".venv-vllm" / "bin" / "vllm"
 needs_vllm = pytest.mark.skipif(
@@ -221,3 +232,131 @@ def test_vllm_where_it_cannot_run_is_refused_in_one_line(
     assert out.returncode != 0
     assert reason in out.stderr and len(out.stderr.strip().splitlines()) == 1
     assert p.deployments() == {}
+
+
+# --- the guard, in a real vLLM -------------------------------------------------------------------
+
+KEY = "sk-instance-guard-test-0123456789"
+KEYED = {"authorization": f"Bearer {KEY}"}
+SERVER_INFO = REPO / "tests" / "data" / "vllm-0.32.0-cpu-server-info.json"
+# What the guard lets through with the key: the routes Stoker calls (warm_pool/vllm_guard).
+PASSED = {"/health", "/metrics", "/server_info", "/sleep", "/wake_up", "/is_sleeping"}
+# Routes vLLM serves only in dev mode, among them what the issue named: these must be in the table.
+DEV_ROUTES = {
+    "/collective_rpc", "/sleep", "/wake_up", "/is_sleeping", "/server_info", "/reset_prefix_cache",
+    "/reset_mm_cache", "/pause", "/resume", "/update_weights", "/release_kv_cache_memory",
+}  # fmt: skip
+_ROUTE = re.compile(r"Route: (/\S*), Methods: (.+)$")
+
+
+class GuardedVllm:
+    def __init__(self, proc: subprocess.Popen, url: str, log: Path) -> None:
+        self.proc, self.url, self.log = proc, url, log
+
+    def routes(self) -> list[tuple[str, str]]:
+        """(method, path) of every route vLLM logged as it started, path parameters filled in."""
+        out = []
+        for line in self.log.read_text(errors="replace").splitlines():
+            if m := _ROUTE.search(line):
+                path = re.sub(r"\{[^}]*\}", "x", m[1])
+                out += [(method.strip(), path) for method in m[2].split(",")]
+        return sorted(set(out))
+
+
+@pytest.fixture(scope="module")
+def guarded_vllm(vllm_model_dir, tmp_path_factory):
+    """vLLM's CPU build as the pool starts it with an instance key (the guard on), plus dev mode."""
+    port = free_port()
+    spec = vllm_spec(
+        vllm_model_dir, port, "tiny", [], sleep_mode=False, dtype="float32", max_model_len=512,
+        extra_args=("--enforce-eager", "--max-num-seqs", "4"), vllm_command=(str(VLLM),), api_key=KEY,
+    )  # fmt: skip
+    env = {**spec.environ(os.environ), "VLLM_SERVER_DEV_MODE": "1", "HF_HUB_OFFLINE": "1"}
+    log = tmp_path_factory.mktemp("guarded-vllm") / "vllm.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            spec.argv, env=env, cwd=spec.cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(
+            proc, url + "/health", VLLM_START, "vLLM", lambda: log.read_text(errors="replace")[-3000:]
+        )
+        yield GuardedVllm(proc, url, log)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(STOP)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(STOP)
+
+
+@needs_vllm
+def test_vllm_loaded_the_guard_and_serves_dev_mode(guarded_vllm):
+    paths = {path for _, path in guarded_vllm.routes()}
+    assert DEV_ROUTES <= paths, sorted(DEV_ROUTES - paths)
+    assert {"/health", "/v1/models", "/v1/completions", "/metrics"} <= paths
+    # vLLM's own key check guards /v1 only: a 401 on /metrics is the guard's.
+    assert httpx.get(guarded_vllm.url + "/metrics", timeout=HTTP_READ).status_code == 401
+    assert KEY not in guarded_vllm.log.read_text(errors="replace")  # neither vLLM nor the guard logged it
+
+
+@needs_vllm
+@pytest.mark.parametrize("auth", [None, "Bearer wrong", f"Bearer {KEY}x", KEY])
+def test_without_the_key_every_route_vllm_serves_but_health_is_a_401(guarded_vllm, auth):
+    headers = {"authorization": auth} if auth else {}
+    answers = {}
+    with httpx.Client(base_url=guarded_vllm.url, timeout=HTTP_READ) as http:
+        for method, path in guarded_vllm.routes():
+            answers[method, path] = http.request(method, path, headers=headers).status_code
+    assert answers.pop(("GET", "/health")) == 200
+    assert {route: code for route, code in answers.items() if code != 401} == {}
+
+
+@needs_vllm
+def test_with_the_key_only_the_routes_stoker_calls_pass(guarded_vllm):
+    refused = {}
+    with httpx.Client(base_url=guarded_vllm.url, timeout=HTTP_READ, headers=KEYED) as http:
+        for method, path in guarded_vllm.routes():
+            if path in PASSED or path.startswith("/v1/"):
+                continue  # passed on to vLLM: asked below, the safe ones only
+            refused[method, path] = http.request(method, path).status_code
+        assert set(refused.values()) == {403}, refused
+        assert ("POST", "/collective_rpc") in refused and ("POST", "/reset_prefix_cache") in refused
+        assert http.post("/collective_rpc", json={"method": "get_model"}).status_code == 403
+        assert http.get("/v1/models").json()["data"][0]["id"] == "tiny"
+        assert http.get("/metrics").status_code == 200
+        assert http.get("/is_sleeping").json() == {"is_sleeping": False}
+        done = http.post("/v1/completions", json={"model": "tiny", "prompt": "The quick", "max_tokens": 2})
+        assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 2
+        assert httpx.get(guarded_vllm.url + "/health").status_code == 200  # no key at all
+
+
+def trimmed(answer: dict) -> dict:
+    """vLLM's /server_info answer as tests/data keeps it: the config (its random instance id
+    blanked), the environment sections emptied (this machine's paths, packages, CPU)."""
+    return {"vllm_config": {**answer["vllm_config"], "instance_id": ""}, "vllm_env": {}, "system_env": {}}
+
+
+@needs_vllm
+async def test_the_real_server_info_says_no_sleep_in_the_shape_the_fixture_keeps(guarded_vllm):
+    url = guarded_vllm.url
+    async with httpx.AsyncClient(timeout=HTTP_READ) as http:
+        r = await http.get(url + "/server_info", params={"config_format": "json"}, headers=KEYED)
+        assert (await http.get(url + "/server_info", params={"config_format": "json"})).status_code == 401
+    assert r.status_code == 200 and KEY not in r.text  # vLLM leaves out its variables named *KEY*
+    answer = r.json()
+    assert isinstance(answer["vllm_env"], dict) and isinstance(answer["system_env"], dict)
+    real, kept = trimmed(answer), json.loads(SERVER_INFO.read_text())
+    assert real.keys() == kept.keys()
+    assert real["vllm_config"].keys() == kept["vllm_config"].keys()
+    assert real["vllm_config"]["model_config"].keys() == kept["vllm_config"]["model_config"].keys()
+    assert real["vllm_config"]["model_config"]["enable_sleep_mode"] is False  # the CPU build has none
+    assert EngineCapabilities.parse(r.content) == EngineCapabilities.parse(SERVER_INFO.read_bytes())
+    # What the pool reads at READY and asks every few seconds, with the instance's key and without.
+    engines = HttpEngines(backend=None)
+    assert await engines.read_capabilities(url, KEYED) == EngineCapabilities(())
+    assert await engines.observe_sleep(url, KEYED) is Observed.AWAKE
+    assert await engines.observe_sleep(url) is Observed.UNAUTHORIZED
