@@ -86,7 +86,11 @@ def cmd_vllm_serve(args: argparse.Namespace) -> int:
     )
     if args.dry_run:
         shown = {k: ("[redacted]" if k in spec.secret_env else v) for k, v in sorted(spec.env.items())}
-        print(json.dumps({"argv": list(spec.argv), "env": shown, "cwd": str(spec.cwd)}))
+        print(
+            json.dumps(
+                {"argv": list(spec.argv), "env": shown, "cwd": str(spec.cwd), "python_path": spec.python_path}
+            )
+        )
         return 0
     if spec.cwd is not None:
         os.chdir(spec.cwd)

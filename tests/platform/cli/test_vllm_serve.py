@@ -46,6 +46,9 @@ def test_a_cpu_build_in_the_image_starts_without_sleep_and_with_the_snapshots_se
     assert "--enable-sleep-mode" not in argv and "--tensor-parallel-size" not in argv
     assert "--distributed-executor-backend" in argv and argv[-1] == "--seed=3"
     assert run["env"]["VLLM_API_KEY"] == "[redacted]" and "VLLM_CPU_KVCACHE_SPACE" in run["env"]
+    # With the key comes Stoker's guard, from this Stoker's own copy of it (the image's, in a pod).
+    assert argv[argv.index("--middleware") + 1] == "stoker_vllm_guard.EngineGuard"
+    assert [Path(d).name for d in run["python_path"]] == ["vllm_guard"]
 
 
 def test_a_gpu_build_in_the_image_gets_its_devices_tensor_parallel_and_sleep_mode(snapshot_dir, tmp_path):
