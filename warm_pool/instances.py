@@ -89,6 +89,11 @@ class InstanceOps:
         handle = self._handles.get(inst.id)
         return handle.name if handle is not None else None
 
+    def held_up(self, inst: Instance) -> str | None:
+        """Why its engine, started, is not serving yet, where the backend can tell (a pod Pending)."""
+        handle = self._handles.get(inst.id)
+        return None if handle is None else self.backend.held_up(handle)
+
     def is_alive(self, inst: Instance) -> bool | None:
         """Whether its engine still runs; None if it has none (not started, or stopped)."""
         handle = self._handles.get(inst.id)

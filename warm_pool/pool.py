@@ -240,6 +240,8 @@ class Pool:
                 "phase": self.lifecycle.phases.get(i.id),
                 "url": i.url if i.port is not None or i.address is not None else None,
                 "runs_as": self._ops.handle_name(i),  # "pid 4242", "pod ns/name": where to look
+                # Why a start is held up, where the backend can tell (a pod the scheduler cannot place).
+                "held_up": self._ops.held_up(i) if i.state == InstanceState.STARTING else None,
                 "device": i.device,
                 "reserved_bytes": self._reserved(i),
                 "since": wall - (now - i.state_since),

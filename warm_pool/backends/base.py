@@ -104,6 +104,11 @@ class Backend(Protocol):
         says how its start went only there: `warm_pool.vllm.startup_phases`.)"""
         ...
 
+    def held_up(self, handle: Handle) -> str | None:
+        """Why an engine started but not yet serving is held up, where the backend can tell (a pod
+        the scheduler finds no node for, an image not pulled); None otherwise. Cheap, no I/O."""
+        ...
+
     async def device_capacity(self) -> tuple[int, str] | None:
         """The most GPUs one instance can ever be given here (on one node), and where that figure
         comes from, for a deploy that asks more; None: the platform's own inventory says (this

@@ -57,7 +57,7 @@ from warm_pool.backends.kube_pod import (
     secret_name,
     snapshot_label,
 )
-from warm_pool.backends.kube_status import alive, is_ready, pending_reason, terminated, waiting
+from warm_pool.backends.kube_status import alive, held_up, is_ready, pending_reason, terminated, waiting
 from warm_pool.backends.kube_watch import PodWatch
 from warm_pool.errors import InvalidConfig, PoolError, StartFailed
 from warm_pool.launch import LaunchSpec
@@ -435,6 +435,11 @@ class KubeBackend:
             secret=key,
             started_at=started_at,
         )
+
+    def held_up(self, handle: PodHandle) -> str | None:
+        """From the watch's copy of the pod (`kube_status.held_up`): unschedulable, an image not pulled."""
+        pod = self._watch.pods.get(handle.pod)
+        return held_up(pod) if pod is not None and pod.metadata.uid == handle.uid else None
 
     async def device_capacity(self) -> tuple[int, str] | None:
         """The largest allocatable GPU count of any node (tensor parallel stays on one node). A

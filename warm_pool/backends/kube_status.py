@@ -55,3 +55,16 @@ def pending_reason(pod: Pod) -> str:
     if (stuck := waiting(pod)) is not None:
         return f"{stuck[0]}: {stuck[1]}".rstrip(": ")
     return f"phase {pod.status.phase if pod.status else 'unknown'}"
+
+
+def held_up(pod: Pod) -> str | None:
+    """Why a pod that is not Ready is held up, when its status says (the scheduler found no node
+    that fits, an image is not pulled, a container cannot be created); None while it just starts."""
+    if is_ready(pod):
+        return None
+    scheduled = condition(pod, "PodScheduled")
+    if scheduled is not None and scheduled.status == "False":
+        return pending_reason(pod)
+    if (stuck := waiting(pod)) is not None and stuck[0] not in ("PodInitializing", "ContainerCreating"):
+        return f"{stuck[0]}: {stuck[1]}".rstrip(": ")
+    return None

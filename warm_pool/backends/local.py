@@ -227,6 +227,9 @@ class LocalBackend:
     async def device_capacity(self) -> tuple[int, str] | None:
         return None  # this machine's: the platform's GPU inventory
 
+    def held_up(self, handle: ProcessHandle) -> str | None:
+        return None  # a process runs as soon as it is spawned
+
     def is_alive(self, handle: ProcessHandle) -> bool:
         """The same process (PID and start time) still runs; a recycled PID does not count."""
         child = self._children.get(handle)

@@ -70,6 +70,9 @@ class MemoryBackend:
     async def device_capacity(self) -> tuple[int, str] | None:
         return None
 
+    def held_up(self, handle) -> str | None:
+        return None
+
     async def aclose(self) -> None:
         return None
 

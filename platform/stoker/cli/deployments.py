@@ -367,6 +367,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 print(
                     f"  {i['id']:<30} {i['state']:<10} {i['device']:<6} {format_size(i['reserved_bytes'] or 0)}"
                 )
+            if i.get("held_up"):  # a start the backend says is stuck (a pod the scheduler cannot place)
+                print("  " + _clip(f"{i['id']} {i['state']}, held up: {i['held_up']}", 160))
         failure = d.get("last_failure")
         if d.get("unavailable"):
             print(f"  unavailable: {d['unavailable']}")
@@ -432,6 +434,8 @@ def describe_lines(d: dict) -> list[str]:
             state = f"{i['state']}/{i['phase']}" if i.get("phase") else i["state"]
             device = f"{i['device']} {format_size(i['reserved_bytes'] or 0)}" if i.get("device") else "-"
             out.append(f"  {i['id']:<30} {state:<10} {_ago(i['since']):<12} {device:<16} {i['url'] or '-'}")
+            if i.get("held_up"):
+                out.append(f"    held up: {i['held_up']}")
     decision = d.get("decision")
     if decision is None:
         out.append("Last decision:   none yet")
