@@ -16,8 +16,8 @@ from lightkube.config.models import Cluster, User
 
 from snapshots import SnapshotStore, import_hf_dir
 from tests.conftest import STOKER
-from tests.kube.fake_apiserver import FakeApiServer
-from tests.kube.fake_kubelet import FakeKubelet
+from tests.kube.fake.apiserver import FakeApiServer
+from tests.kube.fake.kubelet import FakeKubelet
 from warm_pool.backends.kube import KubeBackend
 
 TOKEN = "test-token-0123456789"

@@ -1,7 +1,7 @@
 """The node agent (`stoker node`): pulls what deployments use into the node's store, labels the Node.
 
 Real parts on loopback, all but moto in this process: a moto S3 server (its own process), the fake
-Kubernetes API server (tests/kube/fake_apiserver.py: nodes, merge patches, a bearer token, every
+Kubernetes API server (tests/kube/fake/apiserver.py: nodes, merge patches, a bearer token, every
 written object checked against the API's schemas), and a tiny Starlette app standing in for the
 controller's `GET /cluster/v1/snapshots` (the controller's own endpoint is tested on its own; here
 it answers whatever a test sets). The agent runs as `stoker node` builds it: its kubeconfig read
@@ -52,7 +52,7 @@ from stoker.node.agent import (
     parse_wanted,
 )
 from tests.deadlines import WAIT, deadline
-from tests.kube.fake_apiserver import FakeApiServer
+from tests.kube.fake.apiserver import FakeApiServer
 from tests.snapshots.s3_support import MotoServer, aws_env, free_port
 from warm_pool.backends.kube import snapshot_label
 from warm_pool.backends.kube_pod import SNAPSHOT_LABEL_PREFIX

@@ -40,7 +40,7 @@ from lightkube.core.exceptions import ApiError
 from lightkube.resources.core_v1 import Pod, PodStatus, Secret
 from lightkube.types import PatchType
 
-from tests.kube.fake_apiserver import now_iso
+from tests.kube.fake.apiserver import now_iso
 
 
 @dataclass
