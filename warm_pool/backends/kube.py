@@ -39,6 +39,7 @@ from lightkube.resources.core_v1 import Node, Pod, Secret
 from lightkube.types import PatchType
 
 from warm_pool.backends.base import Placement, Running
+from warm_pool.backends.kube_access import calls
 from warm_pool.backends.kube_pod import (
     DEPLOYMENT_LABEL,
     ENGINE_CONTAINER,
@@ -102,6 +103,14 @@ class KubeBackend:
     pods are watched, adopted and stopped. Call `aclose()` when done."""
 
     kind = "kubernetes"
+    # Every call this backend (and its PodWatch) makes; the chart grants exactly these.
+    API_CALLS = (
+        calls("", "pods", "create", "list", "watch", "delete")  # start, the watch, stop
+        | calls("", "pods/log", "get")  # the failure's log, vLLM's start phases
+        | calls("", "secrets", "create", "update", "patch", "get", "delete")  # update: replace a left one;
+        #                                          patch: the pod as its owner; get: adopt the key
+        | calls("", "nodes", "list", namespaced=False)  # which node's store holds a snapshot
+    )
 
     def __init__(
         self,
