@@ -563,6 +563,16 @@ def test_the_notes_say_where_the_gateway_is(everything):
     assert "jsonpath='{.data.token}'" in notes
 
 
+def test_the_values_and_the_notes_say_which_pod_security_label_the_namespace_needs(everything):
+    """The engine pods' and the node agents' hostPath store fits only `privileged`
+    (tests/kube/test_fake_podsecurity.py: and nothing else of theirs needs it)."""
+    notes = render_chart(CHART, EVERYTHING, namespace=NAMESPACE)["NOTES.txt"]
+    assert f"kubectl label namespace {NAMESPACE} pod-security.kubernetes.io/enforce=privileged" in notes
+    assert "hostPath" in notes
+    values = (CHART / "values.yaml").read_text()
+    assert "pod-security.kubernetes.io/enforce: privileged" in values and "hostPath" in values
+
+
 def test_object_names_stay_within_kubernetes_limits_for_the_longest_release_name():
     long_name = "r" * 53  # the longest release name Helm accepts
     objects = manifests(render_chart(CHART, DEFAULTS, release=long_name, namespace=NAMESPACE))

@@ -105,6 +105,7 @@ async def test_every_call_the_code_declares_is_one_it_makes(
     controller = AsyncClient(config=cluster.config_for("controller"), namespace=NAMESPACE)
     node = AsyncClient(config=cluster.config_for("node"))
     try:
+        await backend.check_admission()
         await backend.acquire(Source(tiny_store.snapshot_id), "tiny-0e0e0e0e")
         await leave_secret(cluster, "tiny-0e0e0e0e")
         handle = await backend.start(placement(tiny_store, "tiny-0e0e0e0e", key), web_spec())
