@@ -19,7 +19,8 @@ from stoker.node.agent import AgentConfig, NodeAgent
 from tests.kube.accounts import DECLARED, TOKENS, asked, chart_access
 from tests.kube.conftest import NAMESPACE, Cluster_, TinyStore, running_cluster
 from tests.kube.fake.rbac import Policy
-from tests.kube.test_backend import Source, placement, web_spec
+from tests.kube.test_backend import READY_S, Source, placement, web_spec
+from warm_pool.backends.kube import snapshot_label
 from warm_pool.errors import PoolError
 
 CONTROLLER = f"system:serviceaccount:{NAMESPACE}:stoker-controller"
@@ -109,7 +110,7 @@ async def test_every_call_the_code_declares_is_one_it_makes(
         await backend.acquire(Source(tiny_store.snapshot_id), "tiny-0e0e0e0e")
         await leave_secret(cluster, "tiny-0e0e0e0e")
         handle = await backend.start(placement(tiny_store, "tiny-0e0e0e0e", key), web_spec())
-        await backend.wait_ready(handle, 60, health_path="/")
+        await backend.wait_ready(handle, READY_S, health_path="/")
         assert await backend.read_log("tiny-0e0e0e0e", 1000) is not None
         await backend.aclose()
         [adopted] = await restarted.running()
@@ -124,9 +125,8 @@ async def test_every_call_the_code_declares_is_one_it_makes(
         store = SnapshotStore(tmp_path / "store")  # holds nothing
         config = AgentConfig("http://127.0.0.1:9", "node-a", warm=False)
         agent = NodeAgent(config, store, node, RemoteConfig.from_env(), "admin-key")
-        cluster.api.get("nodes", "", "node-a")["metadata"]["labels"]["snapshots.stoker.dev/" + "f" * 40] = (
-            "true"
-        )
+        stale = snapshot_label("f" * 64)  # a label for a snapshot this store does not hold
+        cluster.api.get("nodes", "", "node-a")["metadata"]["labels"][stale] = "true"
         errors: list[str] = []
         await agent._report(errors)  # the stale label goes: a read, then a patch
         assert errors == []
