@@ -56,6 +56,7 @@ PROCESS_FIXTURES = frozenset(
         "fresh_engine",
         "tiny_snapshot",
         "cluster",
+        "pod_logs",  # a cluster of tests/kube started by the test itself (`running_cluster`)
         "planes",
         "cli",
     }

@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from tests.infra.helmlite import RequiredError, manifests, render_chart
+from tests.kube.accounts import DECLARED
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "infra" / "helm" / "stoker"
@@ -383,25 +384,44 @@ def test_images_come_from_values(everything):
 
 
 # --- RBAC: exactly what the processes use -----------------------------------------------------
-
-CONTROLLER_RULES = [
-    {
-        "apiGroups": [""],
-        "resources": ["pods"],
-        "verbs": ["get", "list", "watch", "create", "delete", "patch"],
-    },
-    {"apiGroups": [""], "resources": ["pods/log"], "verbs": ["get"]},
-    {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "create", "delete"]},
-    {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["get", "create", "update"]},
-]
-CONTROLLER_CLUSTER_RULES = [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]}]
-NODE_CLUSTER_RULES = [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]}]
+#
+# The expected rules are derived from what the code says it calls (`API_CALLS`, declared beside the
+# calls, gathered per component in tests/kube/accounts.py), not copied here: a static table is
+# what this test needs, since it renders the chart alone, in any order and on any worker. The
+# table cannot drift from the code either: tests/kube runs every process against a fake API
+# server that enforces this chart's RBAC and fails any test whose processes made a call their
+# code does not declare, and tests/kube/test_rbac.py drives every declared call.
 
 
-def test_rbac_grants_exactly_the_listed_verbs(objects):
-    assert one(objects, "Role", "controller")["rules"] == CONTROLLER_RULES
-    assert one(objects, "ClusterRole", "controller")["rules"] == CONTROLLER_CLUSTER_RULES
-    assert one(objects, "ClusterRole", "node")["rules"] == NODE_CLUSTER_RULES
+def granted(roles: list[dict]) -> list[tuple[str, str, str]]:
+    """(group, resource, verb) for every verb the roles' rules grant."""
+    return [
+        (group, resource, verb)
+        for role in roles
+        for rule in role["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    ]
+
+
+def roles_of(objects: list[dict], kind: str, component: str) -> list[dict]:
+    return [
+        o
+        for o in objects
+        if o["kind"] == kind and o["metadata"]["labels"]["app.kubernetes.io/component"] == component
+    ]
+
+
+@pytest.mark.parametrize("component", sorted(DECLARED))
+def test_rbac_grants_exactly_the_calls_the_code_makes(objects, component):
+    for kind, namespaced in (("Role", True), ("ClusterRole", False)):
+        grants = granted(roles_of(objects, kind, component))
+        expected = {(c.group, c.resource, c.verb) for c in DECLARED[component] if c.namespaced == namespaced}
+        assert sorted(set(grants)) == sorted(expected), f"{component}'s {kind}"
+        assert len(grants) == len(set(grants)), f"{component}'s {kind} grants a verb twice"
+        for rule in (r for role in roles_of(objects, kind, component) for r in role["rules"]):
+            assert not rule.get("resourceNames") and not rule.get("nonResourceURLs")
 
 
 def test_rbac_has_no_wildcards(objects):
@@ -587,6 +607,16 @@ def test_the_notes_say_where_the_gateway_is(everything):
     notes = render_chart(CHART, EVERYTHING, namespace=NAMESPACE)["NOTES.txt"]
     assert f"http://stoker-gateway.{NAMESPACE}:8080/v1" in notes
     assert "jsonpath='{.data.token}'" in notes
+
+
+def test_the_values_and_the_notes_say_which_pod_security_label_the_namespace_needs(everything):
+    """The engine pods' and the node agents' hostPath store fits only `privileged`
+    (tests/kube/test_fake_podsecurity.py: and nothing else of theirs needs it)."""
+    notes = render_chart(CHART, EVERYTHING, namespace=NAMESPACE)["NOTES.txt"]
+    assert f"kubectl label namespace {NAMESPACE} pod-security.kubernetes.io/enforce=privileged" in notes
+    assert "hostPath" in notes
+    values = (CHART / "values.yaml").read_text()
+    assert "pod-security.kubernetes.io/enforce: privileged" in values and "hostPath" in values
 
 
 def test_object_names_stay_within_kubernetes_limits_for_the_longest_release_name():

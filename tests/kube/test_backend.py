@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import secrets
@@ -11,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.deadlines import ENGINE_START, HTTP_READ, deadline
+from tests.deadlines import ENGINE_START, HTTP_READ, WAIT, deadline
 from tests.kube.conftest import NAMESPACE, Cluster_, TinyStore, kube_config
 from tests.snapshots.s3_support import free_port
 from warm_pool.backends.base import Placement
@@ -173,6 +174,17 @@ async def test_a_pod_left_pending_by_a_previous_controller_is_deleted_not_adopte
         await second.aclose()
 
 
+async def pending_because(backend: KubeBackend, handle: PodHandle) -> StartFailed:
+    """The failure of a short wait for a pod that cannot be scheduled, once the backend has seen why:
+    its watch hears the scheduler's verdict just after the pod's creation, which said nothing yet."""
+    end = asyncio.get_running_loop().time() + WAIT
+    while True:
+        with pytest.raises(StartFailed) as failed:
+            await backend.wait_ready(handle, 0.2, health_path="/health")
+        if "Unschedulable" in str(failed.value) or asyncio.get_running_loop().time() > end:
+            return failed.value
+
+
 async def test_an_unschedulable_pod_times_out_saying_why(cluster: Cluster_, tiny_store: TinyStore) -> None:
     for node in list(cluster.api.store.objects):
         if node[0] == "nodes":
@@ -180,9 +192,9 @@ async def test_an_unschedulable_pod_times_out_saying_why(cluster: Cluster_, tiny
     backend = cluster.backend(tiny_store.root)
     try:
         handle = await backend.start(placement(tiny_store, "tiny-55555555"), web_spec())
-        with pytest.raises(StartFailed) as failed:
-            await backend.wait_ready(handle, 0.5, health_path="/health")
-        assert "Unschedulable" in str(failed.value) and failed.value.phase == "wait_ready"
+        failed = await pending_because(backend, handle)
+        assert "(Unschedulable: no nodes available to schedule pods)" in str(failed)
+        assert failed.phase == "wait_ready"
         await backend.stop(handle, term_timeout_s=5)  # never bound: removed at once
     finally:
         await backend.aclose()

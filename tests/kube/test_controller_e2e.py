@@ -131,7 +131,7 @@ async def test_instances_as_pods_end_to_end(cluster, tiny_store: TinyStore, tmp_
             again.metric, "stoker_instance_starts_total", deployment="m", outcome="ready"
         )
         assert starts == 0
-        lease = api.get("leases", NAMESPACE, "stoker-controller")
+        lease = api.get("leases.coordination.k8s.io", NAMESPACE, "stoker-controller")
         assert lease["spec"]["leaseTransitions"] >= 1
 
         # A gateway killed: the other one serves.

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import httpx
 
-from tests.kube.conftest import NAMESPACE, TOKEN, Cluster_
+from tests.kube.accounts import ADMIN_TOKEN
+from tests.kube.conftest import NAMESPACE, Cluster_
 
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
+AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
 
 def pod(**container: object) -> dict:
@@ -63,3 +64,59 @@ async def test_a_watch_from_a_compacted_version_is_410_expired(cluster: Cluster_
     assert (
         event["type"] == "ERROR" and event["object"]["code"] == 410 and event["object"]["reason"] == "Expired"
     )
+
+
+async def test_a_namespaced_object_needs_its_namespace(cluster: Cluster_) -> None:
+    async with httpx.AsyncClient(base_url=cluster.api.url, headers=AUTH) as http:
+        answer = await http.post("/api/v1/namespaces/nowhere/pods", json=pod())
+    assert answer.status_code == 404 and answer.json()["message"] == 'namespaces "nowhere" not found'
+
+
+async def test_a_dry_run_is_checked_whole_and_stores_nothing(cluster: Cluster_) -> None:
+    base = f"/api/v1/namespaces/{NAMESPACE}/pods"
+    async with httpx.AsyncClient(base_url=cluster.api.url, headers=AUTH) as http:
+        fine = await http.post(base, json=pod(), params={"dryRun": "All"})
+        typo = await http.post(base, json=pod(comand=["x"]), params={"dryRun": "All"})
+    assert fine.status_code == 201 and fine.json()["metadata"]["uid"]
+    assert typo.status_code == 422
+    assert cluster.api.get("pods", NAMESPACE, "p") is None
+    assert not [e for e in cluster.api.store.history if e[1] == "pods"]  # no event either
+
+
+async def test_an_object_goes_once_all_its_owners_are_gone(cluster: Cluster_) -> None:
+    a, b = (cluster.api.get("nodes", "", n)["metadata"] for n in ("node-a", "node-b"))
+    owners = [{"apiVersion": "v1", "kind": "Node", "name": m["name"], "uid": m["uid"]} for m in (a, b)]
+    secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "s", "ownerReferences": owners}}
+    async with httpx.AsyncClient(base_url=cluster.api.url, headers=AUTH) as http:
+        assert (await http.post(f"/api/v1/namespaces/{NAMESPACE}/secrets", json=secret)).status_code == 201
+        assert (await http.delete("/api/v1/nodes/node-a")).status_code == 200
+        assert cluster.api.get("secrets", NAMESPACE, "s") is not None  # node-b still owns it
+        assert (await http.delete("/api/v1/nodes/node-b")).status_code == 200
+    assert cluster.api.get("secrets", NAMESPACE, "s") is None
+
+
+async def test_a_collection_is_deleted_by_label(cluster: Cluster_) -> None:
+    base = f"/api/v1/namespaces/{NAMESPACE}/secrets"
+    async with httpx.AsyncClient(base_url=cluster.api.url, headers=AUTH) as http:
+        for name, team in (("a", "x"), ("b", "x"), ("c", "y")):
+            secret = {
+                "apiVersion": "v1",
+                "kind": "Secret",
+                "metadata": {"name": name, "labels": {"team": team}},
+            }
+            assert (await http.post(base, json=secret)).status_code == 201
+        assert (await http.delete(base, params={"labelSelector": "team=x"})).status_code == 200
+        left = (await http.get(base)).json()["items"]
+    assert [s["metadata"]["name"] for s in left] == ["c"]
+
+
+async def test_an_unknown_kind_or_subresource_is_404(cluster: Cluster_) -> None:
+    async with httpx.AsyncClient(base_url=cluster.api.url, headers=AUTH) as http:
+        for path in (
+            f"/api/v1/namespaces/{NAMESPACE}/configmaps",
+            f"/apis/apps/v1/namespaces/{NAMESPACE}/deployments",
+            f"/api/v1/namespaces/{NAMESPACE}/secrets/s/status",
+            "/api/v1/namespaces/stoker/leases",  # a Lease is coordination.k8s.io's
+        ):
+            answer = await http.get(path)
+            assert answer.status_code == 404 and answer.json()["reason"] == "NotFound", path

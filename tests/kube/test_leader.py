@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import AsyncIterator
 
+import pytest
 from lightkube import AsyncClient
 from lightkube.resources.coordination_v1 import Lease
 
@@ -47,15 +49,23 @@ async def first(*events: asyncio.Event) -> None:
         w.cancel()
 
 
+@pytest.fixture
+async def controller(cluster: Cluster_) -> AsyncIterator[AsyncClient]:
+    """A client with the controller's service account, as each replica has."""
+    client = AsyncClient(config=cluster.config_for("controller"), namespace=NAMESPACE)
+    yield client
+    await client.close()
+
+
 async def holder(cluster: Cluster_) -> Lease:
     return await cluster.client.get(Lease, "stoker-controller", namespace=NAMESPACE)
 
 
 async def test_one_of_two_leads_and_the_other_takes_over_only_once_the_lease_expired(
-    cluster: Cluster_,
+    cluster: Cluster_, controller: AsyncClient
 ) -> None:
-    a = Replica(cluster.client, "a", release_on_exit=False)
-    b = Replica(cluster.client, "b", release_on_exit=False)
+    a = Replica(controller, "a", release_on_exit=False)
+    b = Replica(controller, "b", release_on_exit=False)
     await first(a.leading, b.leading)
     leader, follower = (a, b) if a.leading.is_set() else (b, a)
     await asyncio.sleep(5 * FAST["renew_s"])  # several renewals: still one leader
@@ -72,8 +82,8 @@ async def test_one_of_two_leads_and_the_other_takes_over_only_once_the_lease_exp
     assert follower.stopped.is_set()
 
 
-async def test_a_leader_that_stops_releases_the_lease(cluster: Cluster_) -> None:
-    a = Replica(cluster.client, "a")
+async def test_a_leader_that_stops_releases_the_lease(cluster: Cluster_, controller: AsyncClient) -> None:
+    a = Replica(controller, "a")
     await asyncio.wait_for(a.leading.wait(), WITHIN_S)
     await a.crash()
     assert a.stopped.is_set() and not a.elector.is_leader
@@ -81,20 +91,22 @@ async def test_a_leader_that_stops_releases_the_lease(cluster: Cluster_) -> None
     assert spec.holderIdentity is None
 
 
-async def test_a_leader_that_cannot_renew_steps_down(cluster: Cluster_) -> None:
-    a = Replica(cluster.client, "a", release_on_exit=False)
+async def test_a_leader_that_cannot_renew_steps_down(cluster: Cluster_, controller: AsyncClient) -> None:
+    a = Replica(controller, "a", release_on_exit=False)
     await asyncio.wait_for(a.leading.wait(), WITHIN_S)
-    cluster.api.token = "rotated"  # every request of `a` is now 401
+    account = cluster.api.tokens.pop(TOKEN)  # the token revoked: every request of `a` is now 401
     try:
         await asyncio.wait_for(a.task, WITHIN_S)  # `run` returns once it stopped leading
     finally:
-        cluster.api.token = TOKEN
+        cluster.api.tokens[TOKEN] = account
     assert a.stopped.is_set() and not a.elector.is_leader
 
 
-async def test_a_write_that_lost_the_race_is_a_409_and_leaves_the_other_leading(cluster: Cluster_) -> None:
+async def test_a_write_that_lost_the_race_is_a_409_and_leaves_the_other_leading(
+    cluster: Cluster_, controller: AsyncClient
+) -> None:
     """`a` reads the lease; `b` takes it before `a` writes; `a`'s write carries a stale version."""
-    b = LeaderElector(cluster.client, NAMESPACE, "stoker-controller", "b", **FAST)
+    b = LeaderElector(controller, NAMESPACE, "stoker-controller", "b", **FAST)
     assert await b._try_acquire_or_renew()
     await cluster.client.patch(
         Lease, "stoker-controller", {"spec": {"holderIdentity": None}}, namespace=NAMESPACE
@@ -104,12 +116,12 @@ async def test_a_write_that_lost_the_race_is_a_409_and_leaves_the_other_leading(
         """The real client, but `b` renews between `a`'s read and `a`'s write."""
 
         async def get(self, *args, **kwargs):
-            lease = await cluster.client.get(*args, **kwargs)
+            lease = await controller.get(*args, **kwargs)
             assert await b._try_acquire_or_renew()
             return lease
 
         def __getattr__(self, name: str):
-            return getattr(cluster.client, name)
+            return getattr(controller, name)
 
     a = LeaderElector(RacingClient(), NAMESPACE, "stoker-controller", "a", **FAST)  # type: ignore[arg-type]
     conflicts = len([r for r in cluster.api.responses if r == 409])

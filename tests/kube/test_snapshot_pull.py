@@ -122,3 +122,36 @@ def _closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+async def test_an_engine_that_crashes_after_a_good_pull_is_blamed_not_the_pull(
+    cluster: Cluster_, moto: MotoServer, published: str, tmp_path: Path
+) -> None:
+    """The init container Completed with 0 (and the kubelet keeps saying so); the engine then exits
+    on a snapshot path that is not there: its own exit code, phase and log are the failure."""
+    node_store = tmp_path / "node-store"
+    node_store.mkdir()
+    backend = cluster.backend(node_store, pull_env=pull_env(moto.url), pull_secret=await credentials(cluster))
+    spec = cpu_engine_spec(node_store / "no-such-snapshot", 8000, "tiny", threads=1)
+    try:
+        handle = await backend.start(placement("tiny-0d0d0d0d", published), spec)
+        with pytest.raises(StartFailed) as failed:
+            await backend.wait_ready(handle, READY_S, health_path="/health")
+        pod = cluster.api.get("pods", NAMESPACE, "tiny-0d0d0d0d")
+        [pulled] = pod["status"]["initContainerStatuses"]
+        assert pulled["name"] == "snapshot-pull"
+        assert (
+            pulled["state"]["terminated"]["exitCode"] == 0
+            and pulled["state"]["terminated"]["reason"] == "Completed"
+        )
+        [engine] = pod["status"]["containerStatuses"]
+        code = engine["state"]["terminated"]["exitCode"]
+        assert code != 0 and failed.value.exit_code == code
+        assert failed.value.phase == "process_start"
+        assert f"container engine exited with status {code} (Error)" in str(failed.value)
+        assert "snapshot-pull" not in str(failed.value)
+        assert "no-such-snapshot" in " ".join(failed.value.log_lines)  # the engine's log, not the pull's
+        assert (node_store / published / "config.json").is_file()  # the pull did its part
+        await backend.stop(handle, term_timeout_s=5)
+    finally:
+        await backend.aclose()

@@ -15,6 +15,10 @@ A pod's lifecycle as the pool sees it:
     stop       delete with the grace period; wait until it is gone; the engine's exit code
     running    this owner's Running pods and their Secrets: a restarted controller adopts them
 
+Before any of it, `check_admission` asks the API server (a server-side dry run) whether the
+namespace admits a pod shaped as every engine pod: each mounts the node's snapshot store, a
+hostPath, which Pod Security admits only at the `privileged` level.
+
 Handles carry the pod's uid, so a later pod that got the same name is never mistaken for it.
 Secrets are read only to adopt (the key) and never logged.
 """
@@ -39,6 +43,7 @@ from lightkube.resources.core_v1 import Node, Pod, Secret
 from lightkube.types import PatchType
 
 from warm_pool.backends.base import Placement, Running
+from warm_pool.backends.kube_access import calls
 from warm_pool.backends.kube_pod import (
     DEPLOYMENT_LABEL,
     ENGINE_CONTAINER,
@@ -84,6 +89,23 @@ _FATAL_WAITING = {
 }
 
 
+_ADMISSION_CHECK = "stoker-admission-check"  # the dry-run pod's name: never stored
+
+
+def _refused(namespace: str, message: str) -> str:
+    """Why engine pods cannot run in `namespace`, from the API server's refusal; what to do about it
+    where it was Pod Security (any other refusal, RBAC's or a policy webhook's, says its own)."""
+    why = f"namespace {namespace} does not admit Stoker's engine pods: {message}"
+    if "violates PodSecurity" not in message:
+        return why
+    return (
+        f"{why}. Every engine pod mounts the node's snapshot store, a hostPath volume, which only the "
+        "privileged Pod Security level admits: label the namespace pod-security.kubernetes.io/enforce="
+        f"privileged (kubectl label namespace {namespace} pod-security.kubernetes.io/enforce=privileged "
+        "--overwrite)"
+    )
+
+
 @dataclass(frozen=True)
 class PodHandle:
     namespace: str
@@ -102,6 +124,14 @@ class KubeBackend:
     pods are watched, adopted and stopped. Call `aclose()` when done."""
 
     kind = "kubernetes"
+    # Every call this backend (and its PodWatch) makes; the chart grants exactly these.
+    API_CALLS = (
+        calls("", "pods", "create", "list", "watch", "delete")  # start (and its dry run), the watch, stop
+        | calls("", "pods/log", "get")  # the failure's log, vLLM's start phases
+        | calls("", "secrets", "create", "update", "patch", "get", "delete")  # update: replace a left one;
+        #                                          patch: the pod as its owner; get: adopt the key
+        | calls("", "nodes", "list", namespaced=False)  # which node's store holds a snapshot
+    )
 
     def __init__(
         self,
@@ -284,6 +314,30 @@ class KubeBackend:
             task.cancel()
         if self._own_client:
             await self._client.close()
+
+    async def check_admission(self) -> None:
+        """InvalidConfig if the namespace refuses engine pods: a pod shaped as every engine pod is
+        (its hostPath store, its security contexts, an init pull) is created as a server-side dry
+        run, so the API server's own admission answers, Pod Security included, with whatever
+        labels, defaults and exemptions the cluster has. That is the one honest test: a label read
+        here could not see the cluster's defaults. An API that cannot be asked is only logged:
+        each start says why it fails anyway."""
+        placement = Placement(
+            _ADMISSION_CHECK, "admission-check", "0" * 64, "s3://admission-check/x", "cpu", 0, "0.0.0.0",
+            self.settings.engine_port, "",
+        )  # fmt: skip
+        spec = LaunchSpec(("stoker", "engine"), program="stoker")
+        manifest = pod_manifest(self.settings, placement, spec, self._wall_clock())
+        try:
+            await self._client.create(Pod.from_dict(manifest), namespace=self.namespace, dry_run=True)
+        except ApiError as exc:
+            if exc.status.code == 403:
+                raise InvalidConfig("namespace", _refused(self.namespace, exc.status.message)) from None
+            log.warning(
+                "checking that namespace %s admits engine pods: %s", self.namespace, exc.status.message
+            )
+        except httpx2.HTTPError as exc:
+            log.warning("checking that namespace %s admits engine pods: %s", self.namespace, exc)
 
     # -- readiness and failure ----------------------------------------------------------------------
 

@@ -28,12 +28,19 @@ def is_ready(pod: Pod) -> bool:
 
 
 def terminated(pod: Pod):
-    """(container name, its terminated state) of the first container that ended, init ones first."""
+    """(container name, its terminated state) of the container whose end is the pod's: an init
+    container that failed (a pod's init containers run in order, and one that fails ends it), else
+    the first container that ended. An init container that Completed with 0 did its part and is
+    never blamed: a kubelet keeps its status, so an engine that crashes after a good pull is the
+    engine's failure, with its exit code and its log."""
     status = pod.status
-    for statuses in (status and status.initContainerStatuses, status and status.containerStatuses):
-        for cs in statuses or []:
-            if cs.state is not None and cs.state.terminated is not None:
-                return cs.name, cs.state.terminated
+    for cs in (status and status.initContainerStatuses) or []:
+        ended = cs.state.terminated if cs.state is not None else None
+        if ended is not None and ended.exitCode != 0:
+            return cs.name, ended
+    for cs in (status and status.containerStatuses) or []:
+        if cs.state is not None and cs.state.terminated is not None:
+            return cs.name, cs.state.terminated
     return None
 
 

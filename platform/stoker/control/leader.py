@@ -36,10 +36,15 @@ from lightkube.models.coordination_v1 import LeaseSpec
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.coordination_v1 import Lease
 
+from warm_pool.backends.kube_access import calls
+
 log = logging.getLogger(__name__)
 
 
 class LeaderElector:
+    # Every call the election makes (a read, then a create or a replace); the chart grants these.
+    API_CALLS = calls("coordination.k8s.io", "leases", "get", "create", "update")
+
     def __init__(
         self,
         client: AsyncClient,

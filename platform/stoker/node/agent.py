@@ -42,6 +42,7 @@ from snapshots.s3 import S3Uri
 from stoker.http import BearerAuth, nesting_exceeds
 from stoker.node.gpu_metrics import register_gpu_metrics
 from warm_pool.backends.kube import snapshot_label
+from warm_pool.backends.kube_access import calls
 from warm_pool.backends.kube_pod import SNAPSHOT_LABEL_PREFIX
 from warm_pool.backoff import restart_delay
 
@@ -191,6 +192,9 @@ class AgentMetrics:
 class NodeAgent:
     """The loop: ask the controller, label the node, pull what is missing. One sync at a time; every
     failure is logged, kept for /healthz and retried, never raised out of `run`."""
+
+    # Every call the agent makes (its own Node read, its labels patched); the chart grants these.
+    API_CALLS = calls("", "nodes", "get", "patch", namespaced=False)
 
     def __init__(
         self,

@@ -236,10 +236,12 @@ def build_controller(
 def run_controller(options: ControllerOptions) -> int:
     """`stoker controller`, wired: the platform (on the Kubernetes backend, with its Lease election,
     where `options.kube` says), the keys, the app, served until SIGTERM or until the Lease is lost.
-    The exit status. A setting the backend refuses raises `warm_pool.errors.InvalidConfig`."""
+    The exit status. A setting the backend refuses, a namespace that does not admit engine pods
+    included, raises `warm_pool.errors.InvalidConfig` before anything is served."""
     log_setup(options.listen)
     wiring, leader, settings = {}, None, options.platform
     if options.kube is not None:
+        asyncio.run(_check_namespace(options.kube))
         wiring, leader = _kubernetes(options.kube)
         # vLLM runs in the engine pods, each asking its image's own: none is looked for here.
         settings = replace(settings, vllm=replace(settings.vllm, in_image=True))
@@ -261,16 +263,11 @@ def run_controller(options: ControllerOptions) -> int:
     return serve_app(app, options.listen, stopping)
 
 
-def _kubernetes(kube: KubeSettings) -> tuple[dict[str, Any], Any]:
-    """The Kubernetes backend with its pods' GPUs, and the Lease election."""
-    from lightkube import AsyncClient
+def _backend(kube: KubeSettings, client_or_config: Any) -> Any:
+    from warm_pool.backends.kube import KubeBackend
 
-    from stoker.control.leader import LeaderElector
-    from warm_pool.backends.kube import KubeBackend, PodGpus
-
-    client = AsyncClient(config=kube.config, namespace=kube.namespace)
-    backend = KubeBackend(
-        client,
+    return KubeBackend(
+        client_or_config,
         kube.namespace,
         image=kube.image,
         store_path=kube.store_path,
@@ -278,6 +275,28 @@ def _kubernetes(kube: KubeSettings) -> tuple[dict[str, Any], Any]:
         pull_env=kube.pull_env,
         pull_secret=kube.pull_secret,
     )
+
+
+async def _check_namespace(kube: KubeSettings) -> None:
+    """InvalidConfig, before anything starts, if the namespace refuses engine pods (Pod Security:
+    each mounts the node's store, a hostPath). With a client of its own: the server's loop is not
+    running yet."""
+    backend = _backend(kube, kube.config)
+    try:
+        await backend.check_admission()
+    finally:
+        await backend.aclose()
+
+
+def _kubernetes(kube: KubeSettings) -> tuple[dict[str, Any], Any]:
+    """The Kubernetes backend with its pods' GPUs, and the Lease election."""
+    from lightkube import AsyncClient
+
+    from stoker.control.leader import LeaderElector
+    from warm_pool.backends.kube import PodGpus
+
+    client = AsyncClient(config=kube.config, namespace=kube.namespace)
+    backend = _backend(kube, client)
     leader = LeaderElector(
         client, kube.namespace, kube.lease_name, kube.identity, lease_s=kube.lease_s, renew_s=kube.lease_s / 3
     )

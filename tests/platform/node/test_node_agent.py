@@ -1,8 +1,9 @@
 """The node agent (`stoker node`): pulls what deployments use into the node's store, labels the Node.
 
 Real parts on loopback, all but moto in this process: a moto S3 server (its own process), the fake
-Kubernetes API server (tests/kube/fake_apiserver.py: nodes, merge patches, a bearer token, every
-written object checked against the API's schemas), and a tiny Starlette app standing in for the
+Kubernetes API server (tests/kube/fake/apiserver.py: nodes, merge patches, every written object
+checked against the API's schemas; the agent calls with the node agent's token, held to the RBAC
+the Helm chart gives its service account), and a tiny Starlette app standing in for the
 controller's `GET /cluster/v1/snapshots` (the controller's own endpoint is tested on its own; here
 it answers whatever a test sets). The agent runs as `stoker node` builds it: its kubeconfig read
 from a file, its sync loop beside its uvicorn server. Waits are for an observable change (a label,
@@ -52,14 +53,15 @@ from stoker.node.agent import (
     parse_wanted,
 )
 from tests.deadlines import WAIT, deadline
-from tests.kube.fake_apiserver import FakeApiServer
+from tests.kube.accounts import TOKENS, chart_access, tokens, unexplained
+from tests.kube.fake.apiserver import FakeApiServer
 from tests.snapshots.s3_support import MotoServer, aws_env, free_port
 from warm_pool.backends.kube import snapshot_label
 from warm_pool.backends.kube_pod import SNAPSHOT_LABEL_PREFIX
 
 BUCKET = "node-agent"
 ADMIN_KEY = "node-agent-admin-key"
-KUBE_TOKEN = "node-agent-kube-token"
+KUBE_TOKEN = TOKENS["node"]  # the node agent's service account
 NODE = "gpu-node-1"
 UNRELATED = {"kubernetes.io/hostname": NODE, "team": "ml", "snapshots.stoker.dev/keep-me": "yes"}
 ID_A, ID_B = "a" * 64, "b" * 64
@@ -285,7 +287,8 @@ class Scene:
 
 @pytest.fixture
 async def scene(tmp_path) -> AsyncIterator[Scene]:
-    kube = FakeApiServer(KUBE_TOKEN, tmp_path)
+    access = chart_access()
+    kube = FakeApiServer(tmp_path, tokens=tokens(access), policy=access.policy)
     controller = Controller()
     async with kube.serve() as kube_url, serving(controller.app()) as controller_url:
         kube.add_node(NODE, dict(UNRELATED))
@@ -294,6 +297,7 @@ async def scene(tmp_path) -> AsyncIterator[Scene]:
         kubeconfig.write_text(json.dumps(kubeconfig_for(kube_url)))
         store = SnapshotStore(tmp_path / "node-store")
         yield Scene(kube, controller, controller_url, kubeconfig, store, tmp_path)
+    assert unexplained(kube.calls, access) == []  # the agent did only what its code declares
 
 
 def kubeconfig_for(url: str) -> dict:

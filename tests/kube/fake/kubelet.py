@@ -1,10 +1,13 @@
 """A kubelet for the tests: runs the pods the fake API server bound to its nodes as local processes.
 
-It is a client of the API like the real one (lightkube, its own token): it watches pods, runs
-each bound pod's init containers in order and then its container, probes readiness, and reports
-back through `pods/<name>/status`: phase, podIP, conditions (PodScheduled, Initialized,
-ContainersReady, Ready) and container statuses with exit codes. A deleted pod's processes get
-SIGTERM, SIGKILL after the grace period, and the pod is then deleted with grace 0.
+It is a client of the API like the real one (lightkube, its own token, unrestricted: the fake
+models no Node authorizer): it watches pods, runs each bound pod's init containers in order and
+then its container, probes readiness, and reports back through `pods/<name>/status` with
+strategic merge patches, as a kubelet does: phase, podIP, conditions (Initialized,
+ContainersReady, Ready; PodScheduled is the scheduler's) and container statuses. Init containers
+keep theirs once they ended (`terminated`: Completed with exit code 0, or Error with its code);
+while they run, those after them and the container wait (`PodInitializing`). A deleted pod's
+processes get SIGTERM, SIGKILL after the grace period, and the pod is then deleted with grace 0.
 
 What differs from a node, and why it keeps the tests honest:
 
@@ -40,7 +43,7 @@ from lightkube.core.exceptions import ApiError
 from lightkube.resources.core_v1 import Pod, PodStatus, Secret
 from lightkube.types import PatchType
 
-from tests.kube.fake_apiserver import now_iso
+from tests.kube.fake.apiserver import now_iso
 
 
 @dataclass
@@ -142,15 +145,25 @@ class FakeKubelet:
             )
 
     async def _lifecycle(self, run: _Run) -> None:
-        """Init containers, then the container: run, probe, report its end."""
+        """Init containers in order, then the container: run, probe, report its end. Every init
+        container's status is kept once it ended (`terminated`, Completed with 0 or Error with its
+        code), as a kubelet keeps them; those not yet run, and the container, wait meanwhile."""
         started = now_iso()
-        for init in run.spec.get("initContainers") or []:
-            code, reason = await self._run_to_end(run, init)
-            if code != 0:
-                status = _terminated(init, code, reason, started)
-                await self._patch(run, phase="Failed", initContainerStatuses=[status])
-                return
         container = run.spec["containers"][0]
+        inits = run.spec.get("initContainers") or []
+        statuses = [_waiting(init, "PodInitializing") for init in inits]
+        held = [_waiting(container, "PodInitializing")]
+        for i, init in enumerate(inits):
+            statuses[i] = _running(init, now_iso())
+            await self._patch(run, initContainerStatuses=statuses, containerStatuses=held)
+            began = now_iso()
+            code, reason, message = await self._run_to_end(run, init)
+            statuses[i] = _terminated(init, code, reason, began, message)
+            if code != 0:
+                await self._patch(run, phase="Failed", initContainerStatuses=statuses, containerStatuses=held)
+                return
+        if inits:
+            await self._patch(run, initContainerStatuses=statuses)
         await self._set(run, Initialized="True")
         try:
             run.process = await self._spawn(run, container)
@@ -158,13 +171,8 @@ class FakeKubelet:
             status = _terminated(container, exc.exit_code, exc.reason, started, exc.message)
             await self._patch(run, phase="Failed", containerStatuses=[status])
             return
-        running = {
-            "name": container["name"],
-            "image": container.get("image", ""),
-            "imageID": "",
-            "ready": False,
-        }
-        running.update(restartCount=0, started=True, state={"running": {"startedAt": started}})
+        running = _running(container, started)
+        running.update(started=True)
         await self._patch(
             run,
             phase="Running",
@@ -181,13 +189,14 @@ class FakeKubelet:
         status = _terminated(container, code, "Completed" if code == 0 else "Error", started)
         await self._patch(run, phase="Succeeded" if code == 0 else "Failed", containerStatuses=[status])
 
-    async def _run_to_end(self, run: _Run, container: dict) -> tuple[int, str]:
+    async def _run_to_end(self, run: _Run, container: dict) -> tuple[int, str, str | None]:
+        """(exit code, reason, message) of a container run to its end."""
         try:
             run.process = await self._spawn(run, container)
         except ContainerFailed as exc:
-            return exc.exit_code, exc.reason
+            return exc.exit_code, exc.reason, exc.message
         code = await run.process.wait()
-        return code, "Completed" if code == 0 else "Error"
+        return code, "Completed" if code == 0 else "Error", None
 
     async def _spawn(self, run: _Run, container: dict) -> asyncio.subprocess.Process:
         if run.terminating:
@@ -278,20 +287,18 @@ class FakeKubelet:
         await self._patch(run)
 
     async def _patch(self, run: _Run, **status: object) -> None:
+        """A strategic merge patch of the pod's status, as a kubelet sends: the conditions it sets
+        merge with the others by type; the container status lists it sends replace theirs."""
         at = now_iso()
-        conditions = [{"type": "PodScheduled", "status": "True", "lastTransitionTime": at}]
-        conditions += [{"type": t, "status": s, "lastTransitionTime": at} for t, s in run.conditions.items()]
+        conditions = [{"type": t, "status": s, "lastTransitionTime": at} for t, s in run.conditions.items()]
         body = {"status": {**status, "conditions": conditions}}
         with contextlib.suppress(ApiError):  # the pod may be gone already
             await self.client.patch(
-                PodStatus, run.name, body, namespace=self.namespace, patch_type=PatchType.MERGE
+                PodStatus, run.name, body, namespace=self.namespace, patch_type=PatchType.STRATEGIC
             )
 
 
-def _terminated(container: dict, code: int, reason: str, started: str, message: str | None = None) -> dict:
-    state = {"exitCode": code, "reason": reason, "startedAt": started, "finishedAt": now_iso()}
-    if message:
-        state["message"] = message
+def _status(container: dict, state: dict) -> dict:
     return {
         "name": container["name"],
         "image": container.get("image", ""),
@@ -299,8 +306,23 @@ def _terminated(container: dict, code: int, reason: str, started: str, message: 
         "ready": False,
         "restartCount": 0,
         "started": False,
-        "state": {"terminated": state},
+        "state": state,
     }
+
+
+def _waiting(container: dict, reason: str) -> dict:
+    return _status(container, {"waiting": {"reason": reason}})
+
+
+def _running(container: dict, started: str) -> dict:
+    return _status(container, {"running": {"startedAt": started}})
+
+
+def _terminated(container: dict, code: int, reason: str, started: str, message: str | None = None) -> dict:
+    state = {"exitCode": code, "reason": reason, "startedAt": started, "finishedAt": now_iso()}
+    if message:
+        state["message"] = message
+    return _status(container, {"terminated": state})
 
 
 def _killpg(pgid: int, sig: signal.Signals) -> None:
