@@ -84,21 +84,24 @@ async def running_cluster(
     *,
     policy: Policy | None = None,
     namespace_labels: dict[str, str] | None = None,
+    nodes: Mapping[str, dict] | None = None,
 ) -> AsyncIterator[Cluster_]:
     """The cluster, with the chart's RBAC unless given another `policy`; `logs` (a directory) holds
-    the pods' logs."""
+    the pods' logs; `nodes` by name, each with `FakeApiServer.add_node`'s keywords (default:
+    `NODES`, plain)."""
     access = chart_access()
     api = FakeApiServer(logs, tokens=tokens(access), policy=policy or access.policy)
     api.add_namespace(NAMESPACE, namespace_labels)
-    for node in NODES:
-        api.add_node(node)
+    nodes = nodes if nodes is not None else {name: {} for name in NODES}
+    for node, shape in nodes.items():
+        api.add_node(node, **shape)
     async with api.serve() as url:
         config = kube_config(url)
         client = AsyncClient(config=config, namespace=NAMESPACE)
         kubelet_client = AsyncClient(config=config, namespace=NAMESPACE)
         programs = {"stoker": STOKER, "python": sys.executable}
         kubelet = FakeKubelet(
-            kubelet_client, NAMESPACE, set(NODES), programs=programs, base_env=stoker_env, log_dir=logs
+            kubelet_client, NAMESPACE, set(nodes), programs=programs, base_env=stoker_env, log_dir=logs
         )
         task = asyncio.create_task(kubelet.run())
         cluster = Cluster_(api, config, client, kubelet)
