@@ -49,6 +49,20 @@ def _read_json(path: Path) -> dict:
     return doc if isinstance(doc, dict) else {}
 
 
+def compile_key(
+    snapshot_id: str, version: str, dtype: str, max_model_len: int | None, gpus: int, args: tuple[str, ...]
+) -> CompileKey:
+    """The compile cache a vLLM start uses: this snapshot, this vLLM, and the arguments that shape
+    what it compiles. The same here and in an engine pod (`stoker vllm-serve`)."""
+    settings = {
+        "dtype": dtype,
+        "max_model_len": str(max_model_len),
+        "gpus": str(gpus),
+        "args": " ".join(args),
+    }
+    return CompileKey.of(snapshot_id, "vllm", version, settings)
+
+
 class VllmStarts:
     def __init__(self, deployment: str, snapshot: SnapshotSource, launch: VllmLaunch | None) -> None:
         self.deployment = deployment
@@ -88,17 +102,7 @@ class VllmStarts:
         # The deployment's arguments, then the operator's --vllm-args, which come last and win. The
         # compile cache is keyed by them, not by `extra` (a shared GPU's memory share compiles alike).
         args = (*settings.vllm_args(), *vllm.args)
-        key = CompileKey.of(
-            self.snapshot.snapshot_id,
-            "vllm",
-            vllm.runtime.version,
-            {
-                "dtype": dtype,
-                "max_model_len": str(max_len),
-                "gpus": str(len(gpus)),
-                "args": " ".join(args),
-            },
-        )
+        key = compile_key(self.snapshot.snapshot_id, vllm.runtime.version, dtype, max_len, len(gpus), args)
         work, hit = await asyncio.to_thread(self.caches.checkout, key)
         self._copies[inst.id] = _CacheCopy(key, work, hit)
         return vllm_spec(

@@ -26,6 +26,7 @@ import httpx
 import pytest
 
 from snapshots import SnapshotStore, import_hf_dir
+from snapshots.compile_cache import CompileCaches
 from tests.conftest import REPO, build_tiny_model
 from tests.deadlines import HTTP_READ, VLLM_START, deadline
 from tests.kube.conftest import NAMESPACE, TinyStore, running_cluster
@@ -114,7 +115,10 @@ async def test_a_vllm_pod_from_zero_through_two_gateways_guarded_adopted_and_gon
             assert streamed.status_code == 200 and streamed.text.rstrip().endswith("data: [DONE]")
             assert streamed.headers["x-stoker-instance"] == instance
             log = (pod_logs / f"{NAMESPACE}_{instance}_engine.log").read_text()
-            assert "stoker vllm-serve: vLLM 0.32.0+cpu (CPU)" in log
+            assert "stoker vllm-serve: vLLM 0.32.0+cpu (CPU, compile cache " in log
+            # Once it answered, its compile cache was kept in the node's store, for the next pod there.
+            caches = CompileCaches(vllm_store.root)
+            await until(lambda: len(caches.list(vllm_store.snapshot_id)) == 1, "the compile cache kept")
             # What the engine says it can do decided the pool's plans: no sleep mode on a CPU build.
             assert "idle instances stop instead of sleeping" in controller.log_tail(200_000)
 

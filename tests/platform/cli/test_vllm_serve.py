@@ -49,6 +49,7 @@ def test_a_cpu_build_in_the_image_starts_without_sleep_and_with_the_snapshots_se
     # With the key comes Stoker's guard, from this Stoker's own copy of it (the image's, in a pod).
     assert argv[argv.index("--middleware") + 1] == "stoker_vllm_guard.EngineGuard"
     assert [Path(d).name for d in run["python_path"]] == ["vllm_guard"]
+    assert len(run["compile_key"]) == 64  # the node's cache for it is checked out when it runs
 
 
 def test_a_gpu_build_in_the_image_gets_its_devices_tensor_parallel_and_sleep_mode(snapshot_dir, tmp_path):
