@@ -6,8 +6,8 @@ and settings, priced with the price table, with the slow starts each would have 
 
 The log is `stoker.control.arrival_log`'s (arrival times, tokens in and out; no content). Each policy runs
 through the same simulator as `stoker simulate --trace` (`warm_pool.simulate`) with the same
-instance model and scaling flags. Cost = READY (and draining) seconds × ready_hour + starting and
-waking seconds × starting_hour + SLEEPING seconds × sleeping_hour, at the prices of the engine the
+instance model and scaling flags. Cost = (READY (and draining) seconds × ready_hour + starting and
+waking seconds × starting_hour) × `--gpus` + SLEEPING seconds × sleeping_hour, at the prices of the engine the
 profile models (`gpu` and `vllm-cpu`: vllm, `cpu`: cpu), from `--prices FILE` or else
 `--gpu-price`/`--sleep-price`. Snapshot storage is left out: it is the same under every policy.
 A slow start is a request served by an instance that started or woke after it arrived (the
@@ -68,11 +68,12 @@ def price_table(args: argparse.Namespace):
         raise CLIError(f"--prices {exc}") from None
 
 
-def row(report, prices, engine: str, tokens: int) -> dict:
-    """One policy's what-if: the simulator's report, priced (see the module)."""
+def row(report, prices, engine: str, tokens: int, devices: int = 1) -> dict:
+    """One policy's what-if: the simulator's report, priced (see the module); awake seconds count
+    `devices` times (`--gpus`), as the live cost does."""
     cost = (
-        report.gpu_seconds * prices.per_second(engine, "READY")
-        + report.starting_seconds * prices.per_second(engine, "STARTING")
+        report.gpu_seconds * prices.per_second(engine, "READY") * devices
+        + report.starting_seconds * prices.per_second(engine, "STARTING") * devices
         + report.sleep_seconds * prices.per_second(engine, "SLEEPING")
     )
     out = {k: v for k, v in report.summary().items() if k not in ("cost_usd", "cost_per_1k_requests")}
@@ -116,7 +117,9 @@ def cmd_from_log(args: argparse.Namespace) -> int:
         ]
     except PoolError as exc:
         raise CLIError(str(exc)) from None
-    rows = [row(report, prices, engine, tokens) for report in reports]
+    if args.gpus < 1:
+        raise CLIError(f"--gpus: an instance holds at least 1 device, got {args.gpus}")
+    rows = [row(report, prices, engine, tokens, args.gpus) for report in reports]
     if args.json:
         extra = {
             "from_log": str(args.from_log),

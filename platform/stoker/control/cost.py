@@ -9,8 +9,9 @@ and requests the gateway answers; the share of instance-seconds spent idle.
 
 **Cost.** Every instance-second a pool reports (`PoolMetrics.add_instance_seconds`, on each
 transition and each tick) is priced at once by the revision's engine and the state it was spent
-in (`stoker.control.prices`), times the devices each of its instances holds (`gpus`: a
-tensor-parallel instance on 2 GPUs costs two device-hours an hour; at least 1), plus the revision's snapshot storage for as long as its pool runs (its bytes
+in (`stoker.control.prices`), times the devices each of its instances holds while awake (`gpus`: a
+tensor-parallel instance on 2 GPUs costs two device-hours an hour; at least 1; asleep it holds
+host memory, priced per instance), plus the revision's snapshot storage for as long as its pool runs (its bytes
 × $/GB-month, accrued on each tick). So `stoker_cost_usd_total{deployment,revision,state}` is
 `stoker_instance_seconds_total{deployment,state}` × price, split by revision (state `storage` for
 the snapshot).
@@ -174,7 +175,8 @@ class CostMeter:
     ) -> None:
         if seconds <= 0 or state in _UNCOUNTED:
             return
-        usd = seconds * self.prices.per_second(engine, state) * devices
+        # Asleep, an instance holds host memory for its weights, not its devices.
+        usd = seconds * self.prices.per_second(engine, state) * (1 if state == "SLEEPING" else devices)
         self._ledger(deployment, revision).add(self._clock(), {f"s:{state}": seconds, f"usd:{state}": usd})
         if usd > 0:
             self._cost.labels(deployment, str(revision), state).inc(usd)

@@ -119,6 +119,16 @@ def test_simulate_from_log_prices_each_policy_and_counts_slow_starts(tmp_path):
     assert rows["kpa"]["gpu_seconds"] < rows["keepalive"]["gpu_seconds"]
     table = stoker("simulate", "--from-log", str(path), "--policy", "kpa", "--profile", "cpu")
     assert table.returncode == 0 and "slow starts" in table.stdout and "kpa" in table.stdout
+    # Instances on 4 devices each: the same seconds; awake ones cost four times, asleep ones once.
+    wide = stoker(
+        "simulate", "--from-log", str(path), "--deployment", "chat", "--policy", "keepalive",
+        "--prices", str(prices), "--profile", "cpu", "--json", "--gpus", "4",
+    )  # fmt: skip
+    [r] = map(json.loads, wide.stdout.splitlines())
+    one = rows["keepalive"]
+    awake = one["gpu_seconds"] * 0.36 / 3600 + one["starting_seconds"] * 0.72 / 3600
+    assert r["gpu_seconds"] == one["gpu_seconds"]
+    assert r["cost_usd"] == pytest.approx(4 * awake + one["sleep_seconds"] * 0.036 / 3600, rel=1e-6)
 
 
 @pytest.mark.parametrize(
@@ -130,6 +140,7 @@ def test_simulate_from_log_prices_each_policy_and_counts_slow_starts(tmp_path):
         (["--from-log", "LOG", "--prices", "PRICES"], "ready_hour.tpu: unknown engine"),
         (["--from-log", "LOG", "--policy", "kpq"], "kpq"),
         (["--from-log", "LOG", "--thin", "0"], "--thin must be a whole number"),
+        (["--from-log", "LOG", "--gpus", "0"], "--gpus: an instance holds at least 1 device"),
     ],
 )
 def test_bad_what_if_input_is_one_line(tmp_path, args, fragment):

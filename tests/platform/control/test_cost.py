@@ -316,8 +316,9 @@ def test_an_instance_on_several_gpus_costs_each_of_them(tmp_path):
     wide, one = _spec(1, "vllm", gpus=4), _spec(1, "vllm")  # the default: one device
     wide.name, one.name = "wide", "one"
     for spec in (wide, one):
-        meter.pool_metrics(PoolMetrics(CollectorRegistry()), spec).add_instance_seconds(
-            spec.name, S.READY, 10.0
-        )
+        pool = meter.pool_metrics(PoolMetrics(CollectorRegistry()), spec)
+        pool.add_instance_seconds(spec.name, S.READY, 10.0)
+        pool.add_instance_seconds(spec.name, S.SLEEPING, 100.0)  # host memory, per instance: once
     cost = {row["deployment"]: row["cost_usd"] for row in meter.report()}
-    assert cost == pytest.approx({"wide": 4 * 10 * 0.001, "one": 10 * 0.001})
+    asleep = 100 * 0.08 / 3600  # the default sleeping price
+    assert cost == pytest.approx({"wide": 4 * 10 * 0.001 + asleep, "one": 10 * 0.001 + asleep})
