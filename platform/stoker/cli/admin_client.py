@@ -52,6 +52,12 @@ def call(args: argparse.Namespace, method: str, path: str, body: dict | None = N
         return json.loads(response.read())
 
 
+def text(args: argparse.Namespace, path: str) -> str:
+    """One admin API read whose answer is text (`/metrics`)."""
+    with _open(args, "GET", path, None, CALL_TIMEOUT_S) as response:
+        return response.read().decode("utf-8", "replace")
+
+
 def stream(args: argparse.Namespace, path: str, out: BinaryIO, *, follow: bool) -> None:
     """Copy a text answer to `out` as it arrives (a follow has no timeout: it ends when the server
     ends it, or on Ctrl-C). A reader that went away (`| head`) ends it quietly."""

@@ -17,12 +17,15 @@ simulator's `cold_starts`: what `stoker_cold_start_requests_total` counts live).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
+from stoker.cli.admin_client import add_url_args, base_url, text
 from stoker.errors import CLIError
 
 PROFILE_ENGINE = {"gpu": "vllm", "vllm-cpu": "vllm", "cpu": "cpu"}
+SIMULATED_TIERS = ("wake", "page_cache", "disk", "object_storage")  # the simulator's start tiers
 COLUMNS = (
     ("policy", "policy", "{}"),
     ("requests", "requests", "{}"),
@@ -49,6 +52,15 @@ def add_whatif_args(p: argparse.ArgumentParser) -> None:
         "--deployment", metavar="NAME", help="only this deployment's arrivals (default: all in the log)"
     )
     w.add_argument(
+        "--measured-starts",
+        action="store_true",
+        help="start times from the running platform's own measurements of --deployment (its "
+        "stoker_instance_startup_seconds by tier, read from --url's /metrics): the tiers it has started "
+        "from replace the profile's, so its engine settings (GPUs, context length, eager mode) count as "
+        "they measured",
+    )
+    add_url_args(w)
+    w.add_argument(
         "--prices",
         type=Path,
         metavar="FILE",
@@ -66,6 +78,31 @@ def price_table(args: argparse.Namespace):
         return load_prices(args.prices)
     except PriceError as exc:
         raise CLIError(f"--prices {exc}") from None
+
+
+def measured_starts(args: argparse.Namespace) -> dict[str, float]:
+    """The mean seconds to READY by tier of `--deployment`'s starts, as the platform measured them."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    if not args.deployment:
+        raise CLIError("--measured-starts reads one deployment's starts: name it with --deployment")
+    sums: dict[str, float] = {}
+    counts: dict[str, float] = {}
+    for family in text_string_to_metric_families(text(args, "/metrics")):
+        if family.name != "stoker_instance_startup_seconds":
+            continue
+        for sample in family.samples:
+            if sample.labels.get("deployment") != args.deployment:
+                continue
+            tier = sample.labels.get("tier", "")
+            if sample.name.endswith("_sum"):
+                sums[tier] = sums.get(tier, 0.0) + sample.value
+            elif sample.name.endswith("_count"):
+                counts[tier] = counts.get(tier, 0.0) + sample.value
+    measured = {tier: sums[tier] / n for tier, n in counts.items() if n > 0 and tier in SIMULATED_TIERS}
+    if not measured:
+        raise CLIError(f"the platform at {base_url(args)} has measured no start of {args.deployment!r} yet")
+    return measured
 
 
 def row(report, prices, engine: str, tokens: int, devices: int = 1) -> dict:
@@ -106,6 +143,8 @@ def cmd_from_log(args: argparse.Namespace) -> int:
         if not args.time_scale > 0:
             raise TraceError(f"--time-scale must be a number > 0, got {args.time_scale!r}")
         model, scaling, policies = setup(args)
+        measured = measured_starts(args) if args.measured_starts else {}
+        model = dataclasses.replace(model, startup=dataclasses.replace(model.startup, **measured))
         kept = load_arrivals(args.from_log, args.deployment)[:: args.thin]
         trace = tuple(
             TraceRequest((r.t - kept[0].t) * args.time_scale, r.context_tokens, r.generated_tokens)
@@ -126,9 +165,14 @@ def cmd_from_log(args: argparse.Namespace) -> int:
             "deployment": args.deployment,
             "engine": engine,
             "seed": args.seed,
+            "measured_starts": measured,  # seconds to READY by tier, where the platform measured them
         }
         for r in rows:
             print(json.dumps(r | extra))
     else:
+        if measured:
+            print(
+                "measured starts: " + ", ".join(f"{tier} {s:.1f} s" for tier, s in sorted(measured.items()))
+            )
         print(format_table(rows, COLUMNS))
     return 0

@@ -141,6 +141,7 @@ def test_simulate_from_log_prices_each_policy_and_counts_slow_starts(tmp_path):
         (["--from-log", "LOG", "--policy", "kpq"], "kpq"),
         (["--from-log", "LOG", "--thin", "0"], "--thin must be a whole number"),
         (["--from-log", "LOG", "--gpus", "0"], "--gpus: an instance holds at least 1 device"),
+        (["--from-log", "LOG", "--measured-starts"], "--measured-starts reads one deployment's starts"),
     ],
 )
 def test_bad_what_if_input_is_one_line(tmp_path, args, fragment):

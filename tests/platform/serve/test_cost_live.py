@@ -9,6 +9,7 @@ import json
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from stoker.control.prices import STATE_PRICE
 from tests.deadlines import COLD_ANSWER
@@ -97,3 +98,18 @@ def test_cost_follows_from_the_metrics_the_usage_and_the_prices(platform_factory
     assert (sum(x["in"] for x in lines), sum(x["out"] for x in lines)) == (tokens_in, tokens_out)
     replay = p.cli("simulate", "--from-log", str(log), "--prices", str(prices), "--profile", "cpu", "--json")
     assert {json.loads(x)["requests"] for x in replay.stdout.splitlines()} == {4}
+    # ... with this deployment's own start times, as the platform measured them (its settings count).
+    measured = p.cli(
+        "simulate", "--from-log", str(log), "--deployment", "tiny", "--measured-starts", "--url", p.url,
+        "--policy", "kpa", "--profile", "cpu", "--json",
+    )  # fmt: skip
+    [again] = [json.loads(x) for x in measured.stdout.splitlines()]
+    starts = again["measured_starts"]
+    assert starts and set(starts) <= {"wake", "page_cache", "disk", "object_storage"}
+    sums, counts = {}, {}
+    for family in text_string_to_metric_families(httpx.get(f"{p.url}/metrics").text):
+        for sample in family.samples if family.name == "stoker_instance_startup_seconds" else ():
+            if sample.labels.get("deployment") == "tiny" and sample.name.endswith(("_sum", "_count")):
+                into = sums if sample.name.endswith("_sum") else counts
+                into[sample.labels["tier"]] = sample.value
+    assert starts == pytest.approx({t: sums[t] / counts[t] for t in starts})
