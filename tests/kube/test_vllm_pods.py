@@ -119,6 +119,11 @@ async def test_a_vllm_pod_from_zero_through_two_gateways_guarded_adopted_and_gon
             # Once it answered, its compile cache was kept in the node's store, for the next pod there.
             caches = CompileCaches(vllm_store.root)
             await until(lambda: len(caches.list(vllm_store.snapshot_id)) == 1, "the compile cache kept")
+            # Its start phases were read from the pod's log, as a local vLLM's are.
+            phases = await asyncio.to_thread(
+                controller.metric, "stoker_cold_start_seconds_count", deployment="big", phase="engine_init"
+            )
+            assert phases == 1
             # What the engine says it can do decided the pool's plans: no sleep mode on a CPU build.
             assert "idle instances stop instead of sleeping" in controller.log_tail(200_000)
 
