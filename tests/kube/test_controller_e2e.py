@@ -19,12 +19,17 @@ from pathlib import Path
 import httpx
 import yaml
 
-from tests.deadlines import ENGINE_START, deadline
+from tests.deadlines import ENGINE_START, deadline, flag
 from tests.kube.conftest import NAMESPACE, TOKEN, TinyStore
 from tests.platform.conftest import PlatformProcess
 from tests.platform.engine.conftest import free_port
 
 ADMIN = "admin-key-e2e"
+# The controller's Lease, renewed every third of it. Short, so that a new controller takes over soon
+# after the old one is killed; scaled, because a controller on a loaded machine (a vLLM start beside
+# it, the fake API server sharing the test's event loop) that cannot renew in time steps down and
+# exits, as it should, and then nothing answers the requests it held.
+LEASE = flag(6)
 ENV = {"STOKER_ADMIN_KEY": ADMIN}
 H = {"authorization": f"Bearer {ADMIN}"}
 
@@ -62,7 +67,7 @@ async def test_instances_as_pods_end_to_end(cluster, tiny_store: TinyStore, tmp_
     flags = (
         "--backend", "kubernetes", "--kubeconfig", str(config), "--engine-image", "stoker:test",
         "--store-path", str(tiny_store.root), "--store", str(tiny_store.root), "--owner", "e2e",
-        "--lease-duration", "3s", "--stable-window", "1", "--stop-instances-on-exit",
+        "--lease-duration", LEASE, "--stable-window", "1", "--stop-instances-on-exit",
     )  # fmt: skip
     home = tmp_path / "home"
     controller = PlatformProcess(home, free_port(), flags, extra_env=ENV, command="controller")

@@ -30,7 +30,7 @@ from snapshots.compile_cache import CompileCaches
 from tests.conftest import REPO, build_tiny_model
 from tests.deadlines import HTTP_READ, VLLM_START, deadline
 from tests.kube.conftest import NAMESPACE, TinyStore, running_cluster
-from tests.kube.test_controller_e2e import ENV, H, kubeconfig, until
+from tests.kube.test_controller_e2e import ENV, LEASE, H, kubeconfig, until
 from tests.platform.conftest import PlatformProcess
 from tests.platform.engine.conftest import free_port
 
@@ -51,7 +51,7 @@ def controller_flags(config: Path, store: TinyStore) -> tuple[str, ...]:
     return (
         "--backend", "kubernetes", "--kubeconfig", str(config), "--engine-image", "stoker:test",
         "--store-path", str(store.root), "--store", str(store.root), "--owner", "vllm-e2e",
-        "--lease-duration", "3s", "--stable-window", "1", "--stop-instances-on-exit",
+        "--lease-duration", LEASE, "--stable-window", "1", "--stop-instances-on-exit",
     )  # fmt: skip
 
 
@@ -71,6 +71,14 @@ def chat(url: str, stream: bool = False) -> httpx.Response:
         "stream": stream,
     }
     return httpx.post(f"{url}/v1/chat/completions", json=body, headers=H, timeout=VLLM_START + HTTP_READ)
+
+
+def what_happened(controller: PlatformProcess, pod_logs: Path) -> str:
+    """The controller's log and every pod's, for a failure to say what the start did."""
+    parts = [f"--- controller log ---\n{controller.log_tail(6000)}"]
+    for log in sorted(pod_logs.glob("*.log")):
+        parts.append(f"--- {log.name} ---\n{log.read_text(errors='replace')[-3000:]}")
+    return "\n".join(parts)
 
 
 async def start_planes(tmp_path: Path, flags: tuple[str, ...], started: list) -> tuple:
@@ -104,7 +112,7 @@ async def test_a_vllm_pod_from_zero_through_two_gateways_guarded_adopted_and_gon
             assert pods(api) == []  # nothing runs until the first request, which is held
 
             r = await asyncio.to_thread(chat, b.url)
-            assert r.status_code == 200, r.text
+            assert r.status_code == 200, f"{r.text}\n{what_happened(controller, pod_logs)}"
             [pod] = pods(api)
             instance = r.headers["x-stoker-instance"]
             assert pod["metadata"]["name"] == instance and pod["spec"]["nodeName"] == "gpu-node"

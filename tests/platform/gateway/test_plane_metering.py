@@ -16,6 +16,7 @@ from stoker.control.prices import PriceTable
 from stoker.errors import APIError
 from stoker.gateway.metering import GatewaySeries, changed_samples, parse_series
 from stoker.spec.planes import parse_report
+from warm_pool.engine_settings import EngineSettings
 from warm_pool.metrics import PoolMetrics
 from warm_pool.states import InstanceState as S
 
@@ -131,7 +132,7 @@ def test_the_busy_integral_takes_each_live_gateways_reported_load():
     clock = Clock(1000.0)
     meter = CostMeter(PriceTable(), CollectorRegistry(), clock)
     pool = meter.pool_metrics(PoolMetrics(CollectorRegistry()), SimpleNamespace(
-        name="chat", revision=1, engine="cpu", snapshot_id="s"))  # fmt: skip
+        name="chat", revision=1, engine="cpu", snapshot_id="s", engine_settings=EngineSettings()))  # fmt: skip
     pool.set_instances("chat@1", {S.READY: 2})
     live = frozenset({"a", "b"})
     meter.remote_in_flight("chat", "a", 1, live)  # t=1000: one busy

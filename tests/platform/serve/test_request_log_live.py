@@ -105,8 +105,14 @@ def test_content_logging_is_a_deployment_setting_and_masks_secrets(platform, tin
     )
     before = len(records(p))
     assert chat(p, content="use api_key=abcdef123456 now").status_code == 200
-    p.wait_for(lambda: len(records(p)) > before, what="a record")
-    record = records(p)[-1]
+
+    def this_one() -> list[dict]:
+        # A record is written once its answer has gone out, so the poll's last "x" may land after
+        # `before` was read: this request's record is the one with its prompt, not the newest.
+        return [r for r in records(p)[before:] if "now" in json.dumps(r.get("prompt"))]
+
+    p.wait_for(lambda: this_one(), what="its record")
+    [record] = this_one()
     assert record["prompt"] == [{"role": "user", "content": "use api_key=[redacted] now"}]
     assert isinstance(record["answer"], str) and "abcdef123456" not in json.dumps(record)
 
