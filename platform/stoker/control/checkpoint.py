@@ -16,10 +16,12 @@ The file store (`FileCheckpointStore`) writes one file per kind, each
 atomically (a hidden temp file beside it, written, fsynced, renamed over the old one, the
 directory fsynced: a crash mid-write leaves the old checkpoint whole), mode 0600 in a 0700
 directory, never through a link (the file is opened with `O_NOFOLLOW`, a linked directory is
-refused). Bounded: a checkpoint over `MAX_BYTES` (16 MiB) is neither written (the old one stays,
-and the log says so once) nor read. At the defaults a deployment's revision busy every minute of
-the day takes ~150 KiB of cost, its hour of history ~250 KiB and its policy state ~40 KiB, so the
-bound holds some 30 revisions that busy, and many more idle ones.
+refused). Bounded: a checkpoint over `MAX_BYTES` (16 MiB, each file) is neither written (the old
+one stays, and the log says so once) nor read. Measured at the defaults: a revision busy every
+minute of the day takes ~280 KiB of cost, a deployment's hour of history (a point every 5 s)
+~260 KiB, a predictive pool's state with every slot and bin filled ~45 KiB; so the bound holds the
+cost of some 55 revisions that busy (idle ones take far less), the history of some 60 deployments
+and the states of some 350 pools.
 
 Reading is for hostile input: JSON only (no pickle, NaN and Infinity refused), every field of the
 envelope and of the body checked by its source. A checkpoint that is missing is a first start; one
