@@ -1,7 +1,7 @@
 """What the two shapes that run the control plane (`stoker up`, `stoker controller`) build alike:
 the `Platform` from its settings, the checkpoints of what it learns, and the keys' store with the
-access it gives. A `stoker gateway`
-never imports this (its keys are the controller's, synced: `stoker.gateway.plane`)."""
+access it gives. A `stoker gateway` never imports this (its keys are the controller's, synced:
+`stoker.gateway.plane`)."""
 
 from __future__ import annotations
 

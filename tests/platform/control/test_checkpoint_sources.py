@@ -12,7 +12,8 @@ from prometheus_client import CollectorRegistry
 
 from snapshots import SnapshotStore
 from stoker.control.cost import CostMeter
-from stoker.control.history import HistoryConfig, HistorySampler
+from stoker.control.history import HistoryConfig, HistorySampler, restored_points
+from stoker.control.history import point as history_point
 from stoker.control.policy_states import PolicyStates
 from stoker.control.prices import PriceTable
 from warm_pool.backends.memory import MemoryBackend
@@ -174,6 +175,23 @@ def test_the_history_comes_back_within_its_hour_before_the_new_points():
     c = sampler(Clock(WALL + 60), interval_s=300.0)
     c.restore(body)
     assert len(c.history.snapshot()["points"]) == 2  # 3600 / 300 = 12 fit
+
+
+def test_a_point_as_the_history_makes_it_is_one_the_checkpoint_reads():
+    # A figure added to `point` needs its check in `stoker.control.history._figures` too.
+    chat = (("deployment", "chat"),)
+    reading = {
+        ("stoker_requests_total", (("code", "200"), *chat)): 10.0,
+        ("stoker_instances", (*chat, ("state", "READY"))): 1.0,
+        ("stoker_cold_start_requests_total", (*chat, ("tier", "disk"))): 1.0,
+        ("stoker_instance_startup_seconds_sum", (*chat, ("tier", "disk"))): 7.7,
+        ("stoker_instance_startup_seconds_count", (*chat, ("tier", "disk"))): 1.0,
+        ("stoker_scaler_forecast_requests_per_second", chat): 0.5,
+        ("stoker_cost_usd_total", (*chat, ("state", "READY"))): 0.01,
+    }
+    made = {"t": WALL, "dt": 5.0, "deployments": history_point({}, reading, 5.0)}
+    assert set(made["deployments"]["chat"]) == set(point(WALL)["deployments"]["chat"])
+    assert restored_points(json_round({"points": [made]}), HistoryConfig(), WALL + 1) == [json_round(made)]
 
 
 @pytest.mark.parametrize(
