@@ -56,7 +56,6 @@ log = logging.getLogger("stoker.checkpoint")
 FORMAT = 1  # the envelope's and every body's layout; another is refused
 MAX_BYTES = 16 << 20
 DIR = "checkpoints"
-INTERVAL_S = 30.0  # `stoker up --checkpoint-interval`'s default
 MIN_INTERVAL_S, MAX_INTERVAL_S = 1.0, 3600.0
 _ENVELOPE = ("format", "kind", "written_at", "body")
 LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}")  # names and label values a body holds
