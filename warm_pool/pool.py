@@ -80,7 +80,9 @@ from warm_pool.lifecycle import Lifecycle
 from warm_pool.metrics import PoolMetrics
 from warm_pool.observe import Observer, View
 from warm_pool.page_tier import PageTier
+from warm_pool.policies import checkpoint
 from warm_pool.policies.base import Decision, ScalingConfig
+from warm_pool.policies.rules import RuledState
 from warm_pool.policies.settings import bind_policy, startup_priors
 from warm_pool.pool_spec import Demand, PoolSpec
 from warm_pool.recycler import Recycler
@@ -205,6 +207,20 @@ class Pool:
         if self.lifecycle.redeployed() and self._demand is not None:
             self._demand.set_unavailable(None)  # held requests wait for one more try
         self._wake.set()
+
+    def saved_policy(self) -> tuple[str, RuledState]:
+        """The policy's name and the state it has learned, for a checkpoint
+        (`warm_pool.policies.checkpoint`)."""
+        return self._bound.name, self._policy_state
+
+    def restore_policy(self, policy: str, state: RuledState) -> bool:
+        """Carry on from a previous run's learned `state` of `policy`: only if it is this pool's
+        policy and fits its settings (`checkpoint.fits`); otherwise the pool keeps its initial
+        state, as `reconfigure` starts another policy. Before the loop's first tick."""
+        if policy != self._bound.name or not checkpoint.fits(policy, state, self._bound.config):
+            return False
+        self._policy_state = state
+        return True
 
     @property
     def can_sleep(self) -> bool:

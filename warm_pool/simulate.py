@@ -31,6 +31,14 @@ in-flight requests finish, puts them to sleep (while fewer sleep than asked) or 
 sleeping instances are stopped, the longest asleep first. The
 observation counts instances on their way to sleep as sleeping.
 
+A restart (`Restart`): at the first tick at or after `at_s` the controller is taken to have
+restarted, and the policy's state becomes what `carry` makes of it: the state read back from a
+checkpoint (`warm_pool.policies.checkpoint`), or the initial state of a controller that kept none.
+Everything else carries on, as a restarted controller that adopts its running instances finds them:
+the instances in their states and the requests on them, and the tracker's measurements (its
+start-up times and idle gaps are the platform's, not the policy's). Only what the checkpoint holds
+is put to the test.
+
 Accounting: `gpu_seconds` = READY instance-seconds (draining ones included: they hold the GPU;
 priced × `Prices.gpus`, the devices each instance holds),
 `starting_seconds` = starting and waking, `sleep_seconds` = SLEEPING. A request is a cold start if
@@ -45,6 +53,7 @@ import itertools
 import math
 import random
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from warm_pool import plan
@@ -52,6 +61,7 @@ from warm_pool.census import Census, Member
 from warm_pool.errors import InvalidConfig
 from warm_pool.policies import BoundPolicy
 from warm_pool.policies.base import ScalingConfig, Tier
+from warm_pool.policies.rules import RuledState
 from warm_pool.profiles import GPU, InstanceModel
 from warm_pool.trace import TraceRequest
 from warm_pool.tracker import ObservationTracker
@@ -108,6 +118,14 @@ class Report:
         return out
 
 
+@dataclass(frozen=True)
+class Restart:
+    """The controller restarts at `at_s` (trace seconds); its policy state becomes `carry(state)`."""
+
+    at_s: float
+    carry: Callable[[RuledState], RuledState]
+
+
 class _Instance:
     __slots__ = ("asleep_since", "began", "busy", "id", "leaving", "ready_since", "state", "tier")
 
@@ -135,6 +153,7 @@ class Simulation:
         prices: Prices | None = None,
         seed: int = 0,
         tick_s: float = 1.0,
+        restart: Restart | None = None,
     ) -> None:
         if not trace:
             raise InvalidConfig("trace", "the trace has no requests")
@@ -161,6 +180,9 @@ class Simulation:
         self._runtimes = model.warm_runtimes  # ready warm runtimes (refills are events)
         self._runtime_starts = 0
         self.outcomes: list[str | None] = [None] * len(trace)  # "served" or "rejected", set once
+        # Per request, the tier of the instance a cold start waited for (WAKE: a wake); None: warm.
+        self.cold_tiers: list[Tier | None] = [None] * len(trace)
+        self._restart = restart
         self._waits: list[float] = []
         self._ttfts: list[float] = []
         self._cold = self._cold_wake = self._rejected = self._starts = self._wakes = 0
@@ -236,6 +258,7 @@ class Simulation:
         self._waits.append(wait)
         self._ttfts.append(wait + prefill)
         if inst.ready_since > req.t:
+            self.cold_tiers[i] = inst.tier
             self._cold += 1
             self._cold_wake += inst.tier == Tier.WAKE
         self._push(now + service, _DONE, (i, inst.id, service))
@@ -364,6 +387,8 @@ class Simulation:
             snapshot_id=SNAPSHOT_ID,
             can_sleep=self.model.can_sleep,
         )
+        if self._restart is not None and now >= self._restart.at_s:
+            self._state, self._restart = self._restart.carry(self._state), None
         decision, self._state = self.policy.decide(observation, self._state, now)
         self._apply(decision.ready, decision.sleeping, bool(decision.warm))
         if not poked:
@@ -475,8 +500,9 @@ def simulate(
     prices: Prices | None = None,
     seed: int = 0,
     tick_s: float = 1.0,
+    restart: Restart | None = None,
 ) -> Report:
     """Replay `trace` through `policy`; deterministic for a given seed."""
     return Simulation(
-        trace, policy, model=model, scaling=scaling, prices=prices, seed=seed, tick_s=tick_s
+        trace, policy, model=model, scaling=scaling, prices=prices, seed=seed, tick_s=tick_s, restart=restart
     ).run()

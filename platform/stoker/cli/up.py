@@ -181,6 +181,15 @@ def add_pool_args(p: argparse.ArgumentParser) -> None:
         "device-hour, $0.08 asleep; README: Cost)",
     )
     p.add_argument(
+        "--checkpoint-interval",
+        type=duration_or_off,
+        default="30s",
+        metavar="DURATION",
+        help="how often cost, the dashboard's last hour and the policies' learned state are written to "
+        "$STOKER_HOME/checkpoints (and once more at a clean shutdown), to be carried on after a restart "
+        "(1s to 1h, or off)",
+    )
+    p.add_argument(
         "--vllm-cpu-kv-cache",
         metavar="GIB",
         type=float,
@@ -353,7 +362,17 @@ def platform_settings(args: argparse.Namespace):
         max_instance_age_s=max_instance_age_of(args),
         warm_runtimes=warm_runtimes_of(args),
         prices=prices_of(args),
+        checkpoint_interval_s=checkpoint_interval_of(args),
     )
+
+
+def checkpoint_interval_of(args: argparse.Namespace) -> float | None:
+    from stoker.control.checkpoint import interval_error
+
+    interval = getattr(args, "checkpoint_interval", None)
+    if interval is not None and (message := interval_error(interval)) is not None:
+        raise CLIError(f"--checkpoint-interval {message}")
+    return interval
 
 
 def warm_runtimes_of(args: argparse.Namespace) -> int:

@@ -33,15 +33,21 @@ busy. It is kept as busy seconds ∫ min(n, R) dt, integrated exactly at every c
 READY 100 s that answered 3 requests of 2 s each, one at a time, then asleep 50 s: busy 6 s, idle
 94 + 50 = 144 s of 150 s, idle share 0.96.
 
-**History.** Every amount goes into a total since the platform started and into per-minute
-buckets (by the platform's clock) of the last 24 h: `since` sums the buckets of the minutes that
-began at or after now − since, rounded down to the minute (so `5m` covers 5 to 6 minutes). In
-memory only: a restart starts both from zero (Prometheus keeps the long view). At most 1,441
-buckets of a few numbers per revision.
+**History.** Every amount goes into a total since the platform first ran on its data dir and into
+per-minute buckets (by the platform's clock) of the last 24 h: `since` sums the buckets of the
+minutes that began at or after now − since, rounded down to the minute (so `5m` covers 5 to 6
+minutes). At most 1,441 buckets of a few numbers per revision. Both are checkpointed
+(`stoker.control.checkpoint`, `checkpoint` and `restore`) and carried over a restart: each bucket
+is written with the wall-clock time of its middle and put back into the minute of the new clock
+that holds that time (the monotonic clock's origin moves with a reboot); buckets older than the
+24 h window by then are dropped (their amounts stay in the totals). The Prometheus counters are
+this process's, and start from zero, as counters do.
 """
 
 from __future__ import annotations
 
+import math
+import re
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -51,12 +57,16 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter
 
 from stoker.control.arrival_log import LOG_DIR, ArrivalLog
+from stoker.control.checkpoint import count, fields, items, label, number
 from stoker.control.prices import PriceTable
 from stoker.gateway.limits import MeterTap
 from stoker.spec.cost import HISTORY_S
+from stoker.spec.deployment import NAME
 
 _MINUTES = HISTORY_S // 60 + 1  # the current minute too
 _UNCOUNTED = ("STOPPED",)
+_AMOUNT = re.compile(r"(?:s|usd):[A-Za-z_]{1,32}|requests|tokens_in|tokens_out|busy_s")  # a ledger's names
+_MOST_LEDGERS = 10_000
 
 
 class Ledger:
@@ -77,6 +87,41 @@ class Ledger:
             self.total[name] = self.total.get(name, 0.0) + value
             bucket[name] = bucket.get(name, 0.0) + value
 
+    def to_doc(self, to_wall: float) -> dict[str, Any]:
+        """JSON data: the total, and each minute's bucket by the wall-clock time of its middle
+        (`to_wall`: wall − the platform's clock, now)."""
+        return {
+            "total": dict(self.total),
+            "minutes": [[minute * 60 + 30 + to_wall, dict(bucket)] for minute, bucket in self.minutes],
+        }
+
+    @classmethod
+    def from_doc(cls, doc: object, where: str, to_wall: float, now: float) -> Ledger:
+        """What `to_doc` wrote, each bucket in the minute of this clock that holds its time (none in
+        the future: the current minute at the latest), those older than the window dropped."""
+        d = fields(doc, where, ("total", "minutes"))
+        ledger = cls()
+        ledger.total = _amounts(d["total"], f"{where}.total")
+        current = int(now // 60)
+        last = -math.inf
+        for i, item in enumerate(items(d["minutes"], f"{where}.minutes", _MINUTES)):
+            at, bucket = items(item, f"{where}.minutes[{i}]", 2, length=2)
+            at = number(at, f"{where}.minutes[{i}][0]", low=None)
+            if at <= last:
+                raise ValueError(f"{where}.minutes[{i}]: the minutes must rise")
+            last = at
+            amounts = _amounts(bucket, f"{where}.minutes[{i}][1]")
+            minute = min(current, math.floor((at - to_wall) / 60))
+            if minute <= current - _MINUTES:
+                continue  # older than the window: dropped (the total keeps it)
+            if ledger.minutes and ledger.minutes[-1][0] == minute:
+                merged = ledger.minutes[-1][1]
+                for name, value in amounts.items():
+                    merged[name] = merged.get(name, 0.0) + value
+            else:
+                ledger.minutes.append((minute, amounts))
+        return ledger
+
     def sum(self, since_minute: int | None) -> dict[str, float]:
         """The total, or the sum of the buckets from `since_minute` on."""
         if since_minute is None:
@@ -87,6 +132,12 @@ class Ledger:
                 for name, value in bucket.items():
                     out[name] = out.get(name, 0.0) + value
         return out
+
+
+def _amounts(value: object, where: str) -> dict[str, float]:
+    if not isinstance(value, dict) or len(value) > 64:
+        raise ValueError(f"{where}: want an object of at most 64 amounts")
+    return {label(k, where, _AMOUNT): number(v, f"{where}.{k}") for k, v in value.items()}
 
 
 class _Load:
@@ -118,9 +169,11 @@ class CostMeter:
         clock: Callable[[], float] = time.monotonic,
         snapshot_bytes: Callable[[str], int] = lambda snapshot_id: 0,
         arrivals: ArrivalLog | None = None,
+        wall: Callable[[], float] = time.time,  # for the checkpoint's times
     ) -> None:
         self.prices = prices
         self._clock = clock
+        self._wall = wall
         self._snapshot_bytes = snapshot_bytes
         self.arrivals = arrivals
         self._cost = Counter(
@@ -167,7 +220,8 @@ class CostMeter:
         if (deployment, revision) not in self._revisions:
             self._revisions[(deployment, revision)] = Ledger()
             self._deployments.setdefault(deployment, Ledger())
-            self._loads.setdefault(deployment, _Load(self._clock()))
+        if deployment not in self._loads:  # restored ledgers have none until their pool is here
+            self._loads[deployment] = _Load(self._clock())
         return self._revisions[(deployment, revision)]
 
     def instance_seconds(
@@ -247,6 +301,57 @@ class CostMeter:
         load.remote[gateway] = n
         for gone in [g for g in load.remote if g not in live]:
             del load.remote[gone]
+
+    # ---- the checkpoint (`stoker.control.checkpoint`) -------------------------------------------------
+
+    checkpoint_kind = "cost"
+
+    def checkpoint(self) -> dict[str, Any]:
+        """Every ledger, the busy seconds settled up to now, as JSON data."""
+        for name, load in self._loads.items():
+            self._settle(name, load)
+        to_wall = self._wall() - self._clock()
+        return {
+            "revisions": [
+                {"deployment": d, "revision": r, "ledger": ledger.to_doc(to_wall)}
+                for (d, r), ledger in sorted(self._revisions.items())
+            ],
+            "deployments": [
+                {"deployment": d, "ledger": ledger.to_doc(to_wall)}
+                for d, ledger in sorted(self._deployments.items())
+            ],
+        }
+
+    def restore(self, body: dict[str, Any]) -> None:
+        """The ledgers of a previous run, before anything is counted here; all or nothing."""
+        if self._revisions or self._deployments:
+            raise RuntimeError("the cost meter restores before it counts anything")
+        now = self._clock()
+        to_wall = self._wall() - now
+        doc = fields(body, "cost", ("revisions", "deployments"))
+        revisions: dict[tuple[str, int], Ledger] = {}
+        for i, entry in enumerate(items(doc["revisions"], "cost.revisions", _MOST_LEDGERS)):
+            where = f"cost.revisions[{i}]"
+            e = fields(entry, where, ("deployment", "revision", "ledger"))
+            key = (
+                label(e["deployment"], f"{where}.deployment", NAME),
+                count(e["revision"], f"{where}.revision", low=1),
+            )
+            if key in revisions:
+                raise ValueError(f"{where}: {key[0]} revision {key[1]} twice")
+            revisions[key] = Ledger.from_doc(e["ledger"], f"{where}.ledger", to_wall, now)
+        deployments: dict[str, Ledger] = {}
+        for i, entry in enumerate(items(doc["deployments"], "cost.deployments", _MOST_LEDGERS)):
+            where = f"cost.deployments[{i}]"
+            e = fields(entry, where, ("deployment", "ledger"))
+            name = label(e["deployment"], f"{where}.deployment", NAME)
+            if name in deployments:
+                raise ValueError(f"{where}: {name} twice")
+            deployments[name] = Ledger.from_doc(e["ledger"], f"{where}.ledger", to_wall, now)
+        for d, r in revisions:
+            if d not in deployments:
+                raise ValueError(f"cost.deployments: no ledger of {d}, whose revision {r} has one")
+        self._revisions, self._deployments = revisions, deployments
 
     # ---- reading -------------------------------------------------------------------------------------
 

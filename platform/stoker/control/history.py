@@ -1,4 +1,4 @@
-"""The last hour of every deployment, in memory: what `GET /admin/v1/history` and the web dashboard plot.
+"""The last hour of every deployment: what `GET /admin/v1/history` and the web dashboard plot.
 
 Every `interval_s` the sampler reads the platform's own metrics registry (the numbers `/metrics`
 shows, so the page and Prometheus never disagree) and keeps one point: per deployment, the answer
@@ -15,6 +15,11 @@ them (`extra`: `stoker.gateway.metering.GatewaySeries`), added to its own regist
 
 Bounded: `window_s / interval_s` points (3600 / 5 = 720), the oldest dropped. The point-making is a
 pure function of two readings and the seconds between them; the loop only reads, calls it, sleeps.
+
+Checkpointed (`stoker.control.checkpoint`: the sampler's `checkpoint` and `restore`): the points, by
+their wall-clock times, so a restart keeps the hour (with a gap while it was down). Those older
+than the window by the time it is back are dropped; the first reading after it sets a new baseline,
+since the counters it reads start from zero in the new process.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from stoker.control.checkpoint import count, fields, items, label, number
 from stoker.gateway.metering import Reading, read_registry
 
 INTERVAL_ENV = "STOKER_HISTORY_INTERVAL"  # seconds between samples (default 5)
@@ -152,6 +158,12 @@ class History:
             self._points.append({"t": round(wall, 3), "dt": round(dt, 3), "deployments": deployments})
         self._last = (reading, now)
 
+    def restore(self, points: list[dict[str, Any]]) -> None:
+        """Points from a checkpoint (`restored_points`), older than every point recorded here."""
+        first = self._points[0]["t"] if self._points else math.inf
+        kept = [p for p in points if p["t"] < first]
+        self._points = deque([*kept, *self._points], maxlen=self.config.max_points)
+
     def snapshot(self, since: float | None = None) -> dict[str, Any]:
         points = [p for p in self._points if since is None or p["t"] > since]
         return {
@@ -159,6 +171,75 @@ class History:
             "window_s": self.config.window_s,
             "points": points,
         }
+
+
+_FIGURES = (
+    "requests_per_s",
+    "arrivals_per_s",
+    "errors_per_s",
+    "forecast_per_s",
+    "queued",
+    "instances",
+    "cold_starts",
+    "start_s",
+    "hold_s",
+    "instance_seconds",
+    "cost_usd",
+)
+_MOST_DEPLOYMENTS = 10_000
+_MOST_LABELS = 64
+
+
+def _by_label(value: object, where: str, read) -> dict[str, Any]:
+    if not isinstance(value, dict) or len(value) > _MOST_LABELS:
+        raise ValueError(f"{where}: want an object of at most {_MOST_LABELS} entries")
+    return {label(k, where): read(v, f"{where}.{k}") for k, v in value.items()}
+
+
+def _figures(value: object, where: str) -> dict[str, Any]:
+    """One deployment's figures in a point, as `point` makes them."""
+    f = fields(value, where, _FIGURES)
+    rate = lambda key: number(f[key], f"{where}.{key}")  # noqa: E731
+    maybe = lambda v, at: number(v, at, optional=True)  # noqa: E731
+    return {
+        "requests_per_s": rate("requests_per_s"),
+        "arrivals_per_s": rate("arrivals_per_s"),
+        "errors_per_s": rate("errors_per_s"),
+        "forecast_per_s": maybe(f["forecast_per_s"], f"{where}.forecast_per_s"),
+        "queued": count(f["queued"], f"{where}.queued"),
+        "instances": _by_label(f["instances"], f"{where}.instances", count),
+        "cold_starts": _by_label(f["cold_starts"], f"{where}.cold_starts", count),
+        "start_s": _by_label(f["start_s"], f"{where}.start_s", maybe),
+        "hold_s": maybe(f["hold_s"], f"{where}.hold_s"),
+        "instance_seconds": _by_label(f["instance_seconds"], f"{where}.instance_seconds", number),
+        "cost_usd": number(f["cost_usd"], f"{where}.cost_usd", optional=True),
+    }
+
+
+def restored_points(body: object, config: HistoryConfig, wall: float) -> list[dict[str, Any]]:
+    """The points of a checkpoint's body that are still within the window at `wall` (epoch
+    seconds), the newest `max_points` of them; ValueError naming the first bad field."""
+    doc = fields(body, "history", ("points",))
+    points, last = [], -math.inf
+    for i, raw in enumerate(items(doc["points"], "history.points", 1_000_000)):
+        where = f"history.points[{i}]"
+        p = fields(raw, where, ("t", "dt", "deployments"))
+        t = number(p["t"], f"{where}.t")
+        if t <= last:
+            raise ValueError(f"{where}.t: the points' times must rise")
+        last = t
+        dt = number(p["dt"], f"{where}.dt")
+        d = p["deployments"]
+        if not isinstance(d, dict) or len(d) > _MOST_DEPLOYMENTS:
+            raise ValueError(
+                f"{where}.deployments: want an object of at most {_MOST_DEPLOYMENTS} deployments"
+            )
+        deployments = {
+            label(k, f"{where}.deployments"): _figures(v, f"{where}.deployments.{k}") for k, v in d.items()
+        }
+        if t > wall - config.window_s:
+            points.append({"t": t, "dt": dt, "deployments": deployments})
+    return points[-config.max_points :]
 
 
 class HistorySampler:
@@ -179,6 +260,17 @@ class HistorySampler:
         self._clock = clock
         self._wall = wall
         self._task: asyncio.Task | None = None
+
+    checkpoint_kind = "history"
+
+    def checkpoint(self) -> dict[str, Any]:
+        """The points, as JSON data (a point is never changed once made)."""
+        return {"points": list(self.history.snapshot()["points"])}
+
+    def restore(self, body: dict[str, Any]) -> None:
+        """The points of a previous run still within the window, before this one's; all or nothing."""
+        points = restored_points(body, self.history.config, self._wall())
+        self.history.restore(points)
 
     def sample(self) -> None:
         reading = read_registry(self._registry)

@@ -36,6 +36,7 @@ from stoker.control.cluster import GatewayLoad, RoutingTable
 from stoker.control.cost import CostMeter
 from stoker.control.deployment import Deployment, Unit
 from stoker.control.federate import EngineFederation, Target
+from stoker.control.policy_states import PolicyStates
 from stoker.control.prices import PriceTable
 from stoker.control.registry import Registry
 from stoker.control.rollout import Rollout, canary_percent
@@ -112,6 +113,9 @@ class Platform:
         self.revision_metrics = RevisionMetrics(self.metrics_registry)
         # Instance-seconds priced per revision, tokens, idle share, the arrival log (`stoker.control.cost`).
         self.cost = CostMeter.of_platform(prices, self.metrics_registry, clock, self.store, data_dir)
+        # What each pool's policy learned, for the checkpoints and back (`stoker.control.policy_states`).
+        self.policy_states = PolicyStates(self.pools, clock)
+        self._left: list[tuple[str, Pool]] | None = None  # the pools as shutdown left them
         self.rollout = Rollout(self, check_interval_s=canary_check_s)
         self._activator_config = activator_config or ActivatorConfig()
         self._stable_window_s = stable_window_s
@@ -198,6 +202,7 @@ class Platform:
         for d, outcome in zip(deployments, outcomes, strict=True):
             if isinstance(outcome, BaseException):
                 log.error("deployment %s did not stop cleanly: %r", d.spec.name, outcome)
+        self._left = self.pools()  # for the shutdown's checkpoint, which follows
         self._deployments.clear()
         await self._federation.aclose()
         await self.backend.aclose()
@@ -212,6 +217,13 @@ class Platform:
 
     def list(self) -> list[Deployment]:
         return list(self._deployments.values())
+
+    def pools(self) -> list[tuple[str, Pool]]:
+        """Every unit's pool by `name@revision` (the revision it serves now); after `shutdown`,
+        the pools it stopped, as they were left."""
+        if self._left is not None:
+            return list(self._left)
+        return [(f"{d.name}@{r}", unit.pool) for d in self.list() for r, unit in d.units.items()]
 
     def engine_targets(self) -> list[Target]:
         """Every instance's engine that serves HTTP now (READY, SLEEPING, DRAINING), with its
@@ -381,6 +393,7 @@ class Platform:
             clock=self._clock,
             fleet=self.fleet,
         )
+        self.policy_states.take(f"{spec.name}@{spec.revision}", pool)  # what a previous run learned
         loop = asyncio.create_task(_adopt_then_run(pool, adopt), name=f"pool-{pool.name}")
         if self.controller:
             demand = GatewayLoad(pool.name, self.routes, self._clock)

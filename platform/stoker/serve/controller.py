@@ -33,7 +33,7 @@ from stoker.gateway.metering import GatewaySeries, parse_series
 from stoker.http import ServerStopping, openai_exception_handlers, parse_json_object, read_body
 from stoker.node.gpu_metrics import register_gpu_metrics
 from stoker.serve.common import common_routes, log_setup, middleware_for, serve_app
-from stoker.serve.control_plane import access_of, platform_of
+from stoker.serve.control_plane import access_of, checkpoints_of, platform_of
 from stoker.serve.options import ControllerOptions, KubeSettings
 from stoker.spec.keys import NO_LIMITS
 from stoker.spec.planes import parse_gateway_id, parse_report, share
@@ -103,6 +103,7 @@ def build_controller(
     leave_instances: bool = True,
     leader: Any = None,  # a `stoker.control.leader.LeaderElector`: act only while holding its Lease
     on_lost_lease: Callable[[], object] | None = None,
+    checkpoint_interval_s: float | None = None,  # None: nothing checkpointed (`stoker.control.checkpoint`)
 ) -> Starlette:
     """The control plane's app: the admin API, and the cluster API gateways and node agents use.
 
@@ -120,6 +121,7 @@ def build_controller(
         HistoryConfig.from_env(),
         extra=lambda: gateway_series.reading(platform.routes.live()),
     )
+    checkpoints = checkpoints_of(platform, sampler, checkpoint_interval_s)
 
     async def routes(request: Request) -> Response:
         gateway = parse_gateway_id(request.query_params.get("gateway"))
@@ -203,13 +205,22 @@ def build_controller(
                     raise RuntimeError(f"the election for {leader.name} ended before this replica led")
                 await asyncio.sleep(0.1)
             log.info("leading (lease %s)", leader.name)
+        if checkpoints is not None:
+            checkpoints.restore()  # before the pools exist: each takes its policy's state as it is made
         await platform.start()
         sampler.start()
+        if checkpoints is not None:
+            checkpoints.start()
         try:
             yield
         finally:
+            if checkpoints is not None:
+                await checkpoints.stop()
             await sampler.stop()
             await platform.shutdown(stop_instances=not leave_instances and not lost)
+            if checkpoints is not None:  # once drained: the last seconds count
+                sampler.sample()
+                await checkpoints.write()
             cascades.close()
             if election is not None:
                 election.cancel()  # releases the lease: the next replica need not wait it out
@@ -259,6 +270,7 @@ def run_controller(options: ControllerOptions) -> int:
         leave_instances=options.leave_instances,
         leader=leader,
         on_lost_lease=stopping.stop,  # the process exits; the next leader adopts the instances
+        checkpoint_interval_s=settings.checkpoint_interval_s,
     )
     return serve_app(app, options.listen, stopping)
 

@@ -55,6 +55,9 @@ class PlatformSettings:
     max_instance_age_s: float | None = None
     warm_runtimes: int = 0
     prices: PriceTable | None = None
+    # How often what the control plane learned is checkpointed (`stoker.control.checkpoint`; the
+    # default is `--checkpoint-interval`'s); None: never.
+    checkpoint_interval_s: float | None = None
 
     def platform_kwargs(self) -> dict[str, Any]:
         return {

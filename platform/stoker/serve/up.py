@@ -24,7 +24,7 @@ from stoker.gateway.request_log import Observer
 from stoker.http import ServerStopping, openai_exception_handlers
 from stoker.node.gpu_metrics import register_gpu_metrics
 from stoker.serve.common import common_routes, log_setup, middleware_for, observer_of, serve_app
-from stoker.serve.control_plane import access_of, platform_of
+from stoker.serve.control_plane import access_of, checkpoints_of, platform_of
 from stoker.serve.options import UpOptions
 from stoker.spec.keys import NO_LIMITS
 
@@ -36,6 +36,7 @@ def build_gateway(
     *,
     access: Access | None = None,  # None: no keys at all, everyone is the admin (benchmarks)
     observer: Observer | None = None,  # the request log, drift and traces (`stoker.gateway.request_log`)
+    checkpoint_interval_s: float | None = None,  # None: nothing checkpointed (`stoker.control.checkpoint`)
 ) -> Starlette:
     """Both planes in one process (`stoker up`): OpenAI's routes, the admin API, the pools."""
     limiter = Limiter(
@@ -45,6 +46,8 @@ def build_gateway(
     # The last hour for /dashboard (`stoker.control.history`); the GPUs' own figures where NVML sees any.
     sampler = HistorySampler(platform.metrics_registry, HistoryConfig.from_env())
     register_gpu_metrics(platform.metrics_registry)
+    # Cost, that hour and the policies' learned states, kept in the data dir across a restart.
+    checkpoints = checkpoints_of(platform, sampler, checkpoint_interval_s)
     routes = [
         *data_routes(platform, limiter, cascades, observer),
         *common_routes(platform, platform.metrics_registry),
@@ -58,13 +61,22 @@ def build_gateway(
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        if checkpoints is not None:
+            checkpoints.restore()  # before the pools exist: each takes its policy's state as it is made
         await platform.start()
         sampler.start()
+        if checkpoints is not None:
+            checkpoints.start()
         try:
             yield
         finally:
+            if checkpoints is not None:
+                await checkpoints.stop()
             await sampler.stop()
             await platform.shutdown()
+            if checkpoints is not None:  # once drained: the last seconds count
+                sampler.sample()
+                await checkpoints.write()
             cascades.close()
             if observer is not None:
                 observer.close()
@@ -87,5 +99,10 @@ def run_up(options: UpOptions) -> int:
     stopping = ServerStopping()
     platform = platform_of(options.platform, activator_config=options.holding, stopping=stopping)
     observer.register(platform.metrics_registry)
-    app = build_gateway(platform, access=access_of(options.listen, options.limits), observer=observer)
+    app = build_gateway(
+        platform,
+        access=access_of(options.listen, options.limits),
+        observer=observer,
+        checkpoint_interval_s=options.platform.checkpoint_interval_s,
+    )
     return serve_app(app, options.listen, stopping)

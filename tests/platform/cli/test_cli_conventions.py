@@ -62,6 +62,8 @@ def test_version():
         (["deploy", "x", "--model", "m", "--grace-period=-1s"], ["argument --grace-period: '-1s' is not a duration"]),
         (["up", "--hold-deadline", "soon"], ["argument --hold-deadline: 'soon' is not a duration"]),
         (["up", "--unavailable-after", "-1"], ["--unavailable-after must be 0 (never) or more"]),
+        (["up", "--checkpoint-interval", "0.5s"], ["--checkpoint-interval must be 1s to 3600s (or off), got 0.5s"]),
+        (["controller", "--checkpoint-interval", "2h"], ["--checkpoint-interval must be 1s to 3600s"]),
         (["logs", "x", "--tail", "many"], ["argument --tail: must be a number of lines"]),
         (["deploy", "x"], ["the following arguments are required: --model"]),
         ([], ["the following arguments are required: COMMAND"]),
