@@ -11,11 +11,10 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from snapshots import SnapshotStore
-from stoker.control.cost import CostMeter
 from stoker.control.history import HistoryConfig, HistorySampler, restored_points
 from stoker.control.history import point as history_point
 from stoker.control.policy_states import PolicyStates
-from stoker.control.prices import PriceTable
+from tests.platform.control.test_checkpoint import Clock, meter
 from warm_pool.backends.memory import MemoryBackend
 from warm_pool.metrics import PoolMetrics
 from warm_pool.policies import make_policy
@@ -25,18 +24,6 @@ from warm_pool.pool import Pool, PoolSpec
 from warm_pool.snapshot import SnapshotSource
 
 WALL = 1_764_568_800.0
-
-
-class Clock:
-    def __init__(self, now: float = 0.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def meter(clock: Clock, wall: Clock) -> CostMeter:
-    return CostMeter(PriceTable.parse({"ready_hour": 3.6}), CollectorRegistry(), clock, wall=wall)
 
 
 def json_round(body: dict) -> dict:
