@@ -74,7 +74,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from tests.deadlines import SERVER_START
-from tests.kube.fake import podsecurity, scheduler
+from tests.kube.fake import crd, podsecurity, scheduler
 from tests.kube.fake.kinds import KINDS, NAMESPACE_SUBRESOURCES, Kind
 from tests.kube.fake.patch import PatchError, merge_patch, strategic_merge_patch
 from tests.kube.fake.rbac import Attributes, Policy, User, forbidden_message
@@ -85,6 +85,7 @@ HISTORY = 1000  # watch events kept for resumption; older versions answer 410 Ex
 MERGE = "application/merge-patch+json"
 STRATEGIC = "application/strategic-merge-patch+json"
 TERMINATED = ("Succeeded", "Failed")
+CRDS = "customresourcedefinitions.apiextensions.k8s.io"
 
 
 class ApiStatus(Exception):
@@ -193,7 +194,7 @@ class FakeApiServer:
         self.tokens = dict(tokens)
         self.policy = policy or Policy()
         self.kinds = {(k.group, k.version, k.plural): k for k in kinds}
-        self._by_plural = {k.resource: k for k in kinds}
+        self._by_plural = {k.resource: k for k in kinds}  # a CR's: its storage version's
         self.store = Store()
         self.requests: list[tuple[str, str, str]] = []  # (method, path, query): what the clients did
         self.responses: list[int] = []  # and the status of each answer
@@ -329,9 +330,17 @@ class FakeApiServer:
             self._admit_pod(namespace, obj)
             obj["status"] = {"phase": "Pending"}  # a client does not say how its pod is doing
         meta.update(uid=str(uuid.uuid4()), creationTimestamp=now_iso())
+        if kind.openapi is not None or kind.resource == CRDS:
+            meta["generation"] = 1
+            if "status" in kind.subresources:
+                obj.pop("status", None)  # a create, like a write of the object, never sets status
+        if kind.resource == CRDS:
+            obj["status"] = crd.accepted(obj, now_iso())
         if dry_run:
             return obj
         created = self.put(kind.resource, obj, "ADDED")
+        if kind.resource == CRDS:
+            self._register(created)
         if kind.plural == "pods":
             answer = copy.deepcopy(created)
             self.schedule_pending()
@@ -356,6 +365,22 @@ class FakeApiServer:
 
     def _kind(self, resource: str) -> Kind:
         return self._by_plural[resource]
+
+    def _register(self, definition: dict) -> None:
+        """Serve the CRD's kinds (again, after a change: its versions and schemas may differ)."""
+        self._unregister(definition["metadata"]["name"])
+        stored = next(v["name"] for v in definition["spec"]["versions"] if v.get("storage"))
+        for kind in crd.kinds_of(definition):
+            self.kinds[(kind.group, kind.version, kind.plural)] = kind
+            if kind.version == stored or kind.resource not in self._by_plural:
+                self._by_plural[kind.resource] = kind
+
+    def _unregister(self, resource: str) -> None:
+        for key in [
+            k for k, kind in self.kinds.items() if kind.openapi is not None and kind.resource == resource
+        ]:
+            del self.kinds[key]
+        self._by_plural.pop(resource, None)
 
     # -- HTTP ---------------------------------------------------------------------------------------
 
@@ -465,8 +490,7 @@ class FakeApiServer:
             raise ApiStatus(
                 405, "MethodNotAllowed", "the server does not allow this method on the requested resource"
             )
-        obj = await self._body(request)
-        self._validate(obj, where.kind)
+        obj = self._validate(await self._body(request), where.kind)
         dry_run = request.query_params.get("dryRun") == "All"
         return JSONResponse(self._create(where.kind, where.namespace, obj, dry_run=dry_run), 201)
 
@@ -516,14 +540,26 @@ class FakeApiServer:
                 updated["status"] = current.get("status")  # and a write of the object never status
                 if updated["status"] is None:
                     del updated["status"]
-        self._validate(updated, where.kind)
+        updated = self._validate(updated, where.kind)
+        if "generation" in current["metadata"]:  # bumped when anything but metadata (and status) changes
+            ignored = ("metadata", "status") if "status" in where.kind.subresources else ("metadata",)
+            changed = {k: v for k, v in updated.items() if k not in ignored} != {
+                k: v for k, v in current.items() if k not in ignored
+            }
+            updated["metadata"] = {
+                **updated["metadata"],
+                "generation": current["metadata"]["generation"] + int(changed),
+            }
         if where.kind.plural == "pods" and where.subresource != "status":
             errors = pod_update_errors(current["spec"], updated.get("spec") or {})
             if errors:
                 raise ApiStatus(422, "Invalid", invalid_message("Pod", where.name, errors))
         if request.query_params.get("dryRun") == "All":
             return JSONResponse(updated)
-        return JSONResponse(self.put(where.kind.resource, updated, "MODIFIED"))
+        stored = self.put(where.kind.resource, updated, "MODIFIED")
+        if where.kind.resource == CRDS:
+            self._register(stored)
+        return JSONResponse(stored)
 
     def _existing(self, where: Target) -> dict:
         obj = self.store.objects.get((where.kind.resource, where.namespace, where.name))
@@ -565,6 +601,10 @@ class FakeApiServer:
 
     def _delete_one(self, kind: Kind, obj: dict, grace: str | None) -> dict:
         ns, name = obj["metadata"].get("namespace", ""), obj["metadata"]["name"]
+        if kind.resource == CRDS:  # its custom resources go with it, then its paths
+            for key in [k for k in self.store.objects if k[0] == name]:
+                self.remove(*key)
+            self._unregister(name)
         if kind.plural != "pods":
             return self.remove(kind.resource, ns, name)
         grace_s = int(grace) if grace is not None else obj["spec"].get("terminationGracePeriodSeconds", 30)
@@ -599,17 +639,29 @@ class FakeApiServer:
         return body
 
     @staticmethod
-    def _validate(obj: dict, kind: Kind) -> None:
+    def _validate(obj: dict, kind: Kind) -> dict:
+        """`obj` as it will be stored (a custom resource pruned and defaulted), or 422 Invalid."""
         if obj.get("kind") != kind.kind or obj.get("apiVersion") != kind.api_version:
             raise ApiStatus(
                 400,
                 "BadRequest",
                 f"the object is a {obj.get('apiVersion')} {obj.get('kind')}, not a {kind.api_version} {kind.kind}",
             )
+        if kind.openapi is not None:
+            try:
+                return crd.admit(obj, kind)
+            except crd.CustomResourceInvalid as exc:
+                raise ApiStatus(422, "Invalid", str(exc)) from None
         try:
             validate(obj)
         except SchemaError as exc:
             raise ApiStatus(422, "Invalid", str(exc)) from None
+        if kind.resource == CRDS:
+            errors = crd.definition_errors(obj)
+            if errors:
+                name = obj["metadata"].get("name", "")
+                raise ApiStatus(422, "Invalid", invalid_message(f"{kind.kind}.{kind.group}", name, errors))
+        return obj
 
     async def _watch(self, request: Request, where: Target) -> Response:
         params = request.query_params
