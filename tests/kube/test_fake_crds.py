@@ -438,3 +438,14 @@ async def test_rbac_covers_custom_resources_and_their_status(
         if c.user.endswith(":widgets")
     ]
     assert ("update", "stoker.dev", "widgets/status", True) in calls
+
+
+async def test_a_crd_replaced_is_served_with_its_new_schema(http: httpx.AsyncClient) -> None:
+    assert (await http.post(WIDGETS, json=widget(gpus=99))).status_code == 422
+    current = (await http.get(f"{CRDS}/widgets.stoker.dev")).json()
+    current["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["gpus"][
+        "maximum"
+    ] = 128
+    replaced = await http.put(f"{CRDS}/widgets.stoker.dev", json=current)
+    assert replaced.status_code == 200 and replaced.json()["metadata"]["generation"] == 2
+    assert (await http.post(WIDGETS, json=widget(gpus=99))).status_code == 201

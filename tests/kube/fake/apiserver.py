@@ -10,10 +10,14 @@ with a `Status` object (`code`, `reason`, the API server's `message`):
                   and namespace: 403 Forbidden
     route         a kind (and subresource) not in the table: 404 NotFound
     decode        the body JSON (400); a patch by its content type: JSON merge patch (RFC 7386) or,
-                  for built-in kinds, strategic merge patch (`patch`); any other 415
+                  for built-in kinds, strategic merge patch (`patch`); any other 415 (strategic
+                  merge on a custom resource too, as on a cluster)
     validate      the official OpenAPI schema, strict (`schema`): 422 Invalid; a pod's spec is
                   immutable but for images, tolerations added and activeDeadlineSeconds lowered
-                  (`updates`): 422 Invalid
+                  (`updates`): 422 Invalid; a CRD, also as apiextensions checks it (`crd`: its
+                  name, one storage version, a structural schema per served version); a custom
+                  resource, pruned, defaulted and validated against its CRD version's
+                  `openAPIV3Schema` instead (`openapi`), 422 in the API server's words
     admit         a namespaced object needs its Namespace (404); a new pod, the Pod Security level
                   its namespace's label enforces (`podsecurity`): 403 Forbidden
     store         one resourceVersion counter; a replace or patch with a stale resourceVersion is
@@ -34,17 +38,26 @@ What the cluster does besides answering:
   in its `ownerReferences` is gone;
 - subresources: `pods/status`, `nodes/status` and `namespaces/status` change only status (and a
   write of the object itself never does); `pods/log` serves the files the fake kubelet writes in
-  `log_dir` (a real API server proxies the kubelet).
+  `log_dir` (a real API server proxies the kubelet);
+- custom resources: a CRD created (`/apis/apiextensions.k8s.io/v1/customresourcedefinitions`) is
+  answered `NamesAccepted` and `Established`, and each served version's kind joins the table, at
+  `/apis/<group>/<version>/[namespaces/<ns>/]<plural>[/<name>[/status]]` (a namespaced one's list
+  and watch across namespaces too); with a `status` subresource, a create or a write of the object
+  ignores `.status` and a write of `/status` everything else; `metadata.generation` starts at 1
+  and is bumped when anything but metadata (and status, where it is a subresource) changes; a CRD
+  replaced is served anew, a CRD deleted takes its custom resources with it (DELETED events) and
+  its paths answer 404 again.
 
 Every request is recorded: `requests` (method, path, query), `responses` (status codes) and
 `calls` (who asked for what, and whether RBAC allowed it), so tests can see what a client did.
 
 Kinds are a table (`kinds`; `FakeApiServer(kinds=...)` takes others): Pods, Secrets, Nodes,
-Namespaces and Leases today; a kind of another group or version is one more entry.
+Namespaces, Leases and CustomResourceDefinitions, and the kinds of every CRD registered.
 
-Not modelled: custom resources and their definitions (the table leaves room: no CRD objects, no
-schema of theirs to validate against, no `/apis` discovery of them yet); any kind not in the
-table (404); server-side apply and JSON patch (415); field selectors and set-based label
+Not modelled: for custom resources, conversion between versions (each object is answered in the
+version it was written in), the scale subresource, printer columns in Table answers, CEL rules,
+`format`, list-type and embedded-resource extensions, a CRD's names clashing with another's,
+and the rest `crd` and `openapi` list; any kind not in the table (404); server-side apply and JSON patch (415); field selectors and set-based label
 selectors (clients filter by equality labels); defaulting (objects are stored as sent: no default
 dnsPolicy, and requests taken from limits are counted by the scheduler but not written);
 `generateName`; finalizers; namespace deletion and what it removes; Pod Security's warn and audit
