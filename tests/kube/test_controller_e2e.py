@@ -136,6 +136,13 @@ async def test_instances_as_pods_end_to_end(cluster, tiny_store: TinyStore, tmp_
             again.metric, "stoker_instance_starts_total", deployment="m", outcome="ready"
         )
         assert starts == 0
+        # `stoker logs` reads the pod's log through the API; following it is kubectl's.
+        logs = await asyncio.to_thread(again.cli, "logs", "m", "--instance", instance, "--tail", "50")
+        assert "ready: serving 'm'" in logs.stdout, logs.stdout
+        follow = await asyncio.to_thread(again.cli, "logs", "m", "--follow", check=False)
+        assert follow.returncode == 1 and f"kubectl logs -f {instance} -c engine" in follow.stderr, (
+            follow.stderr
+        )
         lease = api.get("leases.coordination.k8s.io", NAMESPACE, "stoker-controller")
         assert lease["spec"]["leaseTransitions"] >= 1
 

@@ -386,6 +386,11 @@ class KubeBackend:
             log_lines=tuple(lines),
         )
 
+    async def tail_log(self, instance_id: str, lines: int) -> str | None:
+        """The last `lines` lines of the instance's engine container (`stoker logs`); None if the
+        API has none to give (no such pod any more, no log yet)."""
+        return await self._log_text(instance_id, ENGINE_CONTAINER, tail_lines=lines)
+
     async def _log_text(self, pod: str, container: str, tail_lines: int) -> str | None:
         try:
             chunks = [

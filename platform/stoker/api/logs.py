@@ -5,6 +5,10 @@
     ?follow=true   then what it writes next, streamed (chunked), until the client leaves, the
                    instance is gone and its log read to the end, or the platform stops
 
+On the Kubernetes backend the log is the pod's, read through the API (`pods/log`, the engine
+container's last `tail` lines, of a pod that still exists; default: the newest instance); a follow
+there is `kubectl logs -f`'s (501, naming the command).
+
 Pure ASGI, so a follow writes each read as it comes and notices a client that left while nothing
 was being written (it watches `receive()` for the disconnect, as the activator does). The reading
 itself is bounded and refuses links (`warm_pool.instance_logs`). Admin only, as every /admin route
@@ -53,14 +57,11 @@ class InstanceLogs:
             deployment = self.platform.get(name)
             if deployment is None:
                 raise not_found(name)
+            query = QueryParams(scope.get("query_string", b""))
             if getattr(self.platform.backend, "log_dir", None) is None:
-                raise APIError(
-                    501,
-                    f"Instance logs are kept by the {self.platform.backend.kind} backend, not here: "
-                    "`kubectl logs <instance id>` reads a pod's.",
-                    code="logs_elsewhere",
-                )
-            instance, tail, follow = self._params(name, QueryParams(scope.get("query_string", b"")))
+                await self._pod_log(name, deployment, query, scope, receive, send)
+                return
+            instance, tail, follow = self._params(name, query)
             path = self.platform.backend.log_dir / f"{instance}.log"
             try:
                 fd = await asyncio.to_thread(open_log, path)
@@ -86,12 +87,46 @@ class InstanceLogs:
         finally:
             os.close(fd)
 
-    def _params(self, name: str, query: QueryParams) -> tuple[str, int, bool]:
-        instance = query.get("instance")
+    async def _pod_log(self, name: str, deployment, query: QueryParams, scope, receive, send) -> None:
+        """A pod's log, as the Kubernetes API keeps it (`pods/log`): the last `tail` lines of its
+        engine container, of a pod that still exists. A follow is kubectl's (`kubectl logs -f`)."""
+        newest = sorted(
+            (i for pool in deployment.pools() for i in pool.instances()), key=lambda i: i["since"]
+        )
+        instance, tail, follow = self._params(name, query, default=newest[-1]["id"] if newest else None)
+        if follow:
+            raise APIError(
+                501,
+                f"Following a pod's log is kubectl's: `kubectl logs -f {instance} -c engine`.",
+                code="logs_elsewhere",
+            )
+        text = await self.platform.backend.tail_log(instance, tail)
+        if text is None:
+            raise APIError(
+                404,
+                f"No log for instance {instance!r}: its pod is gone, or has written none yet.",
+                type="not_found_error",
+                param="instance",
+                code="log_not_found",
+            )
+        headers = [(b"content-type", b"text/plain; charset=utf-8"), (b"cache-control", b"no-store")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": redact_lines(text.encode())})
+
+    def _params(self, name: str, query: QueryParams, default: str | None = None) -> tuple[str, int, bool]:
+        """The instance (given, else `default`, else the one that wrote last here), tail and follow."""
+        instance = query.get("instance") or default
         if instance is not None and not instance_pattern(name).fullmatch(instance):
             raise invalid(
                 f"'instance' must be an instance id of {name!r} ({name}-<8 hex>), got {instance!r}.",
                 "instance",
+            )
+        if instance is None and getattr(self.platform.backend, "log_dir", None) is None:
+            raise APIError(
+                404,
+                f"No instance of {name!r} runs now: name one with 'instance'.",
+                type="not_found_error",
+                code="log_not_found",
             )
         if instance is None:
             logged = logged_instances(self.platform.backend.log_dir, name)

@@ -17,12 +17,9 @@ from stoker.api.logs import DEFAULT_TAIL
 from stoker.api.revisions import revision_paths
 from stoker.engine.protocol import MAX_STOP_SEQUENCES
 from stoker.gateway.drift import drift_paths
-from stoker.spec.deployment import BALANCES, ENGINES, FIELDS, NAME, default
-from stoker.spec.engine import SETTINGS
-from stoker.spec.engine import default as engine_default
+from stoker.spec.deployment import NAME, deploy_schema
 from stoker.spec.routes import DEFAULT_MIN_MEAN_LOGPROB, LOGPROB_FLOOR
 from warm_pool.instance_logs import MAX_TAIL_LINES
-from warm_pool.policies import POLICIES
 
 _ERROR = {
     "type": "object",
@@ -136,59 +133,8 @@ _COMPLETION_RESPONSE = {
 
 
 def deploy_request() -> dict[str, Any]:
-    """The deploy body's schema (also the reference page's source for the fields the spec does not
-    hold: `canary_percent`)."""
-    fields: dict[str, Any] = {}
-    for name, (kind, low, high) in FIELDS.items():
-        fields[name] = {
-            "type": "integer" if kind is int else "number",
-            "minimum": low,
-            "maximum": high,
-            "default": default(name),
-        }
-    fields["idle_timeout_s"]["description"] = "at least 2 for a policy that sleeps (predictive)"
-    fields["max_instance_age_s"]["description"] = (
-        "0: the platform's --max-instance-age (off unless set); else at least 10"
-    )
-    for name, setting in SETTINGS.items():  # the engine settings (`stoker.spec.engine`); null: the default
-        only = "" if setting.engines == ENGINES else f" ({' and '.join(setting.engines)} engine only)"
-        fields[name] = {
-            "anyOf": [setting.schema, {"type": "null"}],
-            "default": engine_default(name),
-            "description": setting.help + only,
-        }
-    return {
-        "type": "object",
-        "required": ["name", "model"],
-        "additionalProperties": False,
-        "properties": {
-            "name": {"type": "string", "pattern": f"^{NAME.pattern}$"},
-            "model": {
-                "type": "string",
-                "minLength": 1,
-                "description": "a snapshot name or id, s3://bucket/prefix, or a local model dir or .gguf file",
-            },
-            "engine": {"enum": list(ENGINES)},
-            "policy": {"enum": list(POLICIES)},
-            "balance": {"enum": list(BALANCES)},
-            "auto_rollback": {
-                "type": "boolean",
-                "description": "a canary of it rolls itself back when it fails",
-            },
-            "log_requests": {
-                "type": "boolean",
-                "description": "its requests in the request log (no content)",
-            },
-            "log_content": {"type": "boolean", "description": "prompts and answers too, secrets masked"},
-            "canary_percent": {
-                "type": "integer",
-                "minimum": 1,
-                "maximum": 100,
-                "description": "an update takes only this share once warm (default: all of it)",
-            },
-            **fields,
-        },
-    }
+    """The deploy body's schema: `stoker.spec.deployment.deploy_schema`, written there once."""
+    return deploy_schema()
 
 
 def _json(schema: dict[str, Any]) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from typing import Any
 from activator.affinity import LEAST_OUTSTANDING, MODES, Balance
 from stoker.errors import APIError, invalid
 from stoker.spec.engine import ENGINES, SETTINGS, validate_engine
+from stoker.spec.engine import default as engine_default
 from warm_pool.engine_settings import EngineSettings
 from warm_pool.policies import DEFAULT_POLICY, POLICIES
 from warm_pool.policies.base import IDLE_TIMEOUT_S, TARGET_CONCURRENCY
@@ -188,6 +189,63 @@ def validate(body: Any) -> dict[str, Any]:
         raise invalid(f"'max_instance_age_s' {message}.", "max_instance_age_s")
     out.update(validate_engine(body, engine))
     return out
+
+
+def deploy_schema() -> dict[str, Any]:
+    """The deploy body's JSON schema, from the tables above and `stoker.spec.engine.SETTINGS`: the
+    admin API's OpenAPI description, the reference page (for the fields the spec does not hold:
+    `canary_percent`) and the custom resource's schema (`stoker.spec.resources`) are made from it."""
+    fields: dict[str, Any] = {}
+    for name, (kind, low, high) in FIELDS.items():
+        fields[name] = {
+            "type": "integer" if kind is int else "number",
+            "minimum": low,
+            "maximum": high,
+            "default": default(name),
+        }
+    fields["idle_timeout_s"]["description"] = "at least 2 for a policy that sleeps (predictive)"
+    fields["max_instance_age_s"]["description"] = (
+        "0: the platform's --max-instance-age (off unless set); else at least 10"
+    )
+    for name, setting in SETTINGS.items():  # the engine settings (`stoker.spec.engine`); null: the default
+        only = "" if setting.engines == ENGINES else f" ({' and '.join(setting.engines)} engine only)"
+        fields[name] = {
+            "anyOf": [setting.schema, {"type": "null"}],
+            "default": engine_default(name),
+            "description": setting.help + only,
+        }
+    return {
+        "type": "object",
+        "required": ["name", "model"],
+        "additionalProperties": False,
+        "properties": {
+            "name": {"type": "string", "pattern": f"^{NAME.pattern}$"},
+            "model": {
+                "type": "string",
+                "minLength": 1,
+                "description": "a snapshot name or id, s3://bucket/prefix, or a local model dir or .gguf file",
+            },
+            "engine": {"enum": list(ENGINES)},
+            "policy": {"enum": list(POLICIES)},
+            "balance": {"enum": list(BALANCES)},
+            "auto_rollback": {
+                "type": "boolean",
+                "description": "a canary of it rolls itself back when it fails",
+            },
+            "log_requests": {
+                "type": "boolean",
+                "description": "its requests in the request log (no content)",
+            },
+            "log_content": {"type": "boolean", "description": "prompts and answers too, secrets masked"},
+            "canary_percent": {
+                "type": "integer",
+                "minimum": 1,
+                "maximum": 100,
+                "description": "an update takes only this share once warm (default: all of it)",
+            },
+            **fields,
+        },
+    }
 
 
 def policy_error(policy: object) -> str | None:
