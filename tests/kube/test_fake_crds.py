@@ -449,3 +449,35 @@ async def test_a_crd_replaced_is_served_with_its_new_schema(http: httpx.AsyncCli
     replaced = await http.put(f"{CRDS}/widgets.stoker.dev", json=current)
     assert replaced.status_code == 200 and replaced.json()["metadata"]["generation"] == 2
     assert (await http.post(WIDGETS, json=widget(gpus=99))).status_code == 201
+
+
+async def test_the_stoker_deployment_crd_is_served_and_its_resource_is_the_deploy_body(
+    api: FakeApiServer,
+) -> None:
+    """Stoker's own definition (`stoker.spec.resources`), made from the deploy body's schema: the
+    server takes it as structural, defaults a resource as the spec defaults a deploy, refuses what
+    the spec's ranges refuse, and what it keeps is the deploy body `validate` checks."""
+    from stoker.spec.deployment import default, validate
+    from stoker.spec.resources import GROUP, PLURAL, VERSION, deployment_crd, from_resource
+
+    path = f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}"
+    resource = {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "StokerDeployment",
+        "metadata": {"name": "big"},
+        "spec": {"model": "llama", "engine": "vllm", "gpus": 2, "maxModelLen": 8192, "replicas": 3},
+    }
+    async with httpx.AsyncClient(base_url=api.url, headers=ADMIN_AUTH) as http:
+        registered = await http.post(CRDS, json=deployment_crd())
+        assert registered.status_code == 201, registered.text
+        made = await http.post(path, json=resource)
+        assert made.status_code == 201, made.text
+        too_many = await http.post(
+            path, json={**resource, "metadata": {"name": "huge"}, "spec": {"model": "m", "gpus": 65}}
+        )
+    spec = made.json()["spec"]
+    assert "replicas" not in spec  # pruned: the server keeps only what the schema names
+    assert spec["minWarm"] == default("min_warm") and spec["idleTimeoutSeconds"] == default("idle_timeout_s")
+    body = validate(from_resource("big", spec))
+    assert (body["gpus"], body["max_model_len"], body["engine"]) == (2, 8192, "vllm")
+    assert too_many.status_code == 422 and "spec.gpus" in too_many.json()["message"], too_many.text
