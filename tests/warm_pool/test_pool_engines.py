@@ -16,6 +16,7 @@ from tests.activator.conftest import eventually
 from tests.deadlines import deadline
 from tests.warm_pool.rig import Rig, pool_rig
 from warm_pool.backends.base import Placement
+from warm_pool.backends.local import free_port
 from warm_pool.backends.memory import MemoryBackend
 from warm_pool.backends.procs import ProcessHandle
 from warm_pool.engine_calls import EngineCapabilities
@@ -41,6 +42,12 @@ class MetricsBackend(MemoryBackend):
     exposition: str = IDLE
     hits: dict[int, int] = field(default_factory=dict)  # port → scrapes
     servers: dict[ProcessHandle, web.AppRunner] = field(default_factory=dict)
+
+    def engine_port(self, host: str) -> int:
+        # A free port, not the memory backend's fixed 20000, 20001 ...: every other pool test's
+        # scraper reads its own instances' /metrics there, and on a shared loopback it would be
+        # counted here as this test's scrapes.
+        return free_port()
 
     async def start(self, placement: Placement, spec: LaunchSpec) -> ProcessHandle:
         handle = await super().start(placement, spec)

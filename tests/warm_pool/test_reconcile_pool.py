@@ -20,6 +20,7 @@ from tests.activator.conftest import eventually
 from tests.deadlines import deadline
 from tests.warm_pool.rig import Rig, asleep, pool_rig
 from warm_pool.backends.base import Placement
+from warm_pool.backends.local import free_port
 from warm_pool.backends.memory import MemoryBackend
 from warm_pool.backends.procs import ProcessHandle
 from warm_pool.launch import ENGINE_KEY_ENV, LaunchSpec
@@ -43,6 +44,11 @@ class SleepyBackend(MemoryBackend):
     gate: asyncio.Event | None = None  # while an Event, answers wait for it (with what was true before)
     asked: int = 0
     servers: dict[ProcessHandle, web.AppRunner] = field(default_factory=dict)
+
+    def engine_port(self, host: str) -> int:
+        # A free port, not the memory backend's fixed 20000, 20001 ...: every other pool test's
+        # reconcile asks its own instances there, and on a shared loopback it would count here.
+        return free_port()
 
     async def start(self, placement: Placement, spec: LaunchSpec) -> ProcessHandle:
         handle = await super().start(placement, spec)
