@@ -22,10 +22,10 @@ from pathlib import Path
 from snapshots.sizes import format_size
 from stoker.cli import revisions as revision_commands
 from stoker.cli.admin_client import add_url_args, call, stream
+from stoker.cli.engine_settings import add_engine_args, engine_body, engine_line
 from stoker.errors import CLIError
 from stoker.spec.deployment import BALANCES, ENGINES, default
 from stoker.spec.durations import duration, format_duration
-from stoker.spec.engine import DTYPES, SETTINGS
 from warm_pool.policies import POLICIES
 
 
@@ -202,80 +202,6 @@ def _lines(value: str) -> int:
     return int(value)
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """The engine settings (`stoker.spec.engine.SETTINGS`), flags named as vLLM names them; their help
-    is the table's. Left out: the engine's default."""
-    h = {name: s.help for name, s in SETTINGS.items()}
-    g = p.add_argument_group("engine settings (vLLM's names; default: the engine's)")
-    g.add_argument("--gpus", type=int, metavar="N", help=h["gpus"])
-    g.add_argument("--dtype", choices=DTYPES, help=h["dtype"])
-    g.add_argument("--quantization", metavar="METHOD", help=h["quantization"])
-    g.add_argument("--max-model-len", type=int, metavar="TOKENS", help=h["max_model_len"])
-    g.add_argument("--gpu-memory-utilization", type=float, metavar="SHARE", help=h["gpu_memory_utilization"])
-    g.add_argument("--max-num-seqs", type=int, metavar="N", help=h["max_num_seqs"])
-    g.add_argument(
-        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, help=h["enable_prefix_caching"]
-    )
-    g.add_argument("--enforce-eager", action="store_true", default=None, help=h["enforce_eager"])
-    g.add_argument(
-        "--engine-arg",
-        dest="engine_args",
-        action="append",
-        metavar="ARG",
-        help=h["engine_args"] + "; one argument each, written --engine-arg=--flag=value (repeatable)",
-    )
-    pods = p.add_argument_group("pods (the Kubernetes backend)")
-    pods.add_argument("--cpu", metavar="QUANTITY", help=h["cpu"])
-    pods.add_argument("--memory", metavar="QUANTITY", help=h["memory"])
-    pods.add_argument(
-        "--node-selector", action="append", metavar="KEY=VALUE", help=h["node_selector"] + " (repeatable)"
-    )
-    pods.add_argument(
-        "--toleration",
-        dest="tolerations",
-        action="append",
-        metavar="KEY[=VALUE][:EFFECT]",
-        help=h["tolerations"]
-        + "; as kubectl writes taints: no value is Exists, no effect is every effect (repeatable)",
-    )
-
-
-def engine_body(args: argparse.Namespace) -> dict:
-    """The engine settings given on the command line, as the deploy body holds them (the platform
-    validates them: a bad one is its 400, in one line)."""
-    body = {
-        name: getattr(args, name)
-        for name in SETTINGS
-        if name not in ("node_selector", "tolerations") and getattr(args, name, None) is not None
-    }
-    if args.node_selector:
-        body["node_selector"] = dict(_pair(item, "--node-selector") for item in args.node_selector)
-    if args.tolerations:
-        body["tolerations"] = [_toleration(item) for item in args.tolerations]
-    return body
-
-
-def _pair(item: str, flag: str) -> tuple[str, str]:
-    key, eq, value = item.partition("=")
-    if not eq or not key:
-        raise CLIError(f"{flag} takes KEY=VALUE, got {item!r}")
-    return key, value
-
-
-def _toleration(item: str) -> dict:
-    """`key=value:NoSchedule`, `key:NoExecute`, `key` (kubectl's taint syntax) as a toleration."""
-    rest, colon, effect = item.rpartition(":") if ":" in item else (item, "", "")
-    key, eq, value = rest.partition("=")
-    if not key or (colon and not effect):
-        raise CLIError(f"--toleration takes KEY[=VALUE][:EFFECT], got {item!r}")
-    out = {"key": key, "operator": "Equal" if eq else "Exists"}
-    if eq:
-        out["value"] = value
-    if effect:
-        out["effect"] = effect
-    return out
-
-
 def cmd_deploy(args: argparse.Namespace) -> int:
     from stoker.spec.deployment import policy_error
 
@@ -387,30 +313,6 @@ def cmd_describe(args: argparse.Namespace) -> int:
     for line in describe_lines(d):
         print(line)
     return 0
-
-
-def engine_line(d: dict) -> str:
-    """The engine settings a deployment sets, as `stoker deploy` writes them; the rest are defaults."""
-    from stoker.spec.engine import default as engine_default
-
-    shown = []
-    for name in SETTINGS:
-        value = d.get(name)
-        if value is None or value == engine_default(name):
-            continue
-        if isinstance(value, dict):
-            value = ",".join(f"{k}={v}" for k, v in value.items())
-        elif isinstance(value, list) and name == "tolerations":
-            value = ",".join(
-                t.get("key", "")
-                + (f"={t['value']}" if "value" in t else "")
-                + (f":{t['effect']}" if "effect" in t else "")
-                for t in value
-            )
-        elif isinstance(value, list):
-            value = " ".join(value)
-        shown.append(f"{name} {value}")
-    return "; ".join(shown) or "the engine's defaults"
 
 
 def describe_lines(d: dict) -> list[str]:
