@@ -16,11 +16,13 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
 from lightkube import AsyncClient, KubeConfig
 from lightkube.config.models import Cluster, User
 
 from snapshots import SnapshotStore, import_hf_dir
+from stoker.spec.resources import deployment_crd, revision_crd, route_crd
 from tests.conftest import STOKER
 from tests.kube.accounts import ADMIN_TOKEN, NAMESPACE, TOKENS, chart_access, tokens, unexplained
 from tests.kube.fake.apiserver import FakeApiServer
@@ -29,6 +31,10 @@ from tests.kube.fake.rbac import Policy
 from warm_pool.backends.kube import KubeBackend
 
 NODES = ("node-a", "node-b")
+
+
+def crds() -> list[dict]:
+    return [deployment_crd(), revision_crd(), route_crd()]
 TOKEN = TOKENS["controller"]
 
 
@@ -97,6 +103,7 @@ async def running_cluster(
         api.add_node(node, **shape)
     async with api.serve() as url:
         config = kube_config(url)
+        await install_crds(url)
         client = AsyncClient(config=config, namespace=NAMESPACE)
         kubelet_client = AsyncClient(config=config, namespace=NAMESPACE)
         programs = {"stoker": STOKER, "python": sys.executable}
@@ -116,6 +123,14 @@ async def running_cluster(
         assert not kubelet.errors, kubelet.errors
         if not cluster.probing:
             assert unexplained(api.calls, access) == []
+
+
+async def install_crds(url: str) -> None:
+    """The chart's CRDs, as `helm install` creates them before anything else (as system:admin)."""
+    async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}) as http:
+        for definition in crds():
+            r = await http.post("/apis/apiextensions.k8s.io/v1/customresourcedefinitions", json=definition)
+            assert r.status_code == 201, r.text
 
 
 @pytest.fixture

@@ -3,6 +3,8 @@ serves (even at zero instances, when nothing pins it) or that a process has pinn
 
 from __future__ import annotations
 
+import asyncio
+
 import json
 from pathlib import Path
 
@@ -29,11 +31,11 @@ def test_rm_removes_what_nobody_uses_and_refuses_what_is_in_use(
 
     # A deployment serves it: refused, though no instance runs and nothing pins it.
     registry = Registry(Path(home_env["STOKER_HOME"]) / "stoker.db")
-    registry.put(DeploymentSpec(name="chat", model="tiny", snapshot_id=snapshot_id))
+    asyncio.run(registry.put(DeploymentSpec(name="chat", model="tiny", snapshot_id=snapshot_id)))
     assert_one_line_error(
         cli("rm", "tiny"), f"snapshot {snapshot_id[:12]} is used by deployment chat", "stoker rm chat"
     )
-    registry.delete("chat")
+    asyncio.run(registry.delete("chat"))
     registry.close()
 
     # Pinned (an engine holds it): refused, naming the holder.

@@ -18,7 +18,7 @@ from stoker.api.revisions import revision_paths
 from stoker.engine.protocol import MAX_STOP_SEQUENCES
 from stoker.gateway.drift import drift_paths
 from stoker.spec.deployment import NAME, deploy_schema
-from stoker.spec.routes import DEFAULT_MIN_MEAN_LOGPROB, LOGPROB_FLOOR
+from stoker.spec.routes import route_schema
 from warm_pool.instance_logs import MAX_TAIL_LINES
 
 _ERROR = {
@@ -353,25 +353,7 @@ def _key_request() -> dict[str, Any]:
 
 def _cascade_paths(name_param: list[dict[str, Any]]) -> dict[str, Any]:
     """`stoker.api.routes`'s routes."""
-    name = {"type": "string", "pattern": f"^{NAME.pattern}$"}
-    request = {
-        "type": "object",
-        "required": ["name", "small", "large"],
-        "additionalProperties": False,
-        "properties": {
-            "name": {**name, "description": "what clients send as `model`; no deployment's name"},
-            "small": {**name, "description": "the deployment that answers first"},
-            "large": {**name, "description": "the deployment an unsure or too-long request goes to"},
-            "min_mean_logprob": {
-                "type": "number",
-                "minimum": LOGPROB_FLOOR,
-                "maximum": 0,
-                "default": DEFAULT_MIN_MEAN_LOGPROB,
-                "description": "escalate a small answer whose mean token logprob is under this",
-            },
-            "escalate_on_context": {"type": "boolean", "default": True},
-        },
-    }
+    request = route_schema()
     route = {"type": "object", "required": ["name", "small", "large"], "properties": request["properties"]}
     return {
         "/admin/v1/routes": {

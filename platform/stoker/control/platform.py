@@ -38,7 +38,7 @@ from stoker.control.deployment import Deployment, Unit
 from stoker.control.federate import EngineFederation, Target
 from stoker.control.policy_states import PolicyStates
 from stoker.control.prices import PriceTable
-from stoker.control.registry import Registry
+from stoker.control.registry import DeploymentStore, Registry
 from stoker.control.rollout import Rollout, canary_percent
 from stoker.control.vllm import VllmOptions, VllmSetup
 from stoker.errors import APIError, invalid
@@ -83,12 +83,13 @@ class Platform:
         max_instance_age_s: float | None = None,  # `stoker up --max-instance-age`; a deployment's own wins
         warm_runtimes: int = 0,  # CPU-engine runtimes kept ahead of need (`stoker up --warm-runtimes`)
         stopping: Callable[[], bool] | None = None,  # the server draining (`stoker.http.ServerStopping`)
+        registry: DeploymentStore | None = None,  # default: SQLite in the data dir; on a cluster, the API server
     ) -> None:
         self.data_dir = data_dir
         self.controller = controller
         # What gateways wait on and report to, in a controller (`stoker.control.cluster`).
         self.routes = RoutingTable(clock, stale_after_s=gateway_stale_after_s)
-        self.registry = Registry(data_dir / "stoker.db")
+        self.registry: DeploymentStore = registry or Registry(data_dir / "stoker.db")
         self.store = SnapshotStore(store_dir or data_dir / "snapshots", budget_bytes=snapshot_budget())
         self.records = InstanceRecords(data_dir / "instances")
         # Marks its engines, so the next run on this data dir finds even those it never recorded.
@@ -267,15 +268,32 @@ class Platform:
             spec = DeploymentSpec.from_dict({**fields, "snapshot_id": snapshot_id})
             current = self._deployments.get(spec.name)
             if current is None:
-                spec = self.registry.put(spec)
+                spec = await self.registry.put(spec)
                 d = self._deployment(spec, {spec.revision: 100})
                 d.units[spec.revision] = self.new_unit(spec)
                 self.rollout.publish(d, d.traffic)
                 return spec, True
-            spec = self.registry.create_revision(spec)
+            spec = await self.registry.create_revision(spec)
             current.latest = spec
             self.rollout.switch_to(current, spec, canary or 100)
             return spec, False
+
+    async def apply(
+        self, body: object, name_taken: Callable[[str], APIError | None] = lambda name: None
+    ) -> DeploymentSpec | None:
+        """A declared deployment (a resource's spec, `stoker.control.kube.reconcile`): deployed as
+        `deploy` does, unless its newest revision already is what `body` declares (None then)."""
+        fields = validate(body)
+        d = self._deployments.get(fields["name"])
+        if d is not None:
+            latest = d.latest
+            same = DeploymentSpec.from_dict(
+                {**fields, "snapshot_id": latest.snapshot_id, "revision": latest.revision}
+            )
+            if same == latest:
+                return None
+        spec, _ = await self.deploy(body, name_taken)
+        return spec
 
     async def _check_devices(self, fields: dict[str, Any]) -> None:
         """Refuse at deploy what no instance could ever be given: more GPUs than the backend has on
@@ -352,7 +370,7 @@ class Platform:
             deployment = self._existing(name)
             await self.rollout.cancel(deployment)
             await self._stop(deployment)
-            self.registry.delete(name)
+            await self.registry.delete(name)
             del self._deployments[name]
             self.routes.bump()
             self._pool_metrics.forget(name)

@@ -15,8 +15,35 @@ import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Protocol
 
 from stoker.spec.deployment import DeploymentSpec
+
+
+class DeploymentStore(Protocol):
+    """Where deployments and their revisions are kept: SQLite (`Registry`, `stoker up` and a
+    controller's data dir) or, on a cluster, the API server (`stoker.control.kube.registry`).
+    Reads are from memory or a local file; writes may go over the network, so they are awaited."""
+
+    def traffic(self, name: str) -> dict[int, int]: ...
+
+    def revisions(self, name: str) -> list[tuple[DeploymentSpec, float]]: ...
+
+    def revision(self, name: str, number: int) -> DeploymentSpec | None: ...
+
+    def all(self) -> list[DeploymentSpec]: ...
+
+    def serving(self) -> list[DeploymentSpec]: ...
+
+    def set_traffic(self, name: str, traffic: dict[int, int]) -> None: ...
+
+    async def create_revision(self, spec: DeploymentSpec, *, take_traffic: bool = False) -> DeploymentSpec: ...
+
+    async def put(self, spec: DeploymentSpec) -> DeploymentSpec: ...
+
+    async def delete(self, name: str) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class Registry:
@@ -71,7 +98,7 @@ class Registry:
             raise
         self._db.execute("COMMIT")
 
-    def create_revision(self, spec: DeploymentSpec, *, take_traffic: bool = False) -> DeploymentSpec:
+    async def create_revision(self, spec: DeploymentSpec, *, take_traffic: bool = False) -> DeploymentSpec:
         """Record `spec` as the name's next revision (returned with its `revision` set). The traffic
         split stays as it is, unless `take_traffic` (or it is the name's first revision): then all
         of it goes to the new revision."""
@@ -95,9 +122,9 @@ class Registry:
             )
         return spec
 
-    def put(self, spec: DeploymentSpec) -> DeploymentSpec:
+    async def put(self, spec: DeploymentSpec) -> DeploymentSpec:
         """A new deployment, or a new revision of one that takes all the traffic at once."""
-        return self.create_revision(spec, take_traffic=True)
+        return await self.create_revision(spec, take_traffic=True)
 
     def set_traffic(self, name: str, traffic: dict[int, int]) -> None:
         self._db.execute(
@@ -122,7 +149,7 @@ class Registry:
         ).fetchone()
         return _spec(row[0]) if row else None
 
-    def delete(self, name: str) -> None:
+    async def delete(self, name: str) -> None:
         with self._transaction():
             self._db.execute("DELETE FROM deployments WHERE name = ?", (name,))
             self._db.execute("DELETE FROM revisions WHERE name = ?", (name,))

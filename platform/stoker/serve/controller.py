@@ -23,6 +23,8 @@ from stoker.api.dashboard import dashboard_routes
 from stoker.api.deployments import admin_routes
 from stoker.api.routes import cascade_routes
 from stoker.control.history import HistoryConfig, HistorySampler
+from stoker.control.kube.reconcile import Reconciler
+from stoker.control.kube.registry import ResourceRegistry
 from stoker.control.platform import Platform
 from stoker.control.routes import owned_cascades
 from stoker.errors import invalid
@@ -40,6 +42,7 @@ from stoker.spec.planes import parse_gateway_id, parse_report, share
 
 log = logging.getLogger("stoker.planes")
 MAX_REPORT_BYTES = 8 << 20
+SYNC_TIMEOUT_S = 60.0  # for the first list of the resources, once leading
 # The request headers a gateway passes through to the controller's admin API, and back.
 _PASS_REQUEST = ("authorization", "content-type", "origin", "accept")
 _PASS_RESPONSE = ("content-type", "retry-after", "cache-control")
@@ -122,6 +125,12 @@ def build_controller(
         extra=lambda: gateway_series.reading(platform.routes.live()),
     )
     checkpoints = checkpoints_of(platform, sampler, checkpoint_interval_s)
+    # On a cluster the deployments are resources: watched (by a standby too) and reconciled.
+    resources = platform.registry if isinstance(platform.registry, ResourceRegistry) else None
+    reconciler = None
+    if resources is not None:
+        reconciler = Reconciler(platform, resources, name_taken=cascades.conflict)
+        resources.bind(reconciler.changed, reconciler.traffic_changed)
 
     async def routes(request: Request) -> Response:
         gateway = parse_gateway_id(request.query_params.get("gateway"))
@@ -196,6 +205,8 @@ def build_controller(
     @contextlib.asynccontextmanager
     async def lifespan(app):
         election = None
+        if resources is not None:
+            resources.start()  # the standby's watches are warm when it takes over
         if leader is not None:
             election = asyncio.create_task(leader.run(lead, step_down), name="leader-election")
             log.info("waiting for the lease %s as %s", leader.name, leader.identity)
@@ -205,9 +216,13 @@ def build_controller(
                     raise RuntimeError(f"the election for {leader.name} ended before this replica led")
                 await asyncio.sleep(0.1)
             log.info("leading (lease %s)", leader.name)
+        if resources is not None:
+            await resources.wait_synced(SYNC_TIMEOUT_S)
         if checkpoints is not None:
             checkpoints.restore()  # before the pools exist: each takes its policy's state as it is made
         await platform.start()
+        if reconciler is not None:
+            reconciler.start()
         sampler.start()
         if checkpoints is not None:
             checkpoints.start()
@@ -217,11 +232,15 @@ def build_controller(
             if checkpoints is not None:
                 await checkpoints.stop()
             await sampler.stop()
+            if reconciler is not None:
+                await reconciler.stop()
             await platform.shutdown(stop_instances=not leave_instances and not lost)
             if checkpoints is not None:  # once drained: the last seconds count
                 sampler.sample()
                 await checkpoints.write()
             cascades.close()
+            if resources is not None:
+                await resources.aclose()
             if election is not None:
                 election.cancel()  # releases the lease: the next replica need not wait it out
                 await asyncio.gather(election, return_exceptions=True)
@@ -312,4 +331,5 @@ def _kubernetes(kube: KubeSettings) -> tuple[dict[str, Any], Any]:
     leader = LeaderElector(
         client, kube.namespace, kube.lease_name, kube.identity, lease_s=kube.lease_s, renew_s=kube.lease_s / 3
     )
-    return {"backend": backend, "gpus": PodGpus()}, leader
+    registry = ResourceRegistry(client, kube.namespace)
+    return {"backend": backend, "gpus": PodGpus(), "registry": registry}, leader

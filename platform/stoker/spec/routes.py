@@ -106,6 +106,30 @@ def validate_route(body: Any) -> CascadeRoute:
     return CascadeRoute(names["name"], names["small"], names["large"], float(threshold), context)
 
 
+def route_schema() -> dict[str, Any]:
+    """A route's JSON schema, as `validate_route` checks it: the admin API's OpenAPI description
+    and the `StokerRoute` resource's schema (`stoker.spec.resources`) are made from it."""
+    name = {"type": "string", "pattern": f"^{NAME.pattern}$"}
+    return {
+        "type": "object",
+        "required": ["name", "small", "large"],
+        "additionalProperties": False,
+        "properties": {
+            "name": {**name, "description": "what clients send as `model`; no deployment's name"},
+            "small": {**name, "description": "the deployment that answers first"},
+            "large": {**name, "description": "the deployment an unsure or too-long request goes to"},
+            "min_mean_logprob": {
+                "type": "number",
+                "minimum": LOGPROB_FLOOR,
+                "maximum": 0,
+                "default": DEFAULT_MIN_MEAN_LOGPROB,
+                "description": "escalate a small answer whose mean token logprob is under this",
+            },
+            "escalate_on_context": {"type": "boolean", "default": True},
+        },
+    }
+
+
 def route_not_found(name: str) -> APIError:
     return APIError(
         404, f"No route named {name!r}.", type="not_found_error", param="name", code="route_not_found"

@@ -22,14 +22,14 @@ SPEC = DeploymentSpec(name="chat", model="a", snapshot_id="a" * 64)
 # ---- the registry ------------------------------------------------------------------------------
 
 
-def test_every_deploy_is_a_numbered_immutable_revision(tmp_path) -> None:
+async def test_every_deploy_is_a_numbered_immutable_revision(tmp_path) -> None:
     registry = Registry(tmp_path / "stoker.db")
-    first = registry.put(SPEC)
-    second = registry.create_revision(replace(SPEC, model="b", snapshot_id="b" * 64))
+    first = await registry.put(SPEC)
+    second = await registry.create_revision(replace(SPEC, model="b", snapshot_id="b" * 64))
     assert (first.revision, second.revision) == (1, 2)
     assert registry.traffic("chat") == {1: 100}  # a new revision takes no traffic by itself
     registry.set_traffic("chat", {2: 100})
-    third = registry.put(replace(SPEC, max=3))
+    third = await registry.put(replace(SPEC, max=3))
     assert third.revision == 3 and registry.traffic("chat") == {3: 100}
     history = registry.revisions("chat")
     assert [(s.revision, s.snapshot_id[0], s.max) for s, _ in history] == [
@@ -43,16 +43,16 @@ def test_every_deploy_is_a_numbered_immutable_revision(tmp_path) -> None:
     assert [s.revision for s in registry.serving()] == [1, 3]
 
 
-def test_a_removed_deployment_takes_its_history_and_numbering_restarts(tmp_path) -> None:
+async def test_a_removed_deployment_takes_its_history_and_numbering_restarts(tmp_path) -> None:
     registry = Registry(tmp_path / "stoker.db")
-    registry.put(SPEC)
-    registry.put(SPEC)
-    registry.delete("chat")
+    await registry.put(SPEC)
+    await registry.put(SPEC)
+    await registry.delete("chat")
     assert registry.revisions("chat") == [] and registry.traffic("chat") == {}
-    assert registry.put(SPEC).revision == 1
+    assert (await registry.put(SPEC)).revision == 1
 
 
-def test_a_database_from_before_revisions_reads_as_revision_1_with_all_the_traffic(tmp_path) -> None:
+async def test_a_database_from_before_revisions_reads_as_revision_1_with_all_the_traffic(tmp_path) -> None:
     db = sqlite3.connect(tmp_path / "stoker.db")
     db.execute(
         "CREATE TABLE deployments (name TEXT PRIMARY KEY, spec TEXT NOT NULL, created_at REAL NOT NULL,"
@@ -66,17 +66,17 @@ def test_a_database_from_before_revisions_reads_as_revision_1_with_all_the_traff
     assert registry.traffic("chat") == {1: 100}
     [(spec, created)] = registry.revisions("chat")
     assert spec.revision == 1 and spec.snapshot_id == SPEC.snapshot_id and created == 1.0
-    assert registry.put(SPEC).revision == 2
+    assert (await registry.put(SPEC)).revision == 2
 
 
-def test_a_failed_write_leaves_no_half_revision(tmp_path) -> None:
+async def test_a_failed_write_leaves_no_half_revision(tmp_path) -> None:
     registry = Registry(tmp_path / "stoker.db")
-    registry.put(SPEC)
+    await registry.put(SPEC)
     registry._db.execute(
         "CREATE TRIGGER refuse BEFORE UPDATE ON deployments BEGIN SELECT RAISE(ABORT, 'disk'); END"
     )
     with pytest.raises(sqlite3.DatabaseError):
-        registry.put(replace(SPEC, max=2))
+        await registry.put(replace(SPEC, max=2))
     assert [s.revision for s, _ in registry.revisions("chat")] == [1]
 
 
