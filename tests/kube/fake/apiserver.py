@@ -87,7 +87,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from tests.deadlines import SERVER_START
-from tests.kube.fake import crd, podsecurity, scheduler
+from tests.kube.fake import crd, finalizers, podsecurity, scheduler
 from tests.kube.fake.kinds import KINDS, NAMESPACE_SUBRESOURCES, Kind
 from tests.kube.fake.patch import PatchError, merge_patch, strategic_merge_patch
 from tests.kube.fake.rbac import Attributes, Policy, User, forbidden_message
@@ -122,6 +122,39 @@ class ApiStatus(Exception):
 
 def now_iso() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _builtin(kind: Kind) -> bool:
+    """Validated by the core API's rules (standard finalizer names), not apiextensions'."""
+    return kind.openapi is None and kind.resource != CRDS
+
+
+def _qualified(kind: Kind) -> str:
+    """The kind as a 422 message names it: `Pod`, `Widget.stoker.dev`."""
+    return f"{kind.kind}.{kind.group}" if kind.group else kind.kind
+
+
+def _finalized(current: dict, updated: dict) -> bool:
+    """An update that removes the object: it is terminating, its grace period is over (a pod's
+    kubelet is done) and the update leaves no finalizers."""
+    meta = current["metadata"]
+    return (
+        bool(meta.get("deletionTimestamp"))
+        and meta.get("deletionGracePeriodSeconds") in (None, 0)
+        and not updated["metadata"].get("finalizers")
+    )
+
+
+def _set_condition(obj: dict, kind: str, status: str, reason: str, message: str) -> None:
+    condition = {
+        "type": kind,
+        "status": status,
+        "reason": reason,
+        "message": message,
+        "lastTransitionTime": now_iso(),
+    }
+    conditions = obj.setdefault("status", {}).setdefault("conditions", [])
+    conditions[:] = [*(c for c in conditions if c["type"] != kind), condition]
 
 
 def labels_match(labels: dict, selector: str | None) -> bool:
@@ -270,6 +303,12 @@ class FakeApiServer:
         obj = self.store.objects.pop((resource, namespace, name))
         obj["metadata"]["resourceVersion"] = self.store.bump()
         self.store.emit(resource, "DELETED", obj)
+        if resource == CRDS:  # what is left of its custom resources goes with it, then its paths
+            for key in [k for k in self.store.objects if k[0] == name]:
+                self.remove(*key)
+            self._unregister(name)
+        else:
+            self._finish_definition(resource)  # its CRD waits for its last custom resource
         self._collect_garbage()
         if resource == "pods":
             self.schedule_pending()
@@ -327,6 +366,11 @@ class FakeApiServer:
             raise ApiStatus(
                 422, "Invalid", f"{kind.kind} metadata.name: Required value: name or generateName is required"
             )
+        errors = finalizers.name_errors(meta.get("finalizers") or [], builtin=_builtin(kind))
+        if errors:
+            raise ApiStatus(422, "Invalid", invalid_message(_qualified(kind), meta["name"], errors))
+        for server_set in ("deletionTimestamp", "deletionGracePeriodSeconds"):
+            meta.pop(server_set, None)
         if kind.namespaced:
             if meta.get("namespace", namespace) != namespace:
                 raise ApiStatus(
@@ -368,13 +412,41 @@ class FakeApiServer:
             raise ApiStatus(403, "Forbidden", f'pods "{pod["metadata"]["name"]}" is forbidden: {refusal}')
 
     def _collect_garbage(self) -> None:
-        """Remove each object all of whose owners are gone (one pass per removal: it recurses)."""
+        """Delete each object all of whose owners are gone (one pass per removal: it recurses): one
+        without finalizers is removed, one with them is marked terminating. A terminating owner
+        still exists (background deletion)."""
         uids = {o["metadata"]["uid"] for o in self.store.objects.values()}
-        for (resource, ns, name), obj in list(self.store.objects.items()):
+        for key, obj in list(self.store.objects.items()):
             owners = obj["metadata"].get("ownerReferences") or []
-            if owners and not any(ref.get("uid") in uids for ref in owners):
-                if (resource, ns, name) in self.store.objects:
-                    self.remove(resource, ns, name)
+            if not owners or any(ref.get("uid") in uids for ref in owners) or key not in self.store.objects:
+                continue
+            meta = self.store.objects[key]["metadata"]
+            if not meta.get("finalizers"):
+                self.remove(*key)
+            elif not meta.get("deletionTimestamp"):
+                self._delete_one(self._kind(key[0]), copy.deepcopy(self.store.objects[key]), None)
+
+    def _finish_definition(self, name: str) -> None:
+        """A terminating CRD whose last custom resource is gone: drop the cleanup finalizer, and
+        remove the CRD if no other finalizer holds it."""
+        current = self.get(CRDS, "", name)
+        if (
+            current is None
+            or finalizers.CRD_CLEANUP not in (current["metadata"].get("finalizers") or [])
+            or any(k[0] == name for k in self.store.objects)
+        ):
+            return
+        definition = copy.deepcopy(current)
+        meta = definition["metadata"]
+        meta["finalizers"] = [f for f in meta["finalizers"] if f != finalizers.CRD_CLEANUP]
+        _set_condition(
+            definition, "Terminating", "False", "InstanceDeletionCompleted", "removed all instances"
+        )
+        if meta["finalizers"]:
+            self.put(CRDS, definition, "MODIFIED")
+        else:
+            self.store.objects[(CRDS, "", name)] = definition
+            self.remove(CRDS, "", name)
 
     def _kind(self, resource: str) -> Kind:
         return self._by_plural[resource]
@@ -503,6 +575,11 @@ class FakeApiServer:
             raise ApiStatus(
                 405, "MethodNotAllowed", "the server does not allow this method on the requested resource"
             )
+        definition = self.get(CRDS, "", where.kind.resource) if where.kind.openapi is not None else None
+        if definition is not None and definition["metadata"].get("deletionTimestamp"):
+            raise ApiStatus(
+                405, "MethodNotAllowed", "create not allowed while custom resource definition is terminating"
+            )
         obj = self._validate(await self._body(request), where.kind)
         dry_run = request.query_params.get("dryRun") == "All"
         return JSONResponse(self._create(where.kind, where.namespace, obj, dry_run=dry_run), 201)
@@ -541,10 +618,8 @@ class FakeApiServer:
             "deletionTimestamp",
             "deletionGracePeriodSeconds",
         )
-        meta = {
-            **updated.get("metadata", {}),
-            **{k: current["metadata"][k] for k in server_set if k in current["metadata"]},
-        }
+        meta = {k: v for k, v in updated.get("metadata", {}).items() if k not in server_set}
+        meta.update({k: current["metadata"][k] for k in server_set if k in current["metadata"]})
         if where.subresource == "status":  # a status write changes only status
             updated = {**current, "status": updated.get("status")} if updated.get("status") else current
         else:
@@ -563,12 +638,20 @@ class FakeApiServer:
                 **updated["metadata"],
                 "generation": current["metadata"]["generation"] + int(changed),
             }
-        if where.kind.plural == "pods" and where.subresource != "status":
-            errors = pod_update_errors(current["spec"], updated.get("spec") or {})
+        if where.subresource != "status":
+            old, new = (o["metadata"].get("finalizers") or [] for o in (current, updated))
+            errors = finalizers.name_errors(new, builtin=_builtin(where.kind))
+            if current["metadata"].get("deletionTimestamp"):
+                errors += finalizers.added_errors(old, new)
+            if where.kind.plural == "pods":
+                errors += pod_update_errors(current["spec"], updated.get("spec") or {})
             if errors:
-                raise ApiStatus(422, "Invalid", invalid_message("Pod", where.name, errors))
+                raise ApiStatus(422, "Invalid", invalid_message(_qualified(where.kind), where.name, errors))
         if request.query_params.get("dryRun") == "All":
             return JSONResponse(updated)
+        if where.subresource != "status" and _finalized(current, updated):
+            self.store.objects[(where.kind.resource, where.namespace, where.name)] = updated
+            return JSONResponse(self.remove(where.kind.resource, where.namespace, where.name))
         stored = self.put(where.kind.resource, updated, "MODIFIED")
         if where.kind.resource == CRDS:
             self._register(stored)
@@ -613,21 +696,50 @@ class FakeApiServer:
         return JSONResponse({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success"})
 
     def _delete_one(self, kind: Kind, obj: dict, grace: str | None) -> dict:
-        ns, name = obj["metadata"].get("namespace", ""), obj["metadata"]["name"]
-        if kind.resource == CRDS:  # its custom resources go with it, then its paths
-            for key in [k for k in self.store.objects if k[0] == name]:
-                self.remove(*key)
-            self._unregister(name)
-        if kind.plural != "pods":
-            return self.remove(kind.resource, ns, name)
-        grace_s = int(grace) if grace is not None else obj["spec"].get("terminationGracePeriodSeconds", 30)
-        terminal = obj.get("status", {}).get("phase") in TERMINATED
-        if grace_s == 0 or terminal or not obj["spec"].get("nodeName"):
-            return self.remove(kind.resource, ns, name)
-        if obj["metadata"].get("deletionTimestamp"):
-            return obj  # already terminating: the kubelet finishes it
-        obj["metadata"].update(deletionTimestamp=now_iso(), deletionGracePeriodSeconds=grace_s)
-        return self.put(kind.resource, obj, "MODIFIED")
+        """Remove `obj`, or mark it terminating: a pod bound to a node until its kubelet is done
+        (grace > 0), anything with finalizers until they are gone (grace 0)."""
+        meta = obj["metadata"]
+        ns, name = meta.get("namespace", ""), meta["name"]
+        if kind.resource == CRDS and not meta.get("deletionTimestamp"):
+            return self._delete_definition(obj)
+        grace_s = 0
+        if kind.plural == "pods":
+            grace_s = (
+                int(grace) if grace is not None else obj["spec"].get("terminationGracePeriodSeconds", 30)
+            )
+            if obj.get("status", {}).get("phase") in TERMINATED or not obj["spec"].get("nodeName"):
+                grace_s = 0
+        if meta.get("deletionTimestamp"):
+            if grace_s > 0 or meta.get("deletionGracePeriodSeconds") == 0:
+                return obj  # already terminating: its kubelet or its finalizers' owners finish it
+            meta["deletionGracePeriodSeconds"] = 0  # the kubelet is done with it
+        elif grace_s > 0 or meta.get("finalizers"):
+            meta.update(deletionTimestamp=now_iso(), deletionGracePeriodSeconds=grace_s)
+            return self.put(kind.resource, obj, "MODIFIED")
+        if meta.get("finalizers"):
+            return self.put(kind.resource, obj, "MODIFIED")
+        return self.remove(kind.resource, ns, name)
+
+    def _delete_definition(self, definition: dict) -> dict:
+        """A CRD deleted waits for its custom resources, as apiextensions' finalizer does: each is
+        deleted (those with finalizers stay, terminating), and the CRD goes after the last."""
+        meta, name = definition["metadata"], definition["metadata"]["name"]
+        meta.update(deletionTimestamp=now_iso(), deletionGracePeriodSeconds=0)
+        meta["finalizers"] = [*(meta.get("finalizers") or []), finalizers.CRD_CLEANUP]
+        _set_condition(
+            definition,
+            "Terminating",
+            "True",
+            "InstanceDeletionInProgress",
+            "CustomResource deletion is in progress",
+        )
+        answer = copy.deepcopy(self.put(CRDS, definition, "MODIFIED"))
+        kind = self._by_plural.get(name)
+        for key in [k for k in self.store.objects if k[0] == name]:
+            if kind is not None and key in self.store.objects:
+                self._delete_one(kind, copy.deepcopy(self.store.objects[key]), None)
+        self._finish_definition(name)
+        return answer
 
     def _log(self, request: Request, pod: dict) -> Response:
         ns, name = pod["metadata"]["namespace"], pod["metadata"]["name"]
