@@ -17,7 +17,8 @@ with a `Status` object (`code`, `reason`, the API server's `message`):
                   (`updates`): 422 Invalid; a CRD, also as apiextensions checks it (`crd`: its
                   name, one storage version, a structural schema per served version); a custom
                   resource, pruned, defaulted and validated against its CRD version's
-                  `openAPIV3Schema` instead (`openapi`), 422 in the API server's words
+                  `openAPIV3Schema` instead (`openapi`), 422 in the API server's words;
+                  finalizer names, and none added to an object being deleted (`finalizers`)
     admit         a namespaced object needs its Namespace (404); a new pod, the Pod Security level
                   its namespace's label enforces (`podsecurity`): 403 Forbidden
     store         one resourceVersion counter; a replace or patch with a stale resourceVersion is
@@ -34,8 +35,17 @@ What the cluster does besides answering:
   the scheduler's message, and is tried again whenever a node is added or changed or a pod stops
   holding its node's resources (it ends, or goes);
 - deletion: a pod bound to a node gets a `deletionTimestamp` and is removed by the kubelet (grace
-  0) once its processes are gone; the garbage collector removes an object once every owner named
-  in its `ownerReferences` is gone;
+  0) once its processes are gone; the garbage collector deletes an object once every owner named
+  in its `ownerReferences` is gone (a terminating owner still counts: background deletion);
+- finalizers (`finalizers`): a delete of any object with `metadata.finalizers` sets its
+  `deletionTimestamp` and `deletionGracePeriodSeconds: 0` (a MODIFIED event, 200 with the object)
+  instead of removing it, as does the garbage collector; a second delete changes nothing; an update
+  that leaves no finalizers, once the grace period is over (a pod: its kubelet deleted it with grace
+  0), removes it (DELETED, 200 with the final object); other updates go through, status writes too
+  but never remove it; adding a finalizer then, or one that is not a qualified name (a bare one on a
+  built-in kind but `kubernetes`, `orphan`, `foregroundDeletion`), is 422 Invalid in the API
+  server's words; `deletionTimestamp` and `deletionGracePeriodSeconds` are the server's: a client's
+  are dropped;
 - subresources: `pods/status`, `nodes/status` and `namespaces/status` change only status (and a
   write of the object itself never does); `pods/log` serves the files the fake kubelet writes in
   `log_dir` (a real API server proxies the kubelet);
@@ -45,8 +55,10 @@ What the cluster does besides answering:
   and watch across namespaces too); with a `status` subresource, a create or a write of the object
   ignores `.status` and a write of `/status` everything else; `metadata.generation` starts at 1
   and is bumped when anything but metadata (and status, where it is a subresource) changes; a CRD
-  replaced is served anew, a CRD deleted takes its custom resources with it (DELETED events) and
-  its paths answer 404 again.
+  replaced is served anew; a CRD deleted gets the `customresourcecleanup.apiextensions.k8s.io`
+  finalizer and `Terminating=True` (a create of its kind is then 405), its custom resources are
+  deleted (those with finalizers stay, terminating), and once the last is gone it is removed and its
+  paths answer 404 again (a client removing the cleanup finalizer itself drops what is left).
 
 Every request is recorded: `requests` (method, path, query), `responses` (status codes) and
 `calls` (who asked for what, and whether RBAC allowed it), so tests can see what a client did.
@@ -56,15 +68,19 @@ Namespaces, Leases and CustomResourceDefinitions, and the kinds of every CRD reg
 
 Not modelled: for custom resources, conversion between versions (each object is answered in the
 version it was written in), the scale subresource, printer columns in Table answers, CEL rules,
-`format`, list-type and embedded-resource extensions, a CRD's names clashing with another's,
-and the rest `crd` and `openapi` list; any kind not in the table (404); server-side apply and JSON patch (415); field selectors and set-based label
-selectors (clients filter by equality labels); defaulting (objects are stored as sent: no default
-dnsPolicy, and requests taken from limits are counted by the scheduler but not written);
-`generateName`; finalizers; namespace deletion and what it removes; Pod Security's warn and audit
-modes, exemptions, and checks of pod updates; preemption, pod (anti-)affinity, topology spread,
-host ports and the scorers beyond preferred node affinity; NoExecute eviction of running pods;
-the Node authorizer and NodeRestriction (the kubelet calls as admin); aggregated ClusterRoles;
-admission webhooks; ResourceQuota and LimitRange; discovery (`/api`, `/apis`, `/version`).
+`format`, list-type and embedded-resource extensions, a CRD's names clashing with another's, and the
+rest `crd` and `openapi` list; any kind not in the table (404); server-side apply and JSON patch
+(415); field selectors and set-based label selectors (clients filter by equality labels); defaulting
+(objects are stored as sent: no default dnsPolicy, and requests taken from limits are counted by the
+scheduler but not written); `generateName`; deletion options (`propagationPolicy`: foreground
+deletion and orphaning, `preconditions`, a grace period shortened but not to 0) and the 422 a real
+server answers a client setting `deletionTimestamp` on a live object (the fake ignores it);
+`Warning` headers (a real server warns of a bare finalizer name on a custom resource); namespace
+deletion and what it removes; Pod Security's warn and audit modes, exemptions, and checks of pod
+updates; preemption, pod (anti-)affinity, topology spread, host ports and the scorers beyond
+preferred node affinity; NoExecute eviction of running pods; the Node authorizer and NodeRestriction
+(the kubelet calls as admin); aggregated ClusterRoles; admission webhooks; ResourceQuota and
+LimitRange; discovery (`/api`, `/apis`, `/version`).
 """
 
 from __future__ import annotations
