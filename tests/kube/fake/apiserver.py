@@ -17,7 +17,8 @@ with a `Status` object (`code`, `reason`, the API server's `message`):
                   (`updates`): 422 Invalid; a CRD, also as apiextensions checks it (`crd`: its
                   name, one storage version, a structural schema per served version); a custom
                   resource, pruned, defaulted and validated against its CRD version's
-                  `openAPIV3Schema` instead (`openapi`), 422 in the API server's words
+                  `openAPIV3Schema` instead (`openapi`), 422 in the API server's words;
+                  finalizer names, and none added to an object being deleted (`finalizers`)
     admit         a namespaced object needs its Namespace (404); a new pod, the Pod Security level
                   its namespace's label enforces (`podsecurity`): 403 Forbidden
     store         one resourceVersion counter; a replace or patch with a stale resourceVersion is
@@ -34,8 +35,17 @@ What the cluster does besides answering:
   the scheduler's message, and is tried again whenever a node is added or changed or a pod stops
   holding its node's resources (it ends, or goes);
 - deletion: a pod bound to a node gets a `deletionTimestamp` and is removed by the kubelet (grace
-  0) once its processes are gone; the garbage collector removes an object once every owner named
-  in its `ownerReferences` is gone;
+  0) once its processes are gone; the garbage collector deletes an object once every owner named
+  in its `ownerReferences` is gone (a terminating owner still counts: background deletion);
+- finalizers (`finalizers`): a delete of any object with `metadata.finalizers` sets its
+  `deletionTimestamp` and `deletionGracePeriodSeconds: 0` (a MODIFIED event, 200 with the object)
+  instead of removing it, as does the garbage collector; a second delete changes nothing; an update
+  that leaves no finalizers, once the grace period is over (a pod: its kubelet deleted it with grace
+  0), removes it (DELETED, 200 with the final object); other updates go through, status writes too
+  but never remove it; adding a finalizer then, or one that is not a qualified name (a bare one on a
+  built-in kind but `kubernetes`, `orphan`, `foregroundDeletion`), is 422 Invalid in the API
+  server's words; `deletionTimestamp` and `deletionGracePeriodSeconds` are the server's: a client's
+  are dropped;
 - subresources: `pods/status`, `nodes/status` and `namespaces/status` change only status (and a
   write of the object itself never does); `pods/log` serves the files the fake kubelet writes in
   `log_dir` (a real API server proxies the kubelet);
@@ -45,8 +55,10 @@ What the cluster does besides answering:
   and watch across namespaces too); with a `status` subresource, a create or a write of the object
   ignores `.status` and a write of `/status` everything else; `metadata.generation` starts at 1
   and is bumped when anything but metadata (and status, where it is a subresource) changes; a CRD
-  replaced is served anew, a CRD deleted takes its custom resources with it (DELETED events) and
-  its paths answer 404 again.
+  replaced is served anew; a CRD deleted gets the `customresourcecleanup.apiextensions.k8s.io`
+  finalizer and `Terminating=True` (a create of its kind is then 405), its custom resources are
+  deleted (those with finalizers stay, terminating), and once the last is gone it is removed and its
+  paths answer 404 again (a client removing the cleanup finalizer itself drops what is left).
 
 Every request is recorded: `requests` (method, path, query), `responses` (status codes) and
 `calls` (who asked for what, and whether RBAC allowed it), so tests can see what a client did.
@@ -56,15 +68,19 @@ Namespaces, Leases and CustomResourceDefinitions, and the kinds of every CRD reg
 
 Not modelled: for custom resources, conversion between versions (each object is answered in the
 version it was written in), the scale subresource, printer columns in Table answers, CEL rules,
-`format`, list-type and embedded-resource extensions, a CRD's names clashing with another's,
-and the rest `crd` and `openapi` list; any kind not in the table (404); server-side apply and JSON patch (415); field selectors and set-based label
-selectors (clients filter by equality labels); defaulting (objects are stored as sent: no default
-dnsPolicy, and requests taken from limits are counted by the scheduler but not written);
-`generateName`; finalizers; namespace deletion and what it removes; Pod Security's warn and audit
-modes, exemptions, and checks of pod updates; preemption, pod (anti-)affinity, topology spread,
-host ports and the scorers beyond preferred node affinity; NoExecute eviction of running pods;
-the Node authorizer and NodeRestriction (the kubelet calls as admin); aggregated ClusterRoles;
-admission webhooks; ResourceQuota and LimitRange; discovery (`/api`, `/apis`, `/version`).
+`format`, list-type and embedded-resource extensions, a CRD's names clashing with another's, and the
+rest `crd` and `openapi` list; any kind not in the table (404); server-side apply and JSON patch
+(415); field selectors and set-based label selectors (clients filter by equality labels); defaulting
+(objects are stored as sent: no default dnsPolicy, and requests taken from limits are counted by the
+scheduler but not written); `generateName`; deletion options (`propagationPolicy`: foreground
+deletion and orphaning, `preconditions`, a grace period shortened but not to 0) and the 422 a real
+server answers a client setting `deletionTimestamp` on a live object (the fake ignores it);
+`Warning` headers (a real server warns of a bare finalizer name on a custom resource); namespace
+deletion and what it removes; Pod Security's warn and audit modes, exemptions, and checks of pod
+updates; preemption, pod (anti-)affinity, topology spread, host ports and the scorers beyond
+preferred node affinity; NoExecute eviction of running pods; the Node authorizer and NodeRestriction
+(the kubelet calls as admin); aggregated ClusterRoles; admission webhooks; ResourceQuota and
+LimitRange; discovery (`/api`, `/apis`, `/version`).
 """
 
 from __future__ import annotations
@@ -87,7 +103,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from tests.deadlines import SERVER_START
-from tests.kube.fake import crd, podsecurity, scheduler
+from tests.kube.fake import crd, finalizers, podsecurity, scheduler
 from tests.kube.fake.kinds import KINDS, NAMESPACE_SUBRESOURCES, Kind
 from tests.kube.fake.patch import PatchError, merge_patch, strategic_merge_patch
 from tests.kube.fake.rbac import Attributes, Policy, User, forbidden_message
@@ -122,6 +138,39 @@ class ApiStatus(Exception):
 
 def now_iso() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _builtin(kind: Kind) -> bool:
+    """Validated by the core API's rules (standard finalizer names), not apiextensions'."""
+    return kind.openapi is None and kind.resource != CRDS
+
+
+def _qualified(kind: Kind) -> str:
+    """The kind as a 422 message names it: `Pod`, `Widget.stoker.dev`."""
+    return f"{kind.kind}.{kind.group}" if kind.group else kind.kind
+
+
+def _finalized(current: dict, updated: dict) -> bool:
+    """An update that removes the object: it is terminating, its grace period is over (a pod's
+    kubelet is done) and the update leaves no finalizers."""
+    meta = current["metadata"]
+    return (
+        bool(meta.get("deletionTimestamp"))
+        and meta.get("deletionGracePeriodSeconds") in (None, 0)
+        and not updated["metadata"].get("finalizers")
+    )
+
+
+def _set_condition(obj: dict, kind: str, status: str, reason: str, message: str) -> None:
+    condition = {
+        "type": kind,
+        "status": status,
+        "reason": reason,
+        "message": message,
+        "lastTransitionTime": now_iso(),
+    }
+    conditions = obj.setdefault("status", {}).setdefault("conditions", [])
+    conditions[:] = [*(c for c in conditions if c["type"] != kind), condition]
 
 
 def labels_match(labels: dict, selector: str | None) -> bool:
@@ -270,6 +319,12 @@ class FakeApiServer:
         obj = self.store.objects.pop((resource, namespace, name))
         obj["metadata"]["resourceVersion"] = self.store.bump()
         self.store.emit(resource, "DELETED", obj)
+        if resource == CRDS:  # what is left of its custom resources goes with it, then its paths
+            for key in [k for k in self.store.objects if k[0] == name]:
+                self.remove(*key)
+            self._unregister(name)
+        else:
+            self._finish_definition(resource)  # its CRD waits for its last custom resource
         self._collect_garbage()
         if resource == "pods":
             self.schedule_pending()
@@ -327,6 +382,11 @@ class FakeApiServer:
             raise ApiStatus(
                 422, "Invalid", f"{kind.kind} metadata.name: Required value: name or generateName is required"
             )
+        errors = finalizers.name_errors(meta.get("finalizers") or [], builtin=_builtin(kind))
+        if errors:
+            raise ApiStatus(422, "Invalid", invalid_message(_qualified(kind), meta["name"], errors))
+        for server_set in ("deletionTimestamp", "deletionGracePeriodSeconds"):
+            meta.pop(server_set, None)
         if kind.namespaced:
             if meta.get("namespace", namespace) != namespace:
                 raise ApiStatus(
@@ -368,13 +428,41 @@ class FakeApiServer:
             raise ApiStatus(403, "Forbidden", f'pods "{pod["metadata"]["name"]}" is forbidden: {refusal}')
 
     def _collect_garbage(self) -> None:
-        """Remove each object all of whose owners are gone (one pass per removal: it recurses)."""
+        """Delete each object all of whose owners are gone (one pass per removal: it recurses): one
+        without finalizers is removed, one with them is marked terminating. A terminating owner
+        still exists (background deletion)."""
         uids = {o["metadata"]["uid"] for o in self.store.objects.values()}
-        for (resource, ns, name), obj in list(self.store.objects.items()):
+        for key, obj in list(self.store.objects.items()):
             owners = obj["metadata"].get("ownerReferences") or []
-            if owners and not any(ref.get("uid") in uids for ref in owners):
-                if (resource, ns, name) in self.store.objects:
-                    self.remove(resource, ns, name)
+            if not owners or any(ref.get("uid") in uids for ref in owners) or key not in self.store.objects:
+                continue
+            meta = self.store.objects[key]["metadata"]
+            if not meta.get("finalizers"):
+                self.remove(*key)
+            elif not meta.get("deletionTimestamp"):
+                self._delete_one(self._kind(key[0]), copy.deepcopy(self.store.objects[key]), None)
+
+    def _finish_definition(self, name: str) -> None:
+        """A terminating CRD whose last custom resource is gone: drop the cleanup finalizer, and
+        remove the CRD if no other finalizer holds it."""
+        current = self.get(CRDS, "", name)
+        if (
+            current is None
+            or finalizers.CRD_CLEANUP not in (current["metadata"].get("finalizers") or [])
+            or any(k[0] == name for k in self.store.objects)
+        ):
+            return
+        definition = copy.deepcopy(current)
+        meta = definition["metadata"]
+        meta["finalizers"] = [f for f in meta["finalizers"] if f != finalizers.CRD_CLEANUP]
+        _set_condition(
+            definition, "Terminating", "False", "InstanceDeletionCompleted", "removed all instances"
+        )
+        if meta["finalizers"]:
+            self.put(CRDS, definition, "MODIFIED")
+        else:
+            self.store.objects[(CRDS, "", name)] = definition
+            self.remove(CRDS, "", name)
 
     def _kind(self, resource: str) -> Kind:
         return self._by_plural[resource]
@@ -503,6 +591,11 @@ class FakeApiServer:
             raise ApiStatus(
                 405, "MethodNotAllowed", "the server does not allow this method on the requested resource"
             )
+        definition = self.get(CRDS, "", where.kind.resource) if where.kind.openapi is not None else None
+        if definition is not None and definition["metadata"].get("deletionTimestamp"):
+            raise ApiStatus(
+                405, "MethodNotAllowed", "create not allowed while custom resource definition is terminating"
+            )
         obj = self._validate(await self._body(request), where.kind)
         dry_run = request.query_params.get("dryRun") == "All"
         return JSONResponse(self._create(where.kind, where.namespace, obj, dry_run=dry_run), 201)
@@ -541,10 +634,8 @@ class FakeApiServer:
             "deletionTimestamp",
             "deletionGracePeriodSeconds",
         )
-        meta = {
-            **updated.get("metadata", {}),
-            **{k: current["metadata"][k] for k in server_set if k in current["metadata"]},
-        }
+        meta = {k: v for k, v in updated.get("metadata", {}).items() if k not in server_set}
+        meta.update({k: current["metadata"][k] for k in server_set if k in current["metadata"]})
         if where.subresource == "status":  # a status write changes only status
             updated = {**current, "status": updated.get("status")} if updated.get("status") else current
         else:
@@ -563,12 +654,20 @@ class FakeApiServer:
                 **updated["metadata"],
                 "generation": current["metadata"]["generation"] + int(changed),
             }
-        if where.kind.plural == "pods" and where.subresource != "status":
-            errors = pod_update_errors(current["spec"], updated.get("spec") or {})
+        if where.subresource != "status":
+            old, new = (o["metadata"].get("finalizers") or [] for o in (current, updated))
+            errors = finalizers.name_errors(new, builtin=_builtin(where.kind))
+            if current["metadata"].get("deletionTimestamp"):
+                errors += finalizers.added_errors(old, new)
+            if where.kind.plural == "pods":
+                errors += pod_update_errors(current["spec"], updated.get("spec") or {})
             if errors:
-                raise ApiStatus(422, "Invalid", invalid_message("Pod", where.name, errors))
+                raise ApiStatus(422, "Invalid", invalid_message(_qualified(where.kind), where.name, errors))
         if request.query_params.get("dryRun") == "All":
             return JSONResponse(updated)
+        if where.subresource != "status" and _finalized(current, updated):
+            self.store.objects[(where.kind.resource, where.namespace, where.name)] = updated
+            return JSONResponse(self.remove(where.kind.resource, where.namespace, where.name))
         stored = self.put(where.kind.resource, updated, "MODIFIED")
         if where.kind.resource == CRDS:
             self._register(stored)
@@ -613,21 +712,50 @@ class FakeApiServer:
         return JSONResponse({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success"})
 
     def _delete_one(self, kind: Kind, obj: dict, grace: str | None) -> dict:
-        ns, name = obj["metadata"].get("namespace", ""), obj["metadata"]["name"]
-        if kind.resource == CRDS:  # its custom resources go with it, then its paths
-            for key in [k for k in self.store.objects if k[0] == name]:
-                self.remove(*key)
-            self._unregister(name)
-        if kind.plural != "pods":
-            return self.remove(kind.resource, ns, name)
-        grace_s = int(grace) if grace is not None else obj["spec"].get("terminationGracePeriodSeconds", 30)
-        terminal = obj.get("status", {}).get("phase") in TERMINATED
-        if grace_s == 0 or terminal or not obj["spec"].get("nodeName"):
-            return self.remove(kind.resource, ns, name)
-        if obj["metadata"].get("deletionTimestamp"):
-            return obj  # already terminating: the kubelet finishes it
-        obj["metadata"].update(deletionTimestamp=now_iso(), deletionGracePeriodSeconds=grace_s)
-        return self.put(kind.resource, obj, "MODIFIED")
+        """Remove `obj`, or mark it terminating: a pod bound to a node until its kubelet is done
+        (grace > 0), anything with finalizers until they are gone (grace 0)."""
+        meta = obj["metadata"]
+        ns, name = meta.get("namespace", ""), meta["name"]
+        if kind.resource == CRDS and not meta.get("deletionTimestamp"):
+            return self._delete_definition(obj)
+        grace_s = 0
+        if kind.plural == "pods":
+            grace_s = (
+                int(grace) if grace is not None else obj["spec"].get("terminationGracePeriodSeconds", 30)
+            )
+            if obj.get("status", {}).get("phase") in TERMINATED or not obj["spec"].get("nodeName"):
+                grace_s = 0
+        if meta.get("deletionTimestamp"):
+            if grace_s > 0 or meta.get("deletionGracePeriodSeconds") == 0:
+                return obj  # already terminating: its kubelet or its finalizers' owners finish it
+            meta["deletionGracePeriodSeconds"] = 0  # the kubelet is done with it
+        elif grace_s > 0 or meta.get("finalizers"):
+            meta.update(deletionTimestamp=now_iso(), deletionGracePeriodSeconds=grace_s)
+            return self.put(kind.resource, obj, "MODIFIED")
+        if meta.get("finalizers"):
+            return self.put(kind.resource, obj, "MODIFIED")
+        return self.remove(kind.resource, ns, name)
+
+    def _delete_definition(self, definition: dict) -> dict:
+        """A CRD deleted waits for its custom resources, as apiextensions' finalizer does: each is
+        deleted (those with finalizers stay, terminating), and the CRD goes after the last."""
+        meta, name = definition["metadata"], definition["metadata"]["name"]
+        meta.update(deletionTimestamp=now_iso(), deletionGracePeriodSeconds=0)
+        meta["finalizers"] = [*(meta.get("finalizers") or []), finalizers.CRD_CLEANUP]
+        _set_condition(
+            definition,
+            "Terminating",
+            "True",
+            "InstanceDeletionInProgress",
+            "CustomResource deletion is in progress",
+        )
+        answer = copy.deepcopy(self.put(CRDS, definition, "MODIFIED"))
+        kind = self._by_plural.get(name)
+        for key in [k for k in self.store.objects if k[0] == name]:
+            if kind is not None and key in self.store.objects:
+                self._delete_one(kind, copy.deepcopy(self.store.objects[key]), None)
+        self._finish_definition(name)
+        return answer
 
     def _log(self, request: Request, pod: dict) -> Response:
         ns, name = pod["metadata"]["namespace"], pod["metadata"]["name"]
