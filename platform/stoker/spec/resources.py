@@ -180,3 +180,8 @@ def deployment_crd() -> dict[str, Any]:
             ],
         },
     }
+
+
+def crds() -> list[dict[str, Any]]:
+    """Every CustomResourceDefinition Stoker defines: what `stoker crds` prints and the chart ships."""
+    return [deployment_crd()]
