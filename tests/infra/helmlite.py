@@ -418,7 +418,10 @@ def merge(base: dict, override: dict) -> dict:
 def render_chart(
     chart: Path, values: dict | None = None, release: str = "stoker", namespace: str = "default"
 ) -> dict[str, str]:
-    """Every template file's output, by file name (helper files, whose names start with `_`, omitted)."""
+    """Every template file's output, by file name (helper files, whose names start with `_`, omitted).
+
+    Only templates/ is read: Helm installs a chart's crds/ as plain YAML, before the templates and
+    never rendered, so its files are no part of what this returns (tests/infra/test_crds.py checks them)."""
     meta = yaml.safe_load((chart / "Chart.yaml").read_text())
     top = Struct(
         Values=merge(yaml.safe_load((chart / "values.yaml").read_text()) or {}, values or {}),

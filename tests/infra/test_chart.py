@@ -43,7 +43,7 @@ EVERYTHING = {
         "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
     },
     "gateway": {"nodeSelector": {"pool": "cpu"}},
-    "controller": {"persistence": {"storageClassName": "fast-ssd"}},
+    "controller": {"replicas": 3},
     "store": {"hostPath": "/nvme0/stoker"},
     "engineImage": "registry.example/stoker-engine:1.2.3",
     "image": {"tag": "1.2.3"},
@@ -80,6 +80,17 @@ def workloads(objects: list[dict]) -> list[dict]:
     return [o for o in objects if o["kind"] in ("StatefulSet", "Deployment", "DaemonSet")]
 
 
+def walk(node: object):
+    """Every mapping in a manifest, nested ones included."""
+    if isinstance(node, dict):
+        yield node
+        for value in node.values():
+            yield from walk(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from walk(value)
+
+
 def container(workload: dict) -> dict:
     (only,) = workload["spec"]["template"]["spec"]["containers"]
     return only
@@ -97,9 +108,8 @@ def test_the_chart_renders_the_objects_stoker_needs(objects):
     assert kinds == sorted(
         ["ClusterRole"] * 2
         + ["ClusterRoleBinding"] * 2
-        + ["DaemonSet", "Deployment", "HorizontalPodAutoscaler", "NetworkPolicy", "PodDisruptionBudget"]
-        + ["Role"]
-        + ["RoleBinding", "StatefulSet"]
+        + ["DaemonSet", "Deployment", "Deployment", "HorizontalPodAutoscaler", "NetworkPolicy"]
+        + ["PodDisruptionBudget", "Role", "RoleBinding"]
         + ["Service"] * 2
         + ["ServiceAccount"] * 3
     )
@@ -116,7 +126,7 @@ def test_every_builtin_object_passes_the_strict_api_schema(objects, version):
 
 def test_the_strict_schema_catches_a_misplaced_field(everything):
     """Guards the test above: a field where the API has none must fail, not pass silently."""
-    broken = yaml.safe_load(yaml.safe_dump(one(everything, "Deployment")))
+    broken = yaml.safe_load(yaml.safe_dump(one(everything, "Deployment", "gateway")))
     broken["spec"]["template"]["spec"]["containers"][0]["probe"] = {"path": "/healthz"}
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(broken, KUBERNETES, strict=True)
@@ -263,9 +273,9 @@ def test_a_given_value_becomes_a_chart_secret_every_process_reads(everything):
 # --- what each process runs with --------------------------------------------------------------
 
 
-def test_the_controller_runs_alone_on_kubernetes_with_the_engine_image(everything):
-    controller = one(everything, "StatefulSet", "controller")
-    assert controller["spec"]["replicas"] == 1
+def test_the_controller_runs_on_kubernetes_with_the_engine_image(everything):
+    controller = one(everything, "Deployment", "controller")
+    assert controller["spec"]["replicas"] == 3
     assert container(controller)["args"] == [
         "controller",
         "--host", "0.0.0.0",
@@ -278,22 +288,62 @@ def test_the_controller_runs_alone_on_kubernetes_with_the_engine_image(everythin
         "--owner", "stoker",
         "--s3-secret", "s3-creds",
     ]  # fmt: skip
-    assert controller["spec"]["serviceName"] == one(everything, "Service", "controller")["metadata"]["name"]
 
 
-def test_the_registry_outlives_the_controller_pod(everything):
-    controller = one(everything, "StatefulSet", "controller")
+def test_two_controllers_by_default_one_leading_by_the_lease():
+    """No --identity: each replica's name in the Lease is its hostname (its pod's name) with a
+    random suffix (cli/planes.py), unique per Deployment pod; --lease-name is the default."""
+    controller = one(render(DEFAULTS), "Deployment", "controller")
+    assert controller["spec"]["replicas"] == 2
+    args = container(controller)["args"]
+    assert "--identity" not in args and "--lease-name" not in args
+
+
+def test_no_volume_claims_and_no_statefulset_anywhere(objects):
+    """The controller's state is in the API server: its data dir is an emptyDir, scratch only."""
+    assert not [o for o in objects if o["kind"] in ("StatefulSet", "PersistentVolumeClaim")]
+    for obj in objects:
+        for mapping in walk(obj):
+            assert not mapping.keys() & {"volumeClaimTemplates", "persistentVolumeClaim"}, obj["kind"]
+    controller = one(objects, "Deployment", "controller")
     mounts = {m["mountPath"]: m["name"] for m in container(controller)["volumeMounts"]}
-    (claim,) = controller["spec"]["volumeClaimTemplates"]
-    assert claim["metadata"]["name"] == mounts["/var/lib/stoker"]
-    assert claim["spec"]["storageClassName"] == "fast-ssd"
-    assert claim["spec"]["resources"]["requests"]["storage"] == "1Gi"
+    volumes = {v["name"]: v for v in controller["spec"]["template"]["spec"]["volumes"]}
+    assert volumes[mounts["/var/lib/stoker"]] == {"name": mounts["/var/lib/stoker"], "emptyDir": {}}
+    assert "persistence" not in yaml.safe_load((CHART / "values.yaml").read_text())["controller"]
+
+
+def test_a_controller_rollout_can_replace_the_leader(objects):
+    """Only the leader is ever Ready (a standby does not listen), so a rollout that must keep any
+    pod available keeps the old leader for ever, and the new pods wait for its Lease: maxUnavailable
+    is all of them, and one new pod is started before the old ones go."""
+    strategy = one(objects, "Deployment", "controller")["spec"]["strategy"]
+    assert strategy == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": "100%"}}
+
+
+def test_the_controllers_prefer_different_nodes(objects):
+    controller = one(objects, "Deployment", "controller")
+    affinity = controller["spec"]["template"]["spec"]["affinity"]
+    assert affinity.keys() == {"podAntiAffinity"}
+    (preferred,) = affinity["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    term = preferred["podAffinityTerm"]
+    assert term["topologyKey"] == "kubernetes.io/hostname"
+    assert term["labelSelector"] == controller["spec"]["selector"]
+    assert "requiredDuringSchedulingIgnoredDuringExecution" not in affinity["podAntiAffinity"]
+
+
+def test_no_disruption_budget_holds_the_controller(objects):
+    """A budget counts Ready pods, and only the leader is Ready: minAvailable 1 would refuse every
+    eviction of the leader (a drain of its node waits for ever). The leader, evicted, releases the
+    Lease and the standby takes it."""
+    pod = one(objects, "Deployment", "controller")["spec"]["template"]
+    budgets = [o for o in objects if o["kind"] == "PodDisruptionBudget"]
+    assert budgets and not [b for b in budgets if selects(b["spec"]["selector"], pod)]
 
 
 def test_engine_pods_and_the_node_agent_share_the_nodes_store(everything):
     """The controller mounts `--store-path` as a hostPath at that same path in each engine pod
     (warm_pool/backends/kube_pod.py), so it must name the directory the node agent keeps."""
-    args = container(one(everything, "StatefulSet", "controller"))["args"]
+    args = container(one(everything, "Deployment", "controller"))["args"]
     node = one(everything, "DaemonSet", "node")
     (host,) = [v["hostPath"] for v in node["spec"]["template"]["spec"]["volumes"] if "hostPath" in v]
     assert args[args.index("--store-path") + 1] == host["path"]
@@ -348,12 +398,12 @@ def test_the_node_agent_knows_its_node_and_mounts_the_nvme_store(everything):
 
 
 def test_object_storage_settings_reach_the_processes_that_move_snapshots(everything):
-    for workload in (one(everything, "StatefulSet"), one(everything, "DaemonSet")):
+    for workload in (one(everything, "Deployment", "controller"), one(everything, "DaemonSet")):
         variables = env(container(workload))
         assert variables["AWS_ENDPOINT_URL"]["value"] == "http://minio.storage:9000"
         for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
             assert variables[name]["valueFrom"]["secretKeyRef"] == {"name": "s3-creds", "key": name}
-    assert not env(container(one(everything, "Deployment"))).keys() & {
+    assert not env(container(one(everything, "Deployment", "gateway"))).keys() & {
         "AWS_ENDPOINT_URL",
         "AWS_ACCESS_KEY_ID",
     }
@@ -503,8 +553,18 @@ def test_every_container_is_probed_on_healthz_of_its_own_port(objects):
         c = container(workload)
         (port,) = c["ports"]
         assert c["args"][c["args"].index("--port") + 1] == str(port["containerPort"])
-        for probe in ("readinessProbe", "livenessProbe"):
+        component = workload["metadata"]["labels"]["app.kubernetes.io/component"]
+        probes = ("readinessProbe",) if component == "controller" else ("readinessProbe", "livenessProbe")
+        for probe in probes:
             assert c[probe]["httpGet"] == {"path": "/healthz", "port": port["name"]}
+
+
+def test_a_standby_controller_is_never_killed_for_standing_by(objects):
+    """A standby does not listen until it holds the Lease (build_controller's lifespan), so any
+    liveness probe on its port would restart it every minute while it waits: readiness only."""
+    c = container(one(objects, "Deployment", "controller"))
+    assert "livenessProbe" not in c and "startupProbe" not in c
+    assert c["readinessProbe"]["httpGet"]["path"] == "/healthz"
 
 
 def test_every_container_requests_cpu_and_memory_from_values(objects):
@@ -581,8 +641,8 @@ def test_only_the_controller_and_the_gateways_reach_engine_pods_on_the_engine_po
     assert peer.keys() == {"podSelector"}  # this namespace only: no namespaceSelector, no ipBlock
     allowed = [w for w in workloads(objects) if selects(peer["podSelector"], w["spec"]["template"])]
     assert sorted((w["kind"], w["metadata"]["labels"]["app.kubernetes.io/component"]) for w in allowed) == [
+        ("Deployment", "controller"),
         ("Deployment", "gateway"),
-        ("StatefulSet", "controller"),
     ]
     [port] = pod["spec"]["containers"][0]["ports"]
     assert rule["ports"] == [{"protocol": "TCP", "port": port["containerPort"]}]

@@ -22,7 +22,7 @@ from lightkube import AsyncClient, KubeConfig
 from lightkube.config.models import Cluster, User
 
 from snapshots import SnapshotStore, import_hf_dir
-from stoker.spec.resources import deployment_crd, revision_crd, route_crd
+from stoker.spec.resources import crds
 from tests.conftest import STOKER
 from tests.kube.accounts import ADMIN_TOKEN, NAMESPACE, TOKENS, chart_access, tokens, unexplained
 from tests.kube.fake.apiserver import FakeApiServer
@@ -32,9 +32,6 @@ from warm_pool.backends.kube import KubeBackend
 
 NODES = ("node-a", "node-b")
 
-
-def crds() -> list[dict]:
-    return [deployment_crd(), revision_crd(), route_crd()]
 TOKEN = TOKENS["controller"]
 
 

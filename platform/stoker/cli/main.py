@@ -37,6 +37,7 @@ COMMANDS = (
     "eval",
     "bench",
     "cost",
+    "crds",
 )
 
 

@@ -293,3 +293,8 @@ def route_crd() -> dict[str, Any]:
         _spec_schema(route_schema(), _ROUTE_TO),
         columns,
     )
+
+
+def crds() -> list[dict[str, Any]]:
+    """Every CustomResourceDefinition Stoker defines: what `stoker crds` prints and the chart ships."""
+    return [deployment_crd(), revision_crd(), route_crd()]

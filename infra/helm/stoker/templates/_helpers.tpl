@@ -83,14 +83,20 @@ seccompProfile:
   type: RuntimeDefault
 {{- end }}
 
-{{/* Liveness and readiness on /healthz of the container's port named "http". */}}
-{{- define "stoker.probes" -}}
+{{/* Readiness on /healthz of the container's port named "http": a pod is in its Service once it answers. */}}
+{{- define "stoker.readinessProbe" -}}
 readinessProbe:
   httpGet:
     path: /healthz
     port: http
   periodSeconds: 5
   failureThreshold: 3
+{{- end }}
+
+{{/* Readiness and liveness on /healthz of the port named "http", for the processes that listen
+from the start (gateways, node agents). The controller takes readiness only: controller.yaml says why. */}}
+{{- define "stoker.probes" -}}
+{{ include "stoker.readinessProbe" . }}
 livenessProbe:
   httpGet:
     path: /healthz
