@@ -206,7 +206,7 @@ def build_controller(
                 await asyncio.sleep(0.1)
             log.info("leading (lease %s)", leader.name)
         if checkpoints is not None:
-            checkpoints.restore()  # before the pools exist: each takes its policy's state as it is made
+            await checkpoints.restore()  # before the pools exist: each takes its policy's state as it is made
         await platform.start()
         sampler.start()
         if checkpoints is not None:
