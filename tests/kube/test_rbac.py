@@ -4,6 +4,7 @@ a process's code declares is one it makes, and an account may do nothing it was 
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import secrets
 from pathlib import Path
@@ -14,6 +15,7 @@ from lightkube import AsyncClient
 
 from snapshots import SnapshotStore
 from snapshots.remote import RemoteConfig
+from stoker.control.kube_checkpoints import ConfigMapCheckpointStore
 from stoker.control.leader import LeaderElector
 from stoker.node.agent import AgentConfig, NodeAgent
 from tests.kube.accounts import DECLARED, TOKENS, asked, chart_access
@@ -121,6 +123,14 @@ async def test_every_call_the_code_declares_is_one_it_makes(
         assert await elector._try_acquire_or_renew()  # none yet: created
         assert await elector._try_acquire_or_renew()  # ours: replaced
         await elector._release()
+
+        checkpoints = ConfigMapCheckpointStore(cluster.config_for("controller"), NAMESPACE)
+        try:  # its calls block: in a thread, as `Checkpoints` makes them
+            assert await asyncio.to_thread(checkpoints.read, "cost") is None
+            await asyncio.to_thread(checkpoints.write, "cost", {})  # none yet: created
+            await asyncio.to_thread(checkpoints.write, "cost", {})  # ours: replaced
+        finally:
+            checkpoints.close()
 
         store = SnapshotStore(tmp_path / "store")  # holds nothing
         config = AgentConfig("http://127.0.0.1:9", "node-a", warm=False)

@@ -29,9 +29,10 @@ that is corrupt, truncated, over the bound, of another format or kind, or a link
 one warning naming the file and why, and that source starts clean (a source restores all or
 nothing: `restore` raises `ValueError` before it changes anything). It is replaced at the next write.
 
-The store is the seam for a cluster's controller, which will keep its checkpoints in the API server:
-a second `CheckpointStore` beside this one, sharing `encode` and `decode`, the sources unchanged.
-Checkpoints hold names and figures, never a key, a prompt or an answer.
+A cluster's controller has no volume: it keeps the same bytes, gzipped, in a ConfigMap per kind
+(`stoker.control.kube_checkpoints.ConfigMapCheckpointStore`); both stores share `encode` and
+`decode`, the sources are unchanged. Checkpoints hold names and figures, never a key, a prompt or
+an answer.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ class CheckpointRefused(Exception):
 
 class CheckpointStore(Protocol):
     """Where checkpoints are kept, by kind: files in the data dir (`FileCheckpointStore`), or on a
-    cluster the API server. Its calls block: `Checkpoints` makes them
+    cluster ConfigMaps (`stoker.control.kube_checkpoints`). Its calls block: `Checkpoints` makes them
     in threads."""
 
     def where(self, kind: str) -> str:
