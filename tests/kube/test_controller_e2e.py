@@ -145,6 +145,11 @@ async def test_instances_as_pods_end_to_end(cluster, tiny_store: TinyStore, tmp_
         )
         lease = api.get("leases.coordination.k8s.io", NAMESPACE, "stoker-controller")
         assert lease["spec"]["leaseTransitions"] >= 1
+        # Its checkpoints are the API server's, not a volume's: read from their ConfigMaps (none
+        # yet: the first controller was killed before it wrote any), never from the data dir.
+        read = {c.attrs.name for c in api.calls if (c.attrs.resource, c.attrs.verb) == ("configmaps", "get")}
+        assert read >= {"stoker-checkpoint-cost", "stoker-checkpoint-history", "stoker-checkpoint-policies"}
+        assert not (home / "checkpoints").exists()
 
         # A gateway killed: the other one serves.
         a.stop(signal.SIGKILL)

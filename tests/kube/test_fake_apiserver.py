@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+
 import httpx
 
 from tests.kube.accounts import ADMIN_TOKEN
@@ -113,10 +115,63 @@ async def test_a_collection_is_deleted_by_label(cluster: Cluster_) -> None:
 async def test_an_unknown_kind_or_subresource_is_404(cluster: Cluster_) -> None:
     async with httpx.AsyncClient(base_url=cluster.api.url, headers=AUTH) as http:
         for path in (
-            f"/api/v1/namespaces/{NAMESPACE}/configmaps",
+            f"/api/v1/namespaces/{NAMESPACE}/services",
             f"/apis/apps/v1/namespaces/{NAMESPACE}/deployments",
             f"/api/v1/namespaces/{NAMESPACE}/secrets/s/status",
             "/api/v1/namespaces/stoker/leases",  # a Lease is coordination.k8s.io's
         ):
             answer = await http.get(path)
             assert answer.status_code == 404 and answer.json()["reason"] == "NotFound", path
+
+
+def configmap(name: str, data: dict | None = None, binary: dict[str, bytes] | None = None) -> dict:
+    obj: dict = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name}}
+    if data is not None:
+        obj["data"] = data
+    if binary is not None:
+        obj["binaryData"] = {k: base64.b64encode(v).decode() for k, v in binary.items()}
+    return obj
+
+
+async def test_a_configmap_over_1_mib_is_422_in_the_api_servers_words_and_not_stored(
+    cluster: Cluster_,
+) -> None:
+    base = f"/api/v1/namespaces/{NAMESPACE}/configmaps"
+    # data and binaryData count together, binaryData decoded: exactly 1 MiB is the most there is.
+    most = configmap("most", {"a": "x" * 1000}, {"b": b"\0" * ((1 << 20) - 1000)})
+    over = configmap("over", {"a": "x" * 1001}, {"b": b"\0" * ((1 << 20) - 1000)})
+    async with httpx.AsyncClient(base_url=cluster.api.url, headers=AUTH) as http:
+        fine = await http.post(base, json=most)
+        big = await http.post(base, json=over)
+        grown = {**fine.json(), "data": {"a": "x" * 1001}}
+        replaced = await http.put(f"{base}/most", json=grown)
+    assert fine.status_code == 201, fine.text
+    for answer, name in ((big, "over"), (replaced, "most")):
+        assert answer.status_code == 422 and answer.json()["reason"] == "Invalid"
+        assert answer.json()["message"] == (
+            f'ConfigMap "{name}" is invalid: []: Too long: must have at most 1048576 bytes'
+        )
+    assert cluster.api.get("configmaps", NAMESPACE, "over") is None
+    assert cluster.api.get("configmaps", NAMESPACE, "most")["data"] == {"a": "x" * 1000}
+
+
+async def test_a_configmaps_keys_and_binary_data_are_checked(cluster: Cluster_) -> None:
+    base = f"/api/v1/namespaces/{NAMESPACE}/configmaps"
+    not_base64 = {**configmap("b"), "binaryData": {"k": "not base64!"}}
+    async with httpx.AsyncClient(base_url=cluster.api.url, headers=AUTH) as http:
+        answers = {
+            "slash": await http.post(base, json=configmap("s", {"a/b": "x"})),
+            "dots": await http.post(base, json=configmap("d", {"..": "x"})),
+            "long": await http.post(base, json=configmap("l", {"k" * 254: "x"})),
+            "base64": await http.post(base, json=not_base64),
+            "both": await http.post(base, json=configmap("t", {"k": "x"}, {"k": b"x"})),
+            "fine": await http.post(base, json=configmap("f", {"k.json_-1": "x"}, {"k.gz": b"\x1f"})),
+        }
+    messages = {why: a.json()["message"] for why, a in answers.items() if a.status_code == 422}
+    assert set(messages) == {"slash", "dots", "long", "base64", "both"}, answers["fine"].text
+    assert "data[a/b]: Invalid value" in messages["slash"] and "a valid config key" in messages["slash"]
+    assert "must not be '..'" in messages["dots"]
+    assert "must be no more than 253 characters" in messages["long"]
+    assert "binaryData[k]: not base64" in messages["base64"]
+    assert "duplicate of key present in data" in messages["both"]
+    assert cluster.api.get("configmaps", NAMESPACE, "f")["binaryData"] == {"k.gz": "Hw=="}

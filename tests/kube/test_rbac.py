@@ -4,8 +4,10 @@ a process's code declares is one it makes, and an account may do nothing it was 
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import secrets
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -14,6 +16,9 @@ from lightkube import AsyncClient
 
 from snapshots import SnapshotStore
 from snapshots.remote import RemoteConfig
+from stoker.control.kube.checkpoints import ConfigMapCheckpointStore
+from stoker.control.kube.registry import ResourceRegistry
+from stoker.spec.deployment import DeploymentSpec
 from stoker.control.leader import LeaderElector
 from stoker.node.agent import AgentConfig, NodeAgent
 from tests.kube.accounts import DECLARED, TOKENS, asked, chart_access
@@ -121,6 +126,26 @@ async def test_every_call_the_code_declares_is_one_it_makes(
         assert await elector._try_acquire_or_renew()  # none yet: created
         assert await elector._try_acquire_or_renew()  # ours: replaced
         await elector._release()
+
+        checkpoints = ConfigMapCheckpointStore(cluster.config_for("controller"), NAMESPACE)
+        try:  # its calls block: in a thread, as `Checkpoints` makes them
+            assert await asyncio.to_thread(checkpoints.read, "cost") is None
+            await asyncio.to_thread(checkpoints.write, "cost", {})  # none yet: created
+            await asyncio.to_thread(checkpoints.write, "cost", {})  # ours: replaced
+        finally:
+            checkpoints.close()
+
+        # The deployments as resources: listed and watched, created, replaced, their status
+        # patched, then deleted with their revisions (read again, the finalizer patched off).
+        registry = ResourceRegistry(controller, NAMESPACE)
+        registry.start()
+        await registry.wait_synced(READY_S)
+        spec = DeploymentSpec(name="tiny", model="tiny", snapshot_id=tiny_store.snapshot_id)
+        await registry.put(spec)
+        await registry.put(replace(spec, max=2))
+        await registry.write_status("tiny", {"ready": 0})
+        await registry.delete("tiny")
+        await registry.aclose()
 
         store = SnapshotStore(tmp_path / "store")  # holds nothing
         config = AgentConfig("http://127.0.0.1:9", "node-a", warm=False)

@@ -1,6 +1,6 @@
 """The Kubernetes API calls Stoker's processes make, declared next to the code that makes them
-(`KubeBackend.API_CALLS`, `LeaderElector.API_CALLS`, `NodeAgent.API_CALLS`), so that what a
-process may do is read from what it does, in one place:
+(`KubeBackend.API_CALLS`, `LeaderElector.API_CALLS`, `ConfigMapCheckpointStore.API_CALLS`,
+`NodeAgent.API_CALLS`), so that what a process may do is read from what it does, in one place:
 
 - the Helm chart grants each process's service account exactly the union of its callers'
   declarations (tests/infra/test_chart.py derives the chart's RBAC rules from them);

@@ -29,9 +29,10 @@ that is corrupt, truncated, over the bound, of another format or kind, or a link
 one warning naming the file and why, and that source starts clean (a source restores all or
 nothing: `restore` raises `ValueError` before it changes anything). It is replaced at the next write.
 
-The store is the seam for a cluster's controller, which will keep its checkpoints in the API server:
-a second `CheckpointStore` beside this one, the sources unchanged. Checkpoints hold names and figures,
-never a key, a prompt or an answer.
+A cluster's controller has no volume: it keeps the same bytes, gzipped, in a ConfigMap per kind
+(`stoker.control.kube.checkpoints.ConfigMapCheckpointStore`); both stores share `encode` and
+`decode`, the sources are unchanged. Checkpoints hold names and figures, never a key, a prompt or
+an answer.
 """
 
 from __future__ import annotations
@@ -66,11 +67,12 @@ class CheckpointRefused(Exception):
 
 
 class CheckpointStore(Protocol):
-    """Where checkpoints are kept, by kind: files in the data dir (`FileCheckpointStore`); later,
-    on a cluster, the API server."""
+    """Where checkpoints are kept, by kind: files in the data dir (`FileCheckpointStore`), or on a
+    cluster ConfigMaps (`stoker.control.kube.checkpoints`). Its calls block: `Checkpoints` makes them
+    in threads."""
 
     def where(self, kind: str) -> str:
-        """The checkpoint of `kind` as the log names it (a path)."""
+        """The checkpoint of `kind` as the log names it (a path, a ConfigMap)."""
         ...
 
     def read(self, kind: str) -> dict[str, Any] | None:
@@ -80,7 +82,7 @@ class CheckpointStore(Protocol):
 
     def write(self, kind: str, body: dict[str, Any]) -> None:
         """Replace the checkpoint of `kind` with `body` (JSON data), whole or not at all.
-        CheckpointRefused if it cannot be (too large, the disk full)."""
+        CheckpointRefused if it cannot be (too large, the disk full, changed by another writer)."""
         ...
 
 
@@ -150,17 +152,13 @@ class FileCheckpointStore:
                 raise CheckpointRefused(f"cannot read it: {exc.strerror or exc}") from None
         if len(data) > self.max_bytes:  # it grew between the stat and the read
             raise CheckpointRefused(f"over the bound of {self.max_bytes} bytes")
-        return _body(data, kind)
+        return decode(data, kind)
 
     # ---- writing --------------------------------------------------------------------------------
 
     def write(self, kind: str, body: dict[str, Any]) -> None:
         path = self.path(kind)
-        envelope = {"format": FORMAT, "kind": kind, "written_at": round(self._wall(), 3), "body": body}
-        try:
-            data = json.dumps(envelope, separators=(",", ":"), allow_nan=False).encode()
-        except (TypeError, ValueError) as exc:  # a source's bug: not JSON data
-            raise CheckpointRefused(f"its body is not JSON data: {exc}") from None
+        data = encode(kind, body, self._wall())
         if len(data) > self.max_bytes:
             raise CheckpointRefused(
                 f"{len(data)} bytes, over the bound of {self.max_bytes}: not written (the previous one stays)"
@@ -210,8 +208,19 @@ def _refuse_constant(name: str) -> float:
     raise ValueError(f"{name} is not a number JSON has")
 
 
-def _body(data: bytes, kind: str) -> dict[str, Any]:
-    """The body of a checkpoint file's bytes, its envelope checked; CheckpointRefused otherwise."""
+def encode(kind: str, body: dict[str, Any], written_at: float) -> bytes:
+    """A checkpoint's bytes, as every store keeps them: the envelope (see the module) around `body`,
+    compact JSON. CheckpointRefused if `body` is not JSON data (a source's bug)."""
+    envelope = {"format": FORMAT, "kind": kind, "written_at": round(written_at, 3), "body": body}
+    try:
+        return json.dumps(envelope, separators=(",", ":"), allow_nan=False).encode()
+    except (TypeError, ValueError) as exc:
+        raise CheckpointRefused(f"its body is not JSON data: {exc}") from None
+
+
+def decode(data: bytes, kind: str) -> dict[str, Any]:
+    """The body of a checkpoint's bytes (what `encode` made), its envelope checked; CheckpointRefused
+    otherwise. The caller bounds `data` first."""
     try:
         doc = json.loads(data.decode("utf-8"), parse_constant=_refuse_constant)
     except (UnicodeDecodeError, ValueError, RecursionError):
@@ -299,12 +308,13 @@ class Checkpoints:
         self._stopping = asyncio.Event()
         self._failing: set[str] = set()  # kinds whose last write failed (logged once)
 
-    def restore(self) -> None:
-        """Each source from its checkpoint, or clean: a refused one is one warning, never a crash."""
+    async def restore(self) -> None:
+        """Each source from its checkpoint, or clean: a refused one is one warning, never a crash.
+        Read off the loop (a store may be the API server's, over HTTP), taken back on it."""
         for source in self.sources:
             kind = source.checkpoint_kind
             try:
-                body = self.store.read(kind)
+                body = await asyncio.to_thread(self.store.read, kind)
                 if body is None:
                     continue
                 source.restore(body)

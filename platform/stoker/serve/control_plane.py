@@ -1,6 +1,6 @@
 """What the two shapes that run the control plane (`stoker up`, `stoker controller`) build alike:
-the `Platform` from its settings, the checkpoints of what it learns, and the keys' store with the
-access it gives. A `stoker gateway` never imports this (its keys are the controller's, synced:
+the `Platform` from its settings, the checkpoints of what it learns (in its data dir, or on a
+cluster in ConfigMaps), and the keys' store with the access it gives. A `stoker gateway` never imports this (its keys are the controller's, synced:
 `stoker.gateway.plane`)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from stoker.control.checkpoint import DIR, Checkpointed, Checkpoints, FileCheckpointStore
+from stoker.control.checkpoint import DIR, Checkpointed, Checkpoints, CheckpointStore, FileCheckpointStore
 from stoker.control.keys import KeyStore
 from stoker.control.platform import Platform
 from stoker.gateway.keys import Access
@@ -50,10 +50,15 @@ def access_of(listen: Listen, limits: Limits) -> Access:
     return Access(listen.admin_key, keys, own_origins(listen.host, listen.port), limits)
 
 
-def checkpoints_of(platform: Platform, history: Checkpointed, interval_s: float | None) -> Checkpoints | None:
+def checkpoints_of(
+    platform: Platform, history: Checkpointed, interval_s: float | None, store: CheckpointStore | None = None
+) -> Checkpoints | None:
     """The checkpoints of what the platform learns (cost, the dashboard's `history`, the pools'
-    policy states) in its data dir, every `interval_s`; None for none (`--checkpoint-interval off`)."""
+    policy states), written every `interval_s` to `store`: by default files in its data dir
+    (`stoker up`, a controller on the local backend); a controller on Kubernetes, which has no
+    volume, passes its ConfigMaps (`stoker.control.kube.checkpoints`). None for none
+    (`--checkpoint-interval off`)."""
     if interval_s is None:
         return None
-    store = FileCheckpointStore(platform.data_dir / DIR)
+    store = store if store is not None else FileCheckpointStore(platform.data_dir / DIR)
     return Checkpoints(store, [platform.cost, history, platform.policy_states], interval_s)

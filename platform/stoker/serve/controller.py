@@ -22,6 +22,7 @@ from stoker.api.cost import cost_routes
 from stoker.api.dashboard import dashboard_routes
 from stoker.api.deployments import admin_routes
 from stoker.api.routes import cascade_routes
+from stoker.control.checkpoint import CheckpointStore
 from stoker.control.history import HistoryConfig, HistorySampler
 from stoker.control.kube.reconcile import Reconciler
 from stoker.control.kube.registry import ResourceRegistry
@@ -107,6 +108,7 @@ def build_controller(
     leader: Any = None,  # a `stoker.control.leader.LeaderElector`: act only while holding its Lease
     on_lost_lease: Callable[[], object] | None = None,
     checkpoint_interval_s: float | None = None,  # None: nothing checkpointed (`stoker.control.checkpoint`)
+    checkpoint_store: CheckpointStore | None = None,  # None: files in the data dir
 ) -> Starlette:
     """The control plane's app: the admin API, and the cluster API gateways and node agents use.
 
@@ -124,7 +126,7 @@ def build_controller(
         HistoryConfig.from_env(),
         extra=lambda: gateway_series.reading(platform.routes.live()),
     )
-    checkpoints = checkpoints_of(platform, sampler, checkpoint_interval_s)
+    checkpoints = checkpoints_of(platform, sampler, checkpoint_interval_s, checkpoint_store)
     # On a cluster the deployments are resources: watched (by a standby too) and reconciled.
     resources = platform.registry if isinstance(platform.registry, ResourceRegistry) else None
     reconciler = None
@@ -219,7 +221,7 @@ def build_controller(
         if resources is not None:
             await resources.wait_synced(SYNC_TIMEOUT_S)
         if checkpoints is not None:
-            checkpoints.restore()  # before the pools exist: each takes its policy's state as it is made
+            await checkpoints.restore()  # before the pools exist: each takes its policy's state as it is made
         await platform.start()
         if reconciler is not None:
             reconciler.start()
@@ -269,10 +271,10 @@ def run_controller(options: ControllerOptions) -> int:
     The exit status. A setting the backend refuses, a namespace that does not admit engine pods
     included, raises `warm_pool.errors.InvalidConfig` before anything is served."""
     log_setup(options.listen)
-    wiring, leader, settings = {}, None, options.platform
+    wiring, leader, checkpoint_store, settings = {}, None, None, options.platform
     if options.kube is not None:
         asyncio.run(_check_namespace(options.kube))
-        wiring, leader = _kubernetes(options.kube)
+        wiring, leader, checkpoint_store = _kubernetes(options.kube)
         # vLLM runs in the engine pods, each asking its image's own: none is looked for here.
         settings = replace(settings, vllm=replace(settings.vllm, in_image=True))
     stopping = ServerStopping()
@@ -290,6 +292,7 @@ def run_controller(options: ControllerOptions) -> int:
         leader=leader,
         on_lost_lease=stopping.stop,  # the process exits; the next leader adopts the instances
         checkpoint_interval_s=settings.checkpoint_interval_s,
+        checkpoint_store=checkpoint_store,
     )
     return serve_app(app, options.listen, stopping)
 
@@ -319,10 +322,13 @@ async def _check_namespace(kube: KubeSettings) -> None:
         await backend.aclose()
 
 
-def _kubernetes(kube: KubeSettings) -> tuple[dict[str, Any], Any]:
-    """The Kubernetes backend with its pods' GPUs, and the Lease election."""
+def _kubernetes(kube: KubeSettings) -> tuple[dict[str, Any], Any, CheckpointStore]:
+    """The Kubernetes backend with its pods' GPUs, the Lease election, and the checkpoints'
+    ConfigMaps in the namespace (the controller has no volume; its sync client connects at the
+    first checkpoint, in the threads `Checkpoints` reads and writes in)."""
     from lightkube import AsyncClient
 
+    from stoker.control.kube.checkpoints import ConfigMapCheckpointStore
     from stoker.control.leader import LeaderElector
     from warm_pool.backends.kube import PodGpus
 
@@ -332,4 +338,5 @@ def _kubernetes(kube: KubeSettings) -> tuple[dict[str, Any], Any]:
         client, kube.namespace, kube.lease_name, kube.identity, lease_s=kube.lease_s, renew_s=kube.lease_s / 3
     )
     registry = ResourceRegistry(client, kube.namespace)
-    return {"backend": backend, "gpus": PodGpus(), "registry": registry}, leader
+    checkpoints = ConfigMapCheckpointStore(kube.config, kube.namespace)
+    return {"backend": backend, "gpus": PodGpus(), "registry": registry}, leader, checkpoints

@@ -62,7 +62,7 @@ def build_gateway(
     @contextlib.asynccontextmanager
     async def lifespan(app):
         if checkpoints is not None:
-            checkpoints.restore()  # before the pools exist: each takes its policy's state as it is made
+            await checkpoints.restore()  # before the pools exist: each takes its policy's state as it is made
         await platform.start()
         sampler.start()
         if checkpoints is not None:

@@ -63,8 +63,9 @@ What the cluster does besides answering:
 Every request is recorded: `requests` (method, path, query), `responses` (status codes) and
 `calls` (who asked for what, and whether RBAC allowed it), so tests can see what a client did.
 
-Kinds are a table (`kinds`; `FakeApiServer(kinds=...)` takes others): Pods, Secrets, Nodes,
-Namespaces, Leases and CustomResourceDefinitions, and the kinds of every CRD registered.
+Kinds are a table (`kinds`; `FakeApiServer(kinds=...)` takes others): Pods, Secrets, ConfigMaps
+(at most 1 MiB of data and binaryData, as a real one), Nodes, Namespaces, Leases and
+CustomResourceDefinitions, and the kinds of every CRD registered.
 
 Not modelled: for custom resources, conversion between versions (each object is answered in the
 version it was written in), the scale subresource, printer columns in Table answers, CEL rules,

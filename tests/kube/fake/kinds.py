@@ -33,6 +33,7 @@ class Kind:
 KINDS = (
     Kind("Pod", "", "pods", True, "io.k8s.api.core.v1.Pod", frozenset({"status", "log"})),
     Kind("Secret", "", "secrets", True, "io.k8s.api.core.v1.Secret"),
+    Kind("ConfigMap", "", "configmaps", True, "io.k8s.api.core.v1.ConfigMap"),
     Kind("Node", "", "nodes", False, "io.k8s.api.core.v1.Node", frozenset({"status"})),
     Kind("Namespace", "", "namespaces", False, "io.k8s.api.core.v1.Namespace", frozenset({"status"})),
     Kind("Lease", "coordination.k8s.io", "leases", True, "io.k8s.api.coordination.v1.Lease"),

@@ -223,7 +223,7 @@ def test_every_source_comes_back_and_a_refused_one_starts_clean_with_one_warning
     again_cost, again_history = meter(clock, wall), sampler(clock, wall)
     (s.dir / "history.json").write_bytes((s.dir / "history.json").read_bytes()[:20])  # truncated
     caplog.set_level(logging.INFO, logger="stoker.checkpoint")
-    Checkpoints(s, [again_cost, again_history], 30.0).restore()
+    asyncio.run(Checkpoints(s, [again_cost, again_history], 30.0).restore())
     assert again_cost.report() == cost.report()
     assert again_history.history.snapshot()["points"] == []
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
@@ -242,7 +242,7 @@ def test_a_body_with_one_bad_field_restores_nothing_of_it(tmp_path, caplog):
     s = store(tmp_path)
     s.write("cost", body)
     again = meter(clock, wall)
-    Checkpoints(s, [again], 30.0).restore()
+    asyncio.run(Checkpoints(s, [again], 30.0).restore())
     assert again.report() == []  # not alpha alone: all or nothing
     [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert "cost.revisions[1].ledger.total.s:READY: want a number ≥ 0, got -5.0" in warning
