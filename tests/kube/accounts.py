@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import functools
 
-from stoker.control.kube.registry import ResourceRegistry
 from stoker.control.kube.checkpoints import ConfigMapCheckpointStore
+from stoker.control.kube.registry import ResourceRegistry
 from stoker.control.leader import LeaderElector
 from stoker.node.agent import NodeAgent
 from tests.conftest import REPO

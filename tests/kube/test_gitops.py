@@ -12,7 +12,6 @@ import asyncio
 import json
 import re
 import shutil
-import threading
 from pathlib import Path
 
 import httpx
@@ -20,9 +19,9 @@ import yaml
 
 from snapshots import SnapshotStore, import_hf_dir
 from tests.conftest import REPO
-from tests.deadlines import deadline
 from tests.kube.conftest import NAMESPACE
-from tests.kube.test_controller_e2e import ENV, H, LEASE, kubeconfig, until
+from tests.kube.test_controller_e2e import ENV, LEASE, H, kubeconfig, until
+from tests.kube.traffic import Load
 from tests.platform.conftest import PlatformProcess
 from tests.platform.engine.conftest import free_port
 
@@ -47,32 +46,6 @@ def two_models(tiny_model_dir: Path, root: Path) -> SnapshotStore:
     (other / "config.json").write_text(json.dumps({**config, "stoker_test_revision": 2}))
     import_hf_dir(other, store, name="tiny-chat-v2")
     return store
-
-
-class Load:
-    """Chat requests through both gateways, one after another, until stopped; every answer kept."""
-
-    def __init__(self, urls: list[str]) -> None:
-        self.urls, self.answers, self._stop = urls, [], threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        body = {"model": "chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-        with httpx.Client(headers=H, timeout=deadline(120)) as http:
-            i = 0
-            while not self._stop.is_set():
-                url = self.urls[i % len(self.urls)]
-                r = http.post(f"{url}/v1/chat/completions", json=body)
-                self.answers.append((r.status_code, r.headers.get("x-stoker-revision"), r.text[:200]))
-                i += 1
-
-    def __enter__(self) -> Load:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 async def test_apply_apply_again_delete(cluster, tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -102,7 +75,9 @@ async def test_apply_apply_again_delete(cluster, tiny_model_dir: Path, tmp_path:
             return r.json() if r.status_code == 200 else None
 
         def condition(obj: dict | None, kind: str) -> dict:
-            found = [c for c in ((obj or {}).get("status") or {}).get("conditions") or [] if c["type"] == kind]
+            found = [
+                c for c in ((obj or {}).get("status") or {}).get("conditions") or [] if c["type"] == kind
+            ]
             return found[0] if found else {}
 
         async def settled(revision: int) -> bool:
@@ -129,23 +104,27 @@ async def test_apply_apply_again_delete(cluster, tiny_model_dir: Path, tmp_path:
         assert obj["metadata"]["finalizers"] == ["stoker.dev/drain"]
         assert obj["status"]["traffic"] == {"1": 100} and obj["status"]["trafficSummary"] == "1=100%"
         assert condition(obj, "Ready")["status"] == "True"
-        [rev1] = [o for (plural, _, _), o in api.store.objects.items() if plural == "stokerrevisions.stoker.dev"]
+        [rev1] = [
+            o for (plural, _, _), o in api.store.objects.items() if plural == "stokerrevisions.stoker.dev"
+        ]
         assert rev1["spec"]["model"] == "tiny-chat" and rev1["metadata"]["name"] == "chat-r1"
         first_pods = {o["metadata"]["name"] for (p, _, _), o in api.store.objects.items() if p == "pods"}
 
         # kubectl apply, the second time: a merge patch of what changed. Under load through both
         # gateways, every answer is 200 while revision 2 warms and takes the traffic.
-        with Load([g.url for g in gateways]) as load:
+        with Load([g.url for g in gateways], H) as load:
             await until(lambda: len(load.answers) >= 3, "the load running")
-            r = await http.patch(f"{DEPLOYMENTS}/chat", json={"spec": {"model": "tiny-chat-v2"}}, headers=MERGE)
+            r = await http.patch(
+                f"{DEPLOYMENTS}/chat", json={"spec": {"model": "tiny-chat-v2"}}, headers=MERGE
+            )
             assert r.status_code == 200, r.text
             assert r.json()["metadata"]["generation"] == 2
             await wait(lambda: settled(2), "revision 2 READY and rolled out")
-            await until(lambda: any(rev == "2" for _, rev, _ in load.answers[-3:]), "answers from revision 2")
-        assert load.answers and all(status == 200 for status, _, _ in load.answers), [
-            a for a in load.answers if a[0] != 200
-        ][:3]
-        assert {rev for _, rev, _ in load.answers} == {"1", "2"}
+            await until(
+                lambda: any(rev == "2" for _, rev, _, _ in load.answers[-3:]), "answers from revision 2"
+            )
+        assert load.answers and load.failed() == [], load.failed()[:3]
+        assert {rev for _, rev, _, _ in load.answers} == {"1", "2"}
         obj = await resource()
         assert obj["status"]["traffic"] == {"2": 100}
         assert api.get("stokerrevisions.stoker.dev", NAMESPACE, "chat-r2")["spec"]["model"] == "tiny-chat-v2"
@@ -161,7 +140,8 @@ async def test_apply_apply_again_delete(cluster, tiny_model_dir: Path, tmp_path:
 
         await wait(gone, "the resource deleted once drained")
         await until(
-            lambda: not [o for (p, _, _), o in list(api.store.objects.items()) if p == "pods"], "its pods stopped"
+            lambda: not [o for (p, _, _), o in list(api.store.objects.items()) if p == "pods"],
+            "its pods stopped",
         )
         assert "chat" not in await asyncio.to_thread(controller.deployments)
         assert not [k for k in api.store.objects if k[0] == "stokerrevisions.stoker.dev"]

@@ -18,9 +18,9 @@ from snapshots import SnapshotStore
 from snapshots.remote import RemoteConfig
 from stoker.control.kube.checkpoints import ConfigMapCheckpointStore
 from stoker.control.kube.registry import ResourceRegistry
-from stoker.spec.deployment import DeploymentSpec
 from stoker.control.leader import LeaderElector
 from stoker.node.agent import AgentConfig, NodeAgent
+from stoker.spec.deployment import DeploymentSpec
 from tests.kube.accounts import DECLARED, TOKENS, asked, chart_access
 from tests.kube.conftest import NAMESPACE, Cluster_, TinyStore, running_cluster
 from tests.kube.fake.rbac import Policy

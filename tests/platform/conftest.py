@@ -34,6 +34,19 @@ class PlatformProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> PlatformProcess:
+        self.launch()
+        wait_healthy(
+            self.proc,
+            f"{self.url}/healthz",
+            PLATFORM_START,
+            f"stoker {self.command}",
+            self.log_tail,
+            poll_s=0.05,
+        )
+        return self
+
+    def launch(self) -> PlatformProcess:
+        """The process started, not waited for: a standby controller answers nothing until it leads."""
         self.env = {
             **{k: v for k, v in os.environ.items() if k != "STOKER_ADMIN_KEY"},  # open unless asked
             "STOKER_HOME": str(self.home),
@@ -47,14 +60,6 @@ class PlatformProcess:
             defaults = (*self._hold(), *self._runtimes())
             cmd = [STOKER, self.command, "--port", str(self.port), *self.args, *defaults]
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=self.env)
-        wait_healthy(
-            self.proc,
-            f"{self.url}/healthz",
-            PLATFORM_START,
-            f"stoker {self.command}",
-            self.log_tail,
-            poll_s=0.05,
-        )
         return self
 
     def log_tail(self, chars: int = 3000) -> str:

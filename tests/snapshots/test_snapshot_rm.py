@@ -4,7 +4,6 @@ serves (even at zero instances, when nothing pins it) or that a process has pinn
 from __future__ import annotations
 
 import asyncio
-
 import json
 from pathlib import Path
 

@@ -83,7 +83,8 @@ class Platform:
         max_instance_age_s: float | None = None,  # `stoker up --max-instance-age`; a deployment's own wins
         warm_runtimes: int = 0,  # CPU-engine runtimes kept ahead of need (`stoker up --warm-runtimes`)
         stopping: Callable[[], bool] | None = None,  # the server draining (`stoker.http.ServerStopping`)
-        registry: DeploymentStore | None = None,  # default: SQLite in the data dir; on a cluster, the API server
+        registry: DeploymentStore
+        | None = None,  # default: SQLite in the data dir; on a cluster, the API server
     ) -> None:
         self.data_dir = data_dir
         self.controller = controller

@@ -43,7 +43,7 @@ from stoker.spec.planes import parse_gateway_id, parse_report, share
 
 log = logging.getLogger("stoker.planes")
 MAX_REPORT_BYTES = 8 << 20
-SYNC_TIMEOUT_S = 60.0  # for the first list of the resources, once leading
+SYNC_TIMEOUT_S = 60.0  # for the first list of the resources (a standby lists them too)
 # The request headers a gateway passes through to the controller's admin API, and back.
 _PASS_REQUEST = ("authorization", "content-type", "origin", "accept")
 _PASS_RESPONSE = ("content-type", "retry-after", "cache-control")
@@ -209,6 +209,8 @@ def build_controller(
         election = None
         if resources is not None:
             resources.start()  # the standby's watches are warm when it takes over
+            await resources.wait_synced(SYNC_TIMEOUT_S)
+            log.info("watching %d deployment resource(s)", len(resources.deployments.objects))
         if leader is not None:
             election = asyncio.create_task(leader.run(lead, step_down), name="leader-election")
             log.info("waiting for the lease %s as %s", leader.name, leader.identity)
@@ -218,8 +220,6 @@ def build_controller(
                     raise RuntimeError(f"the election for {leader.name} ended before this replica led")
                 await asyncio.sleep(0.1)
             log.info("leading (lease %s)", leader.name)
-        if resources is not None:
-            await resources.wait_synced(SYNC_TIMEOUT_S)
         if checkpoints is not None:
             await checkpoints.restore()  # before the pools exist: each takes its policy's state as it is made
         await platform.start()

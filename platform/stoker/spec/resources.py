@@ -28,9 +28,8 @@ is checked, `stoker.spec.deployment.validate`, when the controller takes the res
 from __future__ import annotations
 
 import copy
-from typing import Any
-
 import re
+from typing import Any
 
 from stoker.spec.deployment import DEPLOY_FIELDS, deploy_schema
 from stoker.spec.routes import FIELDS as ROUTE_FIELDS

@@ -101,7 +101,9 @@ class Mirror:
                     raw = obj.to_dict() if hasattr(obj, "to_dict") else dict(obj)
                     if event == "DELETED":
                         current = self.objects.get(raw["metadata"]["name"])
-                        if current is not None and current["metadata"].get("uid") == raw["metadata"].get("uid"):
+                        if current is not None and current["metadata"].get("uid") == raw["metadata"].get(
+                            "uid"
+                        ):
                             self.forget(raw["metadata"]["name"])
                     else:
                         self._take(raw)

@@ -195,18 +195,26 @@ class Reconciler:
                         "Ready",
                         "True",
                         "ScaledToZero" if idle else "Serving",
-                        "no instance runs: the first request starts one" if idle else f"{status['ready']} READY",
+                        "no instance runs: the first request starts one"
+                        if idle
+                        else f"{status['ready']} READY",
                     )
                 )
                 status["lastReason"] = decision.reason if decision is not None else "deployed"
             latest = d.latest.revision
             note = d.notes.get(latest)
             if note == "warming":
-                conditions.append(("RolledOut", "False", "Warming", f"revision {latest} warming before the switch"))
+                conditions.append(
+                    ("RolledOut", "False", "Warming", f"revision {latest} warming before the switch")
+                )
             elif note is not None:
-                conditions.append(("RolledOut", "False", _reason(note.split(":")[0]), f"revision {latest} {note}"))
+                conditions.append(
+                    ("RolledOut", "False", _reason(note.split(":")[0]), f"revision {latest} {note}")
+                )
             elif d.traffic.get(latest):
-                conditions.append(("RolledOut", "True", "RolledOut", f"revision {latest} serves {d.traffic[latest]}%"))
+                conditions.append(
+                    ("RolledOut", "True", "RolledOut", f"revision {latest} serves {d.traffic[latest]}%")
+                )
             else:
                 conditions.append(("RolledOut", "False", "NoTraffic", f"revision {latest} has no traffic"))
         before = {c["type"]: c for c in old.get("conditions") or []}
@@ -218,7 +226,9 @@ class Reconciler:
                 "message": message[:32768],
                 "lastTransitionTime": (
                     before[kind]["lastTransitionTime"]
-                    if kind in before and before[kind].get("status") == value and "lastTransitionTime" in before[kind]
+                    if kind in before
+                    and before[kind].get("status") == value
+                    and "lastTransitionTime" in before[kind]
                     else _now()
                 ),
                 **({"observedGeneration": generation} if generation is not None else {}),

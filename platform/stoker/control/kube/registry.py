@@ -155,7 +155,9 @@ class ResourceRegistry:
         s = dict(obj["spec"])
         name, number, snapshot = s.pop("deployment"), s.pop("revision"), s.pop("snapshotId")
         try:
-            return DeploymentSpec.from_dict({**from_resource(name, s), "snapshot_id": snapshot, "revision": number})
+            return DeploymentSpec.from_dict(
+                {**from_resource(name, s), "snapshot_id": snapshot, "revision": number}
+            )
         except (TypeError, ValueError) as exc:  # written by another version, or by hand
             log.error("revision %s unreadable, left out: %s", obj["metadata"]["name"], exc)
             return None
@@ -180,7 +182,9 @@ class ResourceRegistry:
 
     def _ordered(self) -> list[dict[str, Any]]:
         objs = [o for o in self.deployments.objects.values() if not terminating(o)]
-        return sorted(objs, key=lambda o: (o["metadata"].get("creationTimestamp") or "", o["metadata"]["name"]))
+        return sorted(
+            objs, key=lambda o: (o["metadata"].get("creationTimestamp") or "", o["metadata"]["name"])
+        )
 
     def all(self) -> list[DeploymentSpec]:
         """Each deployment's newest revision (one declared but not yet made has none)."""
@@ -280,7 +284,9 @@ class ResourceRegistry:
                 obj.pop("status", None)
                 obj["spec"] = wanted
                 finalizers = obj["metadata"].get("finalizers") or []
-                obj["metadata"]["finalizers"] = [*finalizers, FINALIZER] if FINALIZER not in finalizers else finalizers
+                obj["metadata"]["finalizers"] = (
+                    [*finalizers, FINALIZER] if FINALIZER not in finalizers else finalizers
+                )
                 made = await self._client.replace(StokerDeployment(obj), namespace=self.namespace)
         except ApiError as exc:
             if exc.status.code == 409:
@@ -302,7 +308,12 @@ class ResourceRegistry:
         finalizers = current["metadata"].get("finalizers") or []
         if FINALIZER in finalizers:
             return
-        patch = {"metadata": {"finalizers": [*finalizers, FINALIZER], "resourceVersion": current["metadata"]["resourceVersion"]}}
+        patch = {
+            "metadata": {
+                "finalizers": [*finalizers, FINALIZER],
+                "resourceVersion": current["metadata"]["resourceVersion"],
+            }
+        }
         try:
             made = await self._client.patch(
                 StokerDeployment, name, patch, namespace=self.namespace, patch_type=PatchType.MERGE
@@ -344,7 +355,9 @@ class ResourceRegistry:
                 continue
             break
         else:
-            raise APIError(409, f"The deployment {name!r} kept changing while it was deleted.", code="conflict")
+            raise APIError(
+                409, f"The deployment {name!r} kept changing while it was deleted.", code="conflict"
+            )
         self.deployments.forget(name)
 
     def _revision_objects_any(self, name: str) -> list[dict[str, Any]]:
