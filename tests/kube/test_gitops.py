@@ -131,9 +131,30 @@ async def test_apply_apply_again_delete(cluster, tiny_model_dir: Path, tmp_path:
         deployed = (await asyncio.to_thread(controller.deployments))["chat"]
         assert deployed["latest_revision"] == 2 and deployed["model"] == "tiny-chat-v2"
 
+        # `stoker rollback` writes the same resource: the split in its status.
+        await asyncio.to_thread(controller.cli, "rollback", "chat")
+        await wait(lambda: settled(1), "rolled back to revision 1")
+        assert (await resource())["status"]["traffic"] == {"1": 100}
+
+        # What the schema cannot refuse (min warm above max) the controller does, in the status.
+        bad = {**doc, "metadata": {"name": "bad", "namespace": NAMESPACE}, "spec": {**doc["spec"], "minWarm": 3}}
+        r = await http.post(DEPLOYMENTS, json=bad)
+        assert r.status_code == 201, r.text
+
+        async def refused() -> bool:
+            r = await http.get(f"{DEPLOYMENTS}/bad")
+            return condition(r.json(), "Ready").get("reason") == "InvalidSpec"
+
+        await wait(refused, "the bad spec refused in its status")
+        ready = condition((await http.get(f"{DEPLOYMENTS}/bad")).json(), "Ready")
+        assert ready["status"] == "False" and "min_warm" in ready["message"], ready
+        assert "bad" not in await asyncio.to_thread(controller.deployments)
+        assert (await http.delete(f"{DEPLOYMENTS}/bad")).status_code == 200
+
         # kubectl delete: held by the finalizer until the controller has drained it, then gone.
         r = await http.delete(f"{DEPLOYMENTS}/chat")
         assert r.status_code == 200, r.text
+        assert r.json()["metadata"].get("deletionTimestamp"), r.json()  # held: draining
 
         async def gone() -> bool:
             return await resource() is None

@@ -215,6 +215,11 @@ class Rollout:
     async def _switch(self, d: Deployment, spec: DeploymentSpec, percent: int) -> None:
         r = spec.revision
         try:
+            if (leaving := d.leaving.get(r)) is not None:
+                # Back to a revision still draining (a rollback right after its switch): its unit
+                # is being stopped, so a fresh one once it is gone (waited for, never cancelled).
+                log.info("deployment %s: revision %d is draining; warming it again once it has", d.name, r)
+                await asyncio.wait({leaving})
             # READY capacity for its share of what the live revisions serve now.
             live = sum(u.ready for rv, u in d.units.items() if d.traffic.get(rv) and rv != r)
             need = min(spec.max, math.ceil(live * percent / 100))

@@ -163,7 +163,7 @@ class Reconciler:
             status["observedGeneration"] = generation
         conditions = []
         if d is None:
-            reason = (refusal.code or "Refused") if refusal is not None else "NotDeployed"
+            reason = _refusal(refusal) if refusal is not None else "NotDeployed"
             message = refusal.message if refusal is not None else "not deployed yet"
             status |= {"ready": 0, "asleep": 0, "lastReason": message}
             conditions.append(("Ready", "False", _reason(reason), message))
@@ -183,7 +183,7 @@ class Reconciler:
             unavailable = d.pool.unavailable or (d.demand.unavailable if d.demand is not None else None)
             decision = d.pool.last_decision
             if refusal is not None:
-                conditions.append(("Ready", "False", _reason(refusal.code or "Refused"), refusal.message))
+                conditions.append(("Ready", "False", _reason(_refusal(refusal)), refusal.message))
                 status["lastReason"] = refusal.message
             elif unavailable:
                 conditions.append(("Ready", "False", "StartFailing", unavailable))
@@ -202,21 +202,18 @@ class Reconciler:
                 )
                 status["lastReason"] = decision.reason if decision is not None else "deployed"
             latest = d.latest.revision
+            warming = sorted(r for r, note in d.notes.items() if note == "warming")
             note = d.notes.get(latest)
-            if note == "warming":
-                conditions.append(
-                    ("RolledOut", "False", "Warming", f"revision {latest} warming before the switch")
-                )
+            if warming:
+                message = f"revision {warming[-1]} warming before the switch"
+                conditions.append(("RolledOut", "False", "Warming", message))
             elif note is not None:
-                conditions.append(
-                    ("RolledOut", "False", _reason(note.split(":")[0]), f"revision {latest} {note}")
-                )
+                conditions.append(("RolledOut", "False", _reason(note.split(":")[0]), f"revision {latest} {note}"))
             elif d.traffic.get(latest):
-                conditions.append(
-                    ("RolledOut", "True", "RolledOut", f"revision {latest} serves {d.traffic[latest]}%")
-                )
-            else:
-                conditions.append(("RolledOut", "False", "NoTraffic", f"revision {latest} has no traffic"))
+                conditions.append(("RolledOut", "True", "RolledOut", f"revision {latest} serves {d.traffic[latest]}%"))
+            else:  # `stoker rollback` or `stoker traffic` put the split elsewhere
+                split = ", ".join(f"revision {r} {p}%" for r, p in sorted(d.traffic.items()))
+                conditions.append(("RolledOut", "True", "Pinned", f"{split}; the newest, {latest}, has none"))
         before = {c["type"]: c for c in old.get("conditions") or []}
         status["conditions"] = [
             {
@@ -238,6 +235,11 @@ class Reconciler:
         if "lastReason" in status:
             status["lastReason"] = str(status["lastReason"])[:1024]
         return status
+
+
+def _refusal(exc: APIError) -> str:
+    """What a refused spec's Ready condition gives as its reason: the error's code, else its kind."""
+    return exc.code or ("InvalidSpec" if exc.status == 400 else "Refused")
 
 
 def _reason(text: str) -> str:
