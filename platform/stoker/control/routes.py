@@ -30,7 +30,7 @@ class CascadeRoutes:
         rows = self._db.execute("SELECT route FROM cascade_routes ORDER BY created_at, name").fetchall()
         self._routes = {r.name: r for r in (CascadeRoute(**json.loads(text)) for (text,) in rows)}
 
-    def put(self, route: CascadeRoute) -> bool:
+    async def put(self, route: CascadeRoute) -> bool:
         """Create or replace `route`; whether it was created."""
         now = time.time()
         with self._db:
@@ -46,7 +46,7 @@ class CascadeRoutes:
     def get(self, name: str) -> CascadeRoute | None:
         return self._routes.get(name)
 
-    def delete(self, name: str) -> CascadeRoute:
+    async def delete(self, name: str) -> CascadeRoute:
         route = self._routes.get(name)
         if route is None:
             raise route_not_found(name)

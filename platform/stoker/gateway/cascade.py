@@ -23,7 +23,8 @@ goes through as it comes, unjudged. A stream held at zero whose keep-alives alre
 (`activator.proxy.Reply.keepalive`) has started its 200: it stays with the small one.
 
 Where the routes come from is a `RouteSource`: the SQLite table (`stoker.control.routes`) in
-`stoker up` and in the controller, which publishes them in its routing table; a gateway of its own
+`stoker up` and in the controller (on a cluster, StokerRoute resources:
+`stoker.control.kube.routes`), which publishes them in its routing table; a gateway of its own
 serves its synced copy of that, and never writes one.
 
 Who may call a route: the caller's key must list the route's name AND both deployments; any
@@ -98,11 +99,13 @@ class RouteSource(Protocol):
 
 
 class RouteTable(RouteSource, Protocol):
-    """The routes a process owns and the admin API writes (`stoker.control.routes.CascadeRoutes`)."""
+    """The routes a process owns and the admin API writes: `stoker.control.routes.CascadeRoutes`
+    (SQLite), or on a cluster `stoker.control.kube.routes.ResourceRoutes` (StokerRoute resources).
+    Writes are async: on a cluster each is a call to the API server."""
 
-    def put(self, route: CascadeRoute) -> bool: ...
+    async def put(self, route: CascadeRoute) -> bool: ...
 
-    def delete(self, name: str) -> CascadeRoute: ...
+    async def delete(self, name: str) -> CascadeRoute: ...
 
     def close(self) -> None: ...
 
