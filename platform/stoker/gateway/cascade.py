@@ -22,10 +22,9 @@ context-length 400 or a 5xx (those come before any stream byte); otherwise the s
 goes through as it comes, unjudged. A stream held at zero whose keep-alives already went out
 (`activator.proxy.Reply.keepalive`) has started its 200: it stays with the small one.
 
-Where the routes come from is a `RouteSource`: the SQLite table (`stoker.control.routes`) in
-`stoker up` and in the controller (on a cluster, StokerRoute resources:
-`stoker.control.kube.routes`), which publishes them in its routing table; a gateway of its own
-serves its synced copy of that, and never writes one.
+Where the routes come from is a `RouteSource`: the SQLite table (`stoker.control.routes`; on a
+cluster StokerRoutes) in `stoker up` and in the controller, which publishes them in its routing
+table; a gateway of its own serves its synced copy of that, and never writes one.
 
 Who may call a route: the caller's key must list the route's name AND both deployments; any
 other caller gets the 404 a deployment that does not exist gets. So a route never lets a key reach
@@ -99,9 +98,8 @@ class RouteSource(Protocol):
 
 
 class RouteTable(RouteSource, Protocol):
-    """The routes a process owns and the admin API writes: `stoker.control.routes.CascadeRoutes`
-    (SQLite), or on a cluster `stoker.control.kube.routes.ResourceRoutes` (StokerRoute resources).
-    Writes are async: on a cluster each is a call to the API server."""
+    """The routes a process owns and the admin API writes (`stoker.control.routes.CascadeRoutes`;
+    on a cluster `stoker.control.kube.routes.ResourceRoutes`, whose writes are API calls)."""
 
     async def put(self, route: CascadeRoute) -> bool: ...
 
