@@ -148,9 +148,19 @@ async def test_a_key_declared_as_its_hash_is_a_key_and_a_malformed_one_is_ignore
             "key_later",
         ]
 
-        # Revoked through the store, a declared key's Secret goes too (Git would apply it again).
+        # A second Secret with that hash: the older keeps it; a revoke deletes both, so the key
+        # is not valid again through the other.
+        with caplog.at_level(logging.WARNING, logger="stoker.kube"):
+            twin = key_secret("stoker-key-twin", key, created=repr(record.created + 60))
+            assert (await kubectl.post(SECRETS, json=twin)).status_code == 201
+            await until(lambda: "stoker-key-twin" in caplog.text, "the twin logged")
+        assert "the older, keeps it" in caplog.text and store.lookup(key).id == "key_ci"
         await store.revoke("key_ci")
-        assert store.lookup(key) is None and cluster.api.get("secrets", NAMESPACE, "stoker-key-ci") is None
+        assert store.lookup(key) is None
+        assert [cluster.api.get("secrets", NAMESPACE, n) for n in ("stoker-key-ci", "stoker-key-twin")] == [
+            None,
+            None,
+        ]
     finally:
         await store.aclose()
 

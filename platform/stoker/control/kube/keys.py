@@ -29,7 +29,7 @@ hand the key itself to the tenant out of band.
 A Secret applied with the label and these fields is a key like one `stoker keys create` made. One
 with the label whose fields are malformed (a bad hash, tenant, deployment name, limit or name) is
 logged once (per version) and ignored, never a crash; a second Secret with a hash another already
-holds is ignored likewise (the older one keeps it).
+holds is ignored likewise (the older one keeps it; a revoke deletes both).
 
 Reads come from a `Mirror` of the labelled Secrets, indexed by hash, so `lookup` on the request
 path is a dict lookup. `create` and `revoke` write the API server and put the answer in the mirror
@@ -161,6 +161,7 @@ class SecretKeyStore:
         self._on_change = on_change
         self._keys: dict[str, _Key | None] = {}  # by Secret name; None: malformed, ignored
         self._by_hash: dict[str, KeyRecord] = {}
+        self._holder: dict[str, str] = {}  # hash → the Secret whose key it is
         self._mirror = Mirror(
             client, Secret, namespace, labels={KEY_LABEL: "true"}, retry_s=retry_s, on_change=self._changed
         )
@@ -173,10 +174,6 @@ class SecretKeyStore:
     async def wait_synced(self, timeout_s: float) -> None:
         await self._mirror.wait_synced(timeout_s)
 
-    @property
-    def synced(self) -> bool:
-        return self._mirror.synced.is_set()
-
     async def aclose(self) -> None:
         await self._mirror.close()
 
@@ -185,9 +182,8 @@ class SecretKeyStore:
 
     def _changed(self, name: str) -> None:
         obj = self._mirror.get(name)
-        if obj is None:
-            self._keys.pop(name, None)
-        else:
+        old = self._keys.pop(name, None)
+        if obj is not None:
             try:
                 self._keys[name] = key_of(obj)
             except Malformed as exc:  # once per version: the mirror calls this when one changed
@@ -199,22 +195,37 @@ class SecretKeyStore:
                     exc,
                 )
                 self._keys[name] = None
-        self._index(name)
+        if old is not None and self._holder.get(old.hash) == name:
+            self._claim(old.hash)  # another Secret with that hash, if any, holds it now
+        new = self._keys.get(name)
+        if new is not None:
+            self._claim(new.hash, name)
         if self._on_change is not None:
             self._on_change()
 
-    def _index(self, changed: str) -> None:
-        """The keys by hash; where two Secrets hold one hash, the older keeps it."""
-        by_hash: dict[str, KeyRecord] = {}
-        held = [(name, key) for name, key in self._keys.items() if key is not None]
-        for name, key in sorted(held, key=lambda item: (item[1].record.created, item[0])):
-            if key.hash not in by_hash:
-                by_hash[key.hash] = key.record
-            elif name == changed:
-                log.warning(
-                    "Secret %s/%s holds the hash an older key's Secret holds, ignored", self.namespace, name
-                )
-        self._by_hash = by_hash
+    def _claim(self, key_hash: str, candidate: str | None = None) -> None:
+        """Who holds `key_hash`: of the Secrets holding it, the oldest. With a `candidate` (one just
+        seen) only it and the holder compete; without, all are looked through (O(n): only when a
+        holder changed or went)."""
+        names = (
+            [n for n in (self._holder.get(key_hash), candidate) if n is not None]
+            if candidate is not None
+            else [n for n, k in self._keys.items() if k is not None and k.hash == key_hash]
+        )
+        ranked = sorted(names, key=lambda n: (self._keys[n].record.created, n))  # type: ignore[union-attr]
+        if not ranked:
+            self._holder.pop(key_hash, None)
+            self._by_hash.pop(key_hash, None)
+            return
+        self._holder[key_hash] = ranked[0]
+        self._by_hash[key_hash] = self._keys[ranked[0]].record  # type: ignore[union-attr]
+        if candidate is not None and len(set(ranked)) > 1:
+            log.warning(
+                "Secrets %s/%s hold one hash: %s, the older, keeps it",
+                self.namespace,
+                " and ".join(ranked),
+                ranked[0],
+            )
 
     # ---- the KeyStore's interface -------------------------------------------------------------
 
@@ -260,19 +271,20 @@ class SecretKeyStore:
         return sorted(self._by_hash.values(), key=lambda r: (r.created, r.id))
 
     async def revoke(self, key_id: str) -> KeyRecord:
-        found = next(
-            (name for name, k in self._keys.items() if k is not None and k.record.id == key_id), None
-        )
-        key = self._keys[found] if found is not None else None
-        if key is None or self._by_hash.get(key.hash) is not key.record:
+        """The key goes: its Secret deleted, and any other holding its hash (which would make it
+        valid again)."""
+        held = {h: n for h, n in self._holder.items() if self._by_hash[h].id == key_id}
+        if not held:
             raise not_found(key_id)
-        name, record = found, key.record
-        try:
-            await self._client.delete(Secret, name, namespace=self.namespace)
-        except ApiError as exc:
-            if exc.status.code != 404:  # 404: gone meanwhile, as asked
-                raise refused(f"the deletion of the key's Secret {name!r}", exc) from None
-        self._mirror.forget(name)
+        [(key_hash, _)] = held.items()
+        record = self._by_hash[key_hash]
+        for name in [n for n, k in self._keys.items() if k is not None and k.hash == key_hash]:
+            try:
+                await self._client.delete(Secret, name, namespace=self.namespace)
+            except ApiError as exc:
+                if exc.status.code != 404:  # 404: gone meanwhile, as asked
+                    raise refused(f"the deletion of the key's Secret {name!r}", exc) from None
+            self._mirror.forget(name)
         return record
 
     def lookup(self, key: str) -> KeyRecord | None:
