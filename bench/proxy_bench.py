@@ -298,6 +298,7 @@ def serve_stoker(port: int, upstream: str, keys_db: Path | None) -> None:
 def make_keys(tmp: Path) -> tuple[str, str, Path]:
     """An admin key, and a tenant key for the bench model with every limit on and none binding:
     (admin key, tenant key, the key store's path)."""
+    import asyncio
     import secrets
 
     from stoker.control.keys import KeyStore
@@ -305,7 +306,8 @@ def make_keys(tmp: Path) -> tuple[str, str, Path]:
 
     path = tmp / "keys.db"
     store = KeyStore(path)
-    _, tenant_key = store.create("bench", (MODEL,), Limits(rps=1e6, tpm=10**12, max_concurrent=1_000_000))
+    limits = Limits(rps=1e6, tpm=10**12, max_concurrent=1_000_000)
+    _, tenant_key = asyncio.run(store.create("bench", (MODEL,), limits))
     store.close()
     return secrets.token_urlsafe(32), tenant_key, path
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 import functools
 
 from stoker.control.kube.checkpoints import ConfigMapCheckpointStore
+from stoker.control.kube.keys import SecretKeyStore
 from stoker.control.kube.registry import ResourceRegistry
+from stoker.control.kube.routes import ResourceRoutes
 from stoker.control.leader import LeaderElector
 from stoker.node.agent import NodeAgent
 from tests.conftest import REPO
@@ -27,12 +29,14 @@ CHART_VALUES = {"adminKey": {"existingSecret": "stoker-admin"}}
 ADMIN_TOKEN = "admin-token-0123456789"
 TOKENS = {component: f"{component}-token-0123456789" for component in ("controller", "node", "gateway")}
 # What each component's processes call, from the code that calls: the controller runs the backend,
-# the Lease election and its checkpoints' ConfigMaps, the node agent labels its Node, the gateways
-# never call the API.
+# the Lease election, its checkpoints' ConfigMaps and the resources it keeps its state in (deployments,
+# tenant keys' Secrets, cascade routes), the node agent labels its Node, the gateways never call the API.
 DECLARED: dict[str, frozenset[ApiCall]] = {
     "controller": KubeBackend.API_CALLS
     | LeaderElector.API_CALLS
     | ResourceRegistry.API_CALLS
+    | SecretKeyStore.API_CALLS
+    | ResourceRoutes.API_CALLS
     | ConfigMapCheckpointStore.API_CALLS,
     "node": NodeAgent.API_CALLS,
     "gateway": frozenset(),

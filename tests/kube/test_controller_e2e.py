@@ -4,7 +4,8 @@ a real `stoker controller --backend kubernetes` process and two real `stoker gat
 deploy → a request held at zero → a pod (labelled, its key in a Secret) → READY → served through
 either gateway; the controller SIGKILLed → the gateways route on; a new controller waits out the
 Lease, then adopts the running pod (same pod, no new one, no start); a gateway killed → the other
-serves; scale to zero → the pod deleted, its Secret with it.
+serves; scale to zero → the pod deleted, its Secret with it. On the way, a tenant key made with the
+CLI is a Secret holding the key's hash (never the key) and answers through a gateway.
 
 Everything blocking (process starts, the CLI, HTTP) runs in threads: the fake API server and the
 kubelet share this event loop."""
@@ -12,6 +13,8 @@ kubelet share this event loop."""
 from __future__ import annotations
 
 import asyncio
+import base64
+import json
 import signal
 import time
 from pathlib import Path
@@ -48,9 +51,10 @@ def kubeconfig(path: Path, server: str) -> Path:
     return path
 
 
-def chat(url: str) -> httpx.Response:
+def chat(url: str, key: str = ADMIN) -> httpx.Response:
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
-    return httpx.post(f"{url}/v1/chat/completions", json=body, headers=H, timeout=deadline(180))
+    headers = {"authorization": f"Bearer {key}"}
+    return httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=deadline(180))
 
 
 async def until(condition, what: str, within_s: float = ENGINE_START) -> None:
@@ -115,6 +119,17 @@ async def test_instances_as_pods_end_to_end(cluster, tiny_store: TinyStore, tmp_
         assert "value" not in key_env and key_env["valueFrom"]["secretKeyRef"]["name"] == f"{instance}-key"
         assert (await asyncio.to_thread(chat, a.url)).headers["x-stoker-instance"] == instance
 
+        # A tenant key made with the CLI is a Secret holding its hash, and answers through a gateway.
+        made = await asyncio.to_thread(
+            controller.cli, "keys", "create", "--tenant", "acme", "--deployment", "m", "--json"
+        )
+        tenant = json.loads(made.stdout)
+        secret = api.get("secrets", NAMESPACE, "stoker-key-" + tenant["id"].removeprefix("key_"))
+        assert secret is not None and secret["metadata"]["labels"]["stoker.dev/key"] == "true"
+        stored = json.dumps(list(api.store.objects.values()))
+        assert tenant["key"] not in stored and base64.b64encode(tenant["key"].encode()).decode() not in stored
+        await until(lambda: chat(b.url, tenant["key"]).status_code == 200, "the tenant key served", 30)
+
         # The controller dies: the gateways route on to the pod.
         controller.stop(signal.SIGKILL)
         assert (await asyncio.to_thread(chat, a.url)).status_code == 200
@@ -131,6 +146,8 @@ async def test_instances_as_pods_end_to_end(cluster, tiny_store: TinyStore, tmp_
         [listed] = (await asyncio.to_thread(again.deployments))["m"]["instance_list"]
         assert listed["id"] == instance and listed["runs_as"] == f"pod {NAMESPACE}/{instance}"
         [same] = pods()
+        keys = await asyncio.to_thread(again.admin_get, "/admin/v1/keys")  # read from its Secret
+        assert [k["id"] for k in keys["data"]] == [tenant["id"]]
         assert same["metadata"]["uid"] == pod["metadata"]["uid"]
         starts = await asyncio.to_thread(
             again.metric, "stoker_instance_starts_total", deployment="m", outcome="ready"

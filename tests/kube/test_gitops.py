@@ -137,7 +137,11 @@ async def test_apply_apply_again_delete(cluster, tiny_model_dir: Path, tmp_path:
         assert (await resource())["status"]["traffic"] == {"1": 100}
 
         # What the schema cannot refuse (min warm above max) the controller does, in the status.
-        bad = {**doc, "metadata": {"name": "bad", "namespace": NAMESPACE}, "spec": {**doc["spec"], "minWarm": 3}}
+        bad = {
+            **doc,
+            "metadata": {"name": "bad", "namespace": NAMESPACE},
+            "spec": {**doc["spec"], "minWarm": 3},
+        }
         r = await http.post(DEPLOYMENTS, json=bad)
         assert r.status_code == 201, r.text
 

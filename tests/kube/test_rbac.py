@@ -17,10 +17,13 @@ from lightkube import AsyncClient
 from snapshots import SnapshotStore
 from snapshots.remote import RemoteConfig
 from stoker.control.kube.checkpoints import ConfigMapCheckpointStore
+from stoker.control.kube.keys import SecretKeyStore
 from stoker.control.kube.registry import ResourceRegistry
+from stoker.control.kube.routes import ResourceRoutes
 from stoker.control.leader import LeaderElector
 from stoker.node.agent import AgentConfig, NodeAgent
 from stoker.spec.deployment import DeploymentSpec
+from stoker.spec.routes import CascadeRoute
 from tests.kube.accounts import DECLARED, TOKENS, asked, chart_access
 from tests.kube.conftest import NAMESPACE, Cluster_, TinyStore, running_cluster
 from tests.kube.fake.rbac import Policy
@@ -146,6 +149,22 @@ async def test_every_call_the_code_declares_is_one_it_makes(
         await registry.write_status("tiny", {"ready": 0})
         await registry.delete("tiny")
         await registry.aclose()
+
+        # Tenant keys as Secrets (listed and watched, created, revoked) and cascade routes as
+        # StokerRoutes (listed and watched, created, replaced, deleted).
+        keys = SecretKeyStore(controller, NAMESPACE)
+        keys.start()
+        await keys.wait_synced(READY_S)
+        record, _ = await keys.create("acme", ("tiny",))
+        await keys.revoke(record.id)
+        await keys.aclose()
+        routes = ResourceRoutes(controller, NAMESPACE)
+        routes.start()
+        await routes.wait_synced(READY_S)
+        assert await routes.put(CascadeRoute("assist", "tiny", "tiny-large"))
+        assert not await routes.put(CascadeRoute("assist", "tiny", "tiny-large", -2.0))
+        await routes.delete("assist")
+        await routes.aclose()
 
         store = SnapshotStore(tmp_path / "store")  # holds nothing
         config = AgentConfig("http://127.0.0.1:9", "node-a", warm=False)

@@ -103,7 +103,7 @@ def admin_routes(
                 "Keys need an admin key: restart `stoker up` with STOKER_ADMIN_KEY set.",
                 code="admin_key_required",
             )
-        record, key = access.keys.create(tenant, deployments, limits)
+        record, key = await access.keys.create(tenant, deployments, limits)
         return JSONResponse({**record.to_dict(), "key": key}, status_code=201)
 
     async def list_keys(request: Request) -> Response:
@@ -116,7 +116,7 @@ def admin_routes(
             raise APIError(
                 404, f"No key with id {key_id!r}.", type="not_found_error", param="id", code="key_not_found"
             )
-        record = access.keys.revoke(key_id)
+        record = await access.keys.revoke(key_id)
         limiter.forget(record.id)
         return JSONResponse({"id": record.id, "deleted": True})
 

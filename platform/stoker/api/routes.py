@@ -56,7 +56,7 @@ def cascade_routes(
         for field in ("small", "large"):
             if platform.get(getattr(route, field)) is None:
                 raise invalid(f"'{field}': no deployment named {getattr(route, field)!r}.", field)
-        created = cascades.table.put(route)
+        created = await cascades.table.put(route)
         changed()
         return JSONResponse(describe(route), status_code=201 if created else 200)
 
@@ -67,7 +67,7 @@ def cascade_routes(
         return JSONResponse(describe(route))
 
     async def delete_route(request: Request) -> Response:
-        route = cascades.table.delete(request.path_params["name"])
+        route = await cascades.table.delete(request.path_params["name"])
         cascades.forget(route.name)
         changed()
         return JSONResponse({"name": route.name, "deleted": True})

@@ -12,8 +12,6 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from stoker.errors import CLIError
 
 # The first line of every file `--out` writes; a file there that starts with it and names a CRD
@@ -32,6 +30,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def document(crd: dict[str, Any]) -> str:
+    import yaml  # lazy, as every YAML reader's: only this command needs it
+
     return yaml.safe_dump(crd, sort_keys=False, width=100)
 
 

@@ -49,7 +49,7 @@ class KeyStore:
     def __len__(self) -> int:
         return len(self._by_hash)
 
-    def create(
+    async def create(
         self, tenant: str, deployments: tuple[str, ...], limits: Limits = NO_LIMITS
     ) -> tuple[KeyRecord, str]:
         """A new key for `tenant`; returns its record and the key itself, which is not kept."""
@@ -74,7 +74,7 @@ class KeyStore:
     def all(self) -> list[KeyRecord]:
         return sorted(self._by_hash.values(), key=lambda r: (r.created, r.id))
 
-    def revoke(self, key_id: str) -> KeyRecord:
+    async def revoke(self, key_id: str) -> KeyRecord:
         for key_hash, record in self._by_hash.items():
             if record.id == key_id:
                 with self._db:

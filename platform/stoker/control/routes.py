@@ -1,5 +1,6 @@
 """Where cascade routes are kept: `CascadeRoutes`, the one that owns them (SQLite, in `stoker up`
-and in `stoker controller`); the admin API writes it (`stoker.gateway.cascade.RouteTable`). A
+and in `stoker controller`; on a cluster StokerRoute resources instead, `stoker.control.kube.routes`,
+behind the same interface); the admin API writes it (`stoker.gateway.cascade.RouteTable`). A
 gateway of its own serves a read-only copy of it (`stoker.gateway.routes.SyncedRoutes`).
 """
 
@@ -11,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from stoker.gateway.cascade import Cascades
+from stoker.gateway.cascade import Cascades, RouteTable
 from stoker.spec.routes import CascadeRoute, route_not_found
 
 
@@ -30,7 +31,7 @@ class CascadeRoutes:
         rows = self._db.execute("SELECT route FROM cascade_routes ORDER BY created_at, name").fetchall()
         self._routes = {r.name: r for r in (CascadeRoute(**json.loads(text)) for (text,) in rows)}
 
-    def put(self, route: CascadeRoute) -> bool:
+    async def put(self, route: CascadeRoute) -> bool:
         """Create or replace `route`; whether it was created."""
         now = time.time()
         with self._db:
@@ -46,7 +47,7 @@ class CascadeRoutes:
     def get(self, name: str) -> CascadeRoute | None:
         return self._routes.get(name)
 
-    def delete(self, name: str) -> CascadeRoute:
+    async def delete(self, name: str) -> CascadeRoute:
         route = self._routes.get(name)
         if route is None:
             raise route_not_found(name)
@@ -62,11 +63,14 @@ class CascadeRoutes:
         self._db.close()
 
 
-def owned_cascades(platform: Any) -> Cascades:
-    """The cascade routes a process owns (`stoker up`, `stoker controller`): served from this table
-    in the platform's `stoker.db`, opened at first use (`stoker.gateway.cascade`)."""
+def owned_cascades(platform: Any, table: RouteTable | None = None) -> Cascades:
+    """The cascade routes a process owns (`stoker up`, `stoker controller`): served from `table`
+    (on a cluster, StokerRoute resources: `stoker.control.kube.routes`), by default this table in
+    the platform's `stoker.db`, opened at first use (`stoker.gateway.cascade`)."""
     return Cascades(
         platform,
         platform.metrics_registry,
-        table=lambda: CascadeRoutes(Path(platform.data_dir) / "stoker.db"),
+        table=(lambda: table)
+        if table is not None
+        else lambda: CascadeRoutes(Path(platform.data_dir) / "stoker.db"),
     )

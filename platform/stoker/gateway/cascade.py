@@ -22,9 +22,9 @@ context-length 400 or a 5xx (those come before any stream byte); otherwise the s
 goes through as it comes, unjudged. A stream held at zero whose keep-alives already went out
 (`activator.proxy.Reply.keepalive`) has started its 200: it stays with the small one.
 
-Where the routes come from is a `RouteSource`: the SQLite table (`stoker.control.routes`) in
-`stoker up` and in the controller, which publishes them in its routing table; a gateway of its own
-serves its synced copy of that, and never writes one.
+Where the routes come from is a `RouteSource`: the SQLite table (`stoker.control.routes`; on a
+cluster StokerRoutes) in `stoker up` and in the controller, which publishes them in its routing
+table; a gateway of its own serves its synced copy of that, and never writes one.
 
 Who may call a route: the caller's key must list the route's name AND both deployments; any
 other caller gets the 404 a deployment that does not exist gets. So a route never lets a key reach
@@ -98,11 +98,12 @@ class RouteSource(Protocol):
 
 
 class RouteTable(RouteSource, Protocol):
-    """The routes a process owns and the admin API writes (`stoker.control.routes.CascadeRoutes`)."""
+    """The routes a process owns and the admin API writes (`stoker.control.routes.CascadeRoutes`;
+    on a cluster `stoker.control.kube.routes.ResourceRoutes`, whose writes are API calls)."""
 
-    def put(self, route: CascadeRoute) -> bool: ...
+    async def put(self, route: CascadeRoute) -> bool: ...
 
-    def delete(self, name: str) -> CascadeRoute: ...
+    async def delete(self, name: str) -> CascadeRoute: ...
 
     def close(self) -> None: ...
 

@@ -1,6 +1,6 @@
 """What the two shapes that run the control plane (`stoker up`, `stoker controller`) build alike:
 the `Platform` from its settings, the checkpoints of what it learns (in its data dir, or on a
-cluster in ConfigMaps), and the keys' store with the access it gives. A `stoker gateway` never imports this (its keys are the controller's, synced:
+cluster in ConfigMaps), and the keys' store with the access it gives (on a cluster, Secrets). A `stoker gateway` never imports this (its keys are the controller's, synced:
 `stoker.gateway.plane`)."""
 
 from __future__ import annotations
@@ -26,13 +26,24 @@ def platform_of(settings: PlatformSettings, **wiring: Any) -> Platform:
     return Platform(data_dir(), store_dir=snapshot_store_dir(), **settings.platform_kwargs(), **wiring)
 
 
-def access_of(listen: Listen, limits: Limits) -> Access:
-    """The admin key, the tenant keys' store (`$STOKER_HOME/stoker.db`), this process's own origins
-    (for the admin API's browser guard) and the keys' default limits. Without an admin key the log
-    says loudly what is open."""
-    keys = KeyStore(data_dir() / "stoker.db")
+def access_of(listen: Listen, limits: Limits, keys: Any = None) -> Access:
+    """The admin key, the tenant keys' store (`keys`; by default `$STOKER_HOME/stoker.db`), this
+    process's own origins (for the admin API's browser guard) and the keys' default limits. Without
+    an admin key the log says loudly what is open. On a cluster `keys` are the Secrets
+    (`stoker.control.kube.keys`), not listed yet: how many there are is not known here."""
+    listed = keys is None
+    if keys is None:
+        keys = KeyStore(data_dir() / "stoker.db")
     if listen.admin_key is None:
-        if len(keys) == 0:
+        if not listed:
+            log.warning(
+                "no STOKER_ADMIN_KEY: the admin API is open to anyone who can reach %s:%d, and so is every "
+                "model while no tenant key's Secret (labelled stoker.dev/key) is in the namespace. Set "
+                "STOKER_ADMIN_KEY to require keys.",
+                listen.host,
+                listen.port,
+            )
+        elif len(keys) == 0:
             log.warning(
                 "OPEN MODE: no STOKER_ADMIN_KEY and no API keys; anyone who can reach %s:%d may deploy "
                 "and call every model. Set STOKER_ADMIN_KEY to require keys.",

@@ -24,12 +24,14 @@ from stoker.api.deployments import admin_routes
 from stoker.api.routes import cascade_routes
 from stoker.control.checkpoint import CheckpointStore
 from stoker.control.history import HistoryConfig, HistorySampler
+from stoker.control.kube.keys import SecretKeyStore
 from stoker.control.kube.reconcile import Reconciler
 from stoker.control.kube.registry import ResourceRegistry
+from stoker.control.kube.routes import ResourceRoutes
 from stoker.control.platform import Platform
 from stoker.control.routes import owned_cascades
 from stoker.errors import invalid
-from stoker.gateway.cascade import Cascades
+from stoker.gateway.cascade import Cascades, RouteTable
 from stoker.gateway.keys import Access
 from stoker.gateway.limits import Limiter
 from stoker.gateway.metering import GatewaySeries, parse_series
@@ -109,6 +111,7 @@ def build_controller(
     on_lost_lease: Callable[[], object] | None = None,
     checkpoint_interval_s: float | None = None,  # None: nothing checkpointed (`stoker.control.checkpoint`)
     checkpoint_store: CheckpointStore | None = None,  # None: files in the data dir
+    route_table: RouteTable | None = None,  # None: SQLite in the data dir; on a cluster, StokerRoutes
 ) -> Starlette:
     """The control plane's app: the admin API, and the cluster API gateways and node agents use.
 
@@ -117,7 +120,7 @@ def build_controller(
     (the process exits) leaving every instance to the next leader, whatever `leave_instances`."""
     limiter = Limiter(NO_LIMITS, registry=platform.metrics_registry)  # keys are revoked here too
     # The cascade routes are owned here and served by the gateways, from the routing table.
-    cascades = owned_cascades(platform)  # cascade routes (`stoker.gateway.cascade`)
+    cascades = owned_cascades(platform, route_table)  # cascade routes (`stoker.gateway.cascade`)
     register_gpu_metrics(platform.metrics_registry)  # the local backend's GPUs, where NVML sees any
     # The dashboard's last hour: the pools' figures from here, the requests' from the gateways.
     gateway_series = GatewaySeries()
@@ -129,6 +132,14 @@ def build_controller(
     checkpoints = checkpoints_of(platform, sampler, checkpoint_interval_s, checkpoint_store)
     # On a cluster the deployments are resources: watched (by a standby too) and reconciled.
     resources = platform.registry if isinstance(platform.registry, ResourceRegistry) else None
+    # ... and so are the tenant keys (Secrets) and the cascade routes (StokerRoutes): what the
+    # API server holds, mirrored here, a standby's copies warm too.
+    keys = access.keys if access is not None else None
+    mirrored = [
+        s
+        for s in (resources, keys, route_table)
+        if isinstance(s, ResourceRegistry | SecretKeyStore | ResourceRoutes)
+    ]
     reconciler = None
     if resources is not None:
         reconciler = Reconciler(platform, resources, name_taken=cascades.conflict)
@@ -207,9 +218,11 @@ def build_controller(
     @contextlib.asynccontextmanager
     async def lifespan(app):
         election = None
+        for store in mirrored:
+            store.start()  # the standby's watches are warm when it takes over
+        for store in mirrored:
+            await store.wait_synced(SYNC_TIMEOUT_S)
         if resources is not None:
-            resources.start()  # the standby's watches are warm when it takes over
-            await resources.wait_synced(SYNC_TIMEOUT_S)
             log.info("watching %d deployment resource(s)", len(resources.deployments.objects))
         if leader is not None:
             election = asyncio.create_task(leader.run(lead, step_down), name="leader-election")
@@ -241,8 +254,8 @@ def build_controller(
                 sampler.sample()
                 await checkpoints.write()
             cascades.close()
-            if resources is not None:
-                await resources.aclose()
+            for store in mirrored:
+                await store.aclose()
             if election is not None:
                 election.cancel()  # releases the lease: the next replica need not wait it out
                 await asyncio.gather(election, return_exceptions=True)
@@ -271,10 +284,10 @@ def run_controller(options: ControllerOptions) -> int:
     The exit status. A setting the backend refuses, a namespace that does not admit engine pods
     included, raises `warm_pool.errors.InvalidConfig` before anything is served."""
     log_setup(options.listen)
-    wiring, leader, checkpoint_store, settings = {}, None, None, options.platform
+    wiring, leader, checkpoint_store, settings, client = {}, None, None, options.platform, None
     if options.kube is not None:
         asyncio.run(_check_namespace(options.kube))
-        wiring, leader, checkpoint_store = _kubernetes(options.kube)
+        wiring, leader, checkpoint_store, client = _kubernetes(options.kube)
         # vLLM runs in the engine pods, each asking its image's own: none is looked for here.
         settings = replace(settings, vllm=replace(settings.vllm, in_image=True))
     stopping = ServerStopping()
@@ -285,9 +298,16 @@ def run_controller(options: ControllerOptions) -> int:
         stopping=stopping,
         **wiring,
     )
+    keys, route_table = None, None
+    if client is not None:  # the tenant keys and the cascade routes in the API server; a change
+        # to either, someone's `kubectl apply` too, wakes the gateways' long polls
+        bump = platform.routes.bump
+        keys = SecretKeyStore(client, options.kube.namespace, on_change=bump)
+        route_table = ResourceRoutes(client, options.kube.namespace, on_change=bump)
     app = build_controller(
         platform,
-        access=access_of(options.listen, NO_LIMITS),
+        access=access_of(options.listen, NO_LIMITS, keys),
+        route_table=route_table,
         leave_instances=options.leave_instances,
         leader=leader,
         on_lost_lease=stopping.stop,  # the process exits; the next leader adopts the instances
@@ -322,10 +342,11 @@ async def _check_namespace(kube: KubeSettings) -> None:
         await backend.aclose()
 
 
-def _kubernetes(kube: KubeSettings) -> tuple[dict[str, Any], Any, CheckpointStore]:
-    """The Kubernetes backend with its pods' GPUs, the Lease election, and the checkpoints'
-    ConfigMaps in the namespace (the controller has no volume; its sync client connects at the
-    first checkpoint, in the threads `Checkpoints` reads and writes in)."""
+def _kubernetes(kube: KubeSettings) -> tuple[dict[str, Any], Any, CheckpointStore, Any]:
+    """The Kubernetes backend with its pods' GPUs and the deployments' resources, the Lease
+    election, the checkpoints' ConfigMaps in the namespace (the controller has no volume; its sync
+    client connects at the first checkpoint, in the threads `Checkpoints` reads and writes in), and
+    the client the keys' and routes' stores share."""
     from lightkube import AsyncClient
 
     from stoker.control.kube.checkpoints import ConfigMapCheckpointStore
@@ -339,4 +360,4 @@ def _kubernetes(kube: KubeSettings) -> tuple[dict[str, Any], Any, CheckpointStor
     )
     registry = ResourceRegistry(client, kube.namespace)
     checkpoints = ConfigMapCheckpointStore(kube.config, kube.namespace)
-    return {"backend": backend, "gpus": PodGpus(), "registry": registry}, leader, checkpoints
+    return {"backend": backend, "gpus": PodGpus(), "registry": registry}, leader, checkpoints, client

@@ -7,7 +7,7 @@ written once), and the names the resources spell their fields with.
                       to; written by the controller, owned by its StokerDeployment (deleted with it)
     StokerRoute       a cascade route: a name answered by a small deployment, escalating to a large one
 
-Tenant keys are not a custom resource but Secrets (`stoker.control.apiserver.keys` says why).
+Tenant keys are not a custom resource but Secrets (`stoker.control.kube.keys` says why).
 
 The resource's `spec` is the deploy body but for `name` (the resource's own `metadata.name`), in
 Kubernetes' camelCase (`min_warm` → `minWarm`, a duration in seconds `idle_timeout_s` →

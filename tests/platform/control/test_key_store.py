@@ -12,10 +12,10 @@ from stoker.errors import APIError
 from stoker.spec.keys import PREFIX, Limits, Principal, hash_key, validate_key_request
 
 
-def test_keys_are_random_prefixed_stored_hashed_and_revocable(tmp_path):
+async def test_keys_are_random_prefixed_stored_hashed_and_revocable(tmp_path):
     store = KeyStore(tmp_path / "stoker.db", clock=lambda: 1000.0)
-    record, key = store.create("acme", ("tiny",))
-    other_record, other = store.create("acme", ("tiny",))
+    record, key = await store.create("acme", ("tiny",))
+    other_record, other = await store.create("acme", ("tiny",))
     assert key.startswith(PREFIX) and len(key) >= len(PREFIX) + 43 and key != other
     assert store.lookup(key) == record and store.lookup(other) == other_record
     assert store.lookup(key + "x") is None and store.lookup("") is None
@@ -25,11 +25,11 @@ def test_keys_are_random_prefixed_stored_hashed_and_revocable(tmp_path):
 
     reopened = KeyStore(tmp_path / "stoker.db")
     assert reopened.lookup(key) == record and len(reopened) == 2
-    assert reopened.revoke(record.id) == record
+    assert await reopened.revoke(record.id) == record
     assert reopened.lookup(key) is None and len(reopened) == 1
     assert KeyStore(tmp_path / "stoker.db").lookup(key) is None
     with pytest.raises(APIError) as exc:
-        reopened.revoke(record.id)
+        await reopened.revoke(record.id)
     assert exc.value.status == 404 and exc.value.code == "key_not_found"
 
 
@@ -66,7 +66,7 @@ def test_a_key_request_keeps_deployments_once_in_order():
     )
 
 
-def test_a_key_keeps_its_limits_and_a_store_made_before_limits_opens(tmp_path):
+async def test_a_key_keeps_its_limits_and_a_store_made_before_limits_opens(tmp_path):
     path = tmp_path / "stoker.db"
     old = sqlite3.connect(path)  # the table as it was before keys had limits
     old.execute(
@@ -81,7 +81,7 @@ def test_a_key_keeps_its_limits_and_a_store_made_before_limits_opens(tmp_path):
     store = KeyStore(path)
     assert store.lookup("sk-old").limits == Limits()
     limits = Limits(rps=2.5, tpm=1000, max_concurrent=3)
-    record, key = store.create("acme", ("tiny",), limits)
+    record, key = await store.create("acme", ("tiny",), limits)
     assert KeyStore(path).lookup(key).limits == limits
     assert record.principal.limits == limits and record.principal.key_id == record.id
     assert record.to_dict()["rps"] == 2.5 and record.to_dict()["max_concurrent"] == 3

@@ -194,19 +194,19 @@ def test_saving():
     assert saving(0.5, []) is None
 
 
-def test_routes_survive_a_reopen(tmp_path: Path):
+async def test_routes_survive_a_reopen(tmp_path: Path):
     db = tmp_path / "stoker.db"
     routes = CascadeRoutes(db)
-    assert routes.put(CascadeRoute("assist", "s", "l")) is True
-    assert routes.put(CascadeRoute("assist", "s", "l", -2.0)) is False
-    routes.put(CascadeRoute("b", "s", "l"))
+    assert await routes.put(CascadeRoute("assist", "s", "l")) is True
+    assert await routes.put(CascadeRoute("assist", "s", "l", -2.0)) is False
+    await routes.put(CascadeRoute("b", "s", "l"))
     routes.close()
     again = CascadeRoutes(db)
     assert [r.name for r in again.all()] == ["assist", "b"]
     assert again.get("assist").min_mean_logprob == -2.0
-    again.delete("b")
+    await again.delete("b")
     with pytest.raises(APIError) as info:
-        again.delete("b")
+        await again.delete("b")
     assert (info.value.status, info.value.code) == (404, "route_not_found")
     assert [r.name for r in CascadeRoutes(db).all()] == ["assist"]
 

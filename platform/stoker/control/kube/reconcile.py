@@ -208,9 +208,13 @@ class Reconciler:
                 message = f"revision {warming[-1]} warming before the switch"
                 conditions.append(("RolledOut", "False", "Warming", message))
             elif note is not None:
-                conditions.append(("RolledOut", "False", _reason(note.split(":")[0]), f"revision {latest} {note}"))
+                conditions.append(
+                    ("RolledOut", "False", _reason(note.split(":")[0]), f"revision {latest} {note}")
+                )
             elif d.traffic.get(latest):
-                conditions.append(("RolledOut", "True", "RolledOut", f"revision {latest} serves {d.traffic[latest]}%"))
+                conditions.append(
+                    ("RolledOut", "True", "RolledOut", f"revision {latest} serves {d.traffic[latest]}%")
+                )
             else:  # `stoker rollback` or `stoker traffic` put the split elsewhere
                 split = ", ".join(f"revision {r} {p}%" for r, p in sorted(d.traffic.items()))
                 conditions.append(("RolledOut", "True", "Pinned", f"{split}; the newest, {latest}, has none"))
