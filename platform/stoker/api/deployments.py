@@ -104,6 +104,7 @@ def admin_routes(
                 code="admin_key_required",
             )
         record, key = await access.keys.create(tenant, deployments, limits)
+        platform.routes.bump()  # gateways of their own take the new key's hash now, not at their next poll
         return JSONResponse({**record.to_dict(), "key": key}, status_code=201)
 
     async def list_keys(request: Request) -> Response:
@@ -118,6 +119,7 @@ def admin_routes(
             )
         record = await access.keys.revoke(key_id)
         limiter.forget(record.id)
+        platform.routes.bump()  # a revoked key stops working at every gateway now
         return JSONResponse({"id": record.id, "deleted": True})
 
     return [

@@ -35,6 +35,7 @@ from snapshots.s3 import RemoteConfig
 from stoker.control.cluster import GatewayLoad, RoutingTable
 from stoker.control.cost import CostMeter
 from stoker.control.deployment import Deployment, Unit
+from stoker.control.devices import check_devices
 from stoker.control.federate import EngineFederation, Target
 from stoker.control.policy_states import PolicyStates
 from stoker.control.prices import PriceTable
@@ -45,7 +46,6 @@ from stoker.errors import APIError, invalid
 from stoker.gateway.revisions import RevisionMetrics, RevisionStats
 from stoker.paths import snapshot_budget
 from stoker.spec.deployment import DeploymentSpec, not_found, validate
-from stoker.spec.engine import settings_of
 from warm_pool.backends.base import Backend, Running
 from warm_pool.backends.local import LocalBackend
 from warm_pool.backends.records import InstanceRecords
@@ -297,36 +297,11 @@ class Platform:
         return spec
 
     async def _check_devices(self, fields: dict[str, Any]) -> None:
-        """Refuse at deploy what no instance could ever be given: more GPUs than the backend has on
-        one node (or this machine has), or settings a shared device decides (`--share-gpus`)."""
-        engine = fields["engine"]
         found = self._vllm_setup.found
-        n = settings_of(fields).devices(engine, cpu_build=found is not None and found.runtime.cpu_build)
-        if n and self.fleet is not None:
-            if n > 1:
-                raise invalid(
-                    f"'gpus' must be at most 1 on shared devices (--share-gpus, --device-memory), got {n}.",
-                    "gpus",
-                )
-            if fields["gpu_memory_utilization"] is not None:
-                raise invalid(
-                    "'gpu_memory_utilization' is the fleet's on shared devices: each instance gets its "
-                    "footprint's share (--share-gpus).",
-                    "gpu_memory_utilization",
-                )
-        if n == 0:
-            return
-        capacity = await self.backend.device_capacity()
-        if capacity is None:
-            capacity = len(self.gpus.gpus), "this machine's GPUs (STOKER_GPUS or CUDA_VISIBLE_DEVICES)"
-        most, where = capacity
-        if n > most:
-            asked = "the engine's default of 1" if fields["gpus"] is None else str(n)
-            raise invalid(
-                f"'gpus': each instance of {fields['name']!r} asks for {asked} GPU(s), and at most {most} "
-                f"can be given to one instance here ({where}).",
-                "gpus",
-            )
+        cpu_build = found is not None and found.runtime.cpu_build
+        await check_devices(
+            fields, cpu_build, shared=self.fleet is not None, backend=self.backend, gpus=self.gpus
+        )
 
     async def set_traffic(self, name: str, split: object) -> Deployment:
         """`stoker traffic`: split the traffic between revisions by percent (`stoker.control.rollout`)."""

@@ -212,3 +212,61 @@ async def test_a_revision_that_never_warms_fails_at_its_deadline_though_no_start
         await rollout._until_ready(unit, 2)
     unit.ready = 2  # READY in time: no failure
     await Rollout(platform, poll_s=0, warm_timeout_s=450)._until_ready(unit, 2)
+
+
+async def test_back_to_a_revision_still_draining_warms_a_fresh_unit_once_it_is_gone():
+    """A rollback right after a switch: revision 1's unit is being stopped. The switch waits for
+    it to go, then warms a new one, rather than waiting on the unit being stopped until the warm
+    timeout (a rollback that never lands)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from stoker.control.deployment import Deployment
+    from stoker.control.rollout import Rollout
+
+    def unit(spec, ready):
+        pool = SimpleNamespace(
+            unavailable=None, failed_starts=0, last_failure=None, reconfigure=lambda *a: None
+        )
+        return SimpleNamespace(spec=spec, ready=ready, pool=pool, activator=None, demand=None)
+
+    one, two = SPEC, replace(SPEC, model="b", snapshot_id="b" * 64, revision=2)
+    one = replace(one, revision=1)
+    draining, made = unit(one, 1), []
+    stopped = asyncio.Event()
+
+    def new_unit(spec, min_warm=None):
+        made.append(spec.revision)
+        return unit(spec, 1)
+
+    async def stop_unit(u):
+        await stopped.wait()
+
+    platform = SimpleNamespace(
+        unavailable_after=3,
+        clock=lambda: 0.0,
+        hold_deadline_s=1.0,
+        registry=SimpleNamespace(set_traffic=lambda name, traffic: None),
+        revision_metrics=SimpleNamespace(set_traffic=lambda *a: None),
+        routes=SimpleNamespace(bump=lambda: None),
+        new_unit=new_unit,
+        stop_unit=stop_unit,
+        pool_gone=lambda u: None,
+        scaling=lambda spec, min_warm=None: None,
+    )
+    rollout = Rollout(platform, poll_s=0)
+    d = Deployment("chat", two, {1: draining, 2: unit(two, 1)}, {2: 100}, SimpleNamespace())
+    rollout._retire(d, 1)  # revision 1 drains after the switch to 2
+    await asyncio.sleep(0)
+    rollout.switch_to(d, one)  # the rollback
+    await asyncio.sleep(0.05)
+    assert d.traffic == {2: 100} and made == [] and d.notes[1] == "warming"  # waits for the drain
+    stopped.set()
+    if d.switch is not None:
+        await asyncio.wait_for(d.switch, 5)
+    for _ in range(100):
+        if d.traffic == {1: 100}:
+            break
+        await asyncio.sleep(0.01)
+    assert made == [1] and d.traffic == {1: 100} and d.units[1] is not draining
+    await asyncio.gather(*d.leaving.values())

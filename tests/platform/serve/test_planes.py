@@ -211,3 +211,38 @@ def test_the_admins_pinned_revision_answers_through_a_gateway(planes, tiny_model
         timeout=120,
     )
     assert missing.status_code == 400 and missing.json()["error"]["param"] == "x-stoker-revision"
+
+
+@pytest.mark.parametrize("change", ["create", "revoke"])
+def test_a_key_made_or_revoked_is_news_to_the_gateways_at_once(planes, change: str) -> None:
+    """A gateway waiting on the routing table hears of a key made or revoked when it happens, not
+    at the end of its long poll (20 s): a revoked key must stop working at every gateway now."""
+    controller, _, _ = planes
+    made = httpx.post(
+        f"{controller.url}/admin/v1/keys",
+        json={"tenant": "acme", "deployments": ["m"]},
+        headers=H,
+        timeout=deadline(30),
+    )
+    assert made.status_code == 201, made.text
+    table = routes(controller, "gw-0")
+    hashes = {k["hash"] for k in table["keys"]}
+    if change == "create":
+        again = httpx.post(
+            f"{controller.url}/admin/v1/keys",
+            json={"tenant": "acme", "deployments": ["m"]},
+            headers=H,
+            timeout=deadline(30),
+        )
+        assert again.status_code == 201, again.text
+    else:
+        gone = httpx.delete(
+            f"{controller.url}/admin/v1/keys/{made.json()['id']}", headers=H, timeout=deadline(30)
+        )
+        assert gone.status_code == 200, gone.text
+    # The long poll from the version seen answers with the change, well before its 20 s are up.
+    params = {"gateway": "gw-0", "epoch": table["epoch"], "after": table["version"]}
+    r = httpx.get(f"{controller.url}/cluster/v1/routes", params=params, headers=H, timeout=10)
+    assert r.status_code == 200, r.text
+    now = {k["hash"] for k in r.json()["keys"]}
+    assert (len(now) == 2 and hashes < now) if change == "create" else now == set()
