@@ -54,9 +54,9 @@ from lightkube import ApiError, AsyncClient
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.core_v1 import Secret
 
+from stoker.control.kube.errors import refused
 from stoker.control.kube.kinds import MANAGED
 from stoker.control.kube.mirror import Mirror
-from stoker.control.kube.registry import refused
 from stoker.errors import APIError
 from stoker.spec.deployment import NAME
 from stoker.spec.keys import NO_LIMITS, PREFIX, TENANT, KeyRecord, Limits, hash_key

@@ -24,6 +24,7 @@ from typing import Any
 from lightkube import ApiError, AsyncClient
 from lightkube.types import PatchType
 
+from stoker.control.kube.errors import conflict, refused
 from stoker.control.kube.kinds import (
     API_VERSION,
     DEPLOYMENT_LABEL,
@@ -64,29 +65,6 @@ def declares(resource: dict[str, Any], spec: DeploymentSpec) -> bool:
         return False
     same = DeploymentSpec.from_dict({**fields, "snapshot_id": spec.snapshot_id, "revision": spec.revision})
     return same == spec
-
-
-def conflict(name: str, exc: ApiError) -> APIError:
-    return APIError(
-        409,
-        f"The deployment {name!r} was changed by someone else while this write was made "
-        f"({exc.status.message}); read it again and retry.",
-        type="invalid_request_error",
-        param="name",
-        code="conflict",
-    )
-
-
-def refused(what: str, exc: ApiError) -> APIError:
-    """What the API server refused, as the admin API answers it."""
-    if exc.status.code == 422:
-        return invalid(f"The API server refused {what}: {exc.status.message}")
-    return APIError(
-        502,
-        f"The API server refused {what}: {exc.status.code} {exc.status.reason}: {exc.status.message}",
-        type="api_error",
-        code="kubernetes_refused",
-    )
 
 
 def _epoch(stamp: str | None) -> float:
@@ -249,7 +227,7 @@ class ResourceRegistry:
             made = await self._client.create(StokerRevision(revision), namespace=self.namespace)
         except ApiError as exc:
             if exc.status.code == 409:
-                raise conflict(spec.name, exc) from None
+                raise conflict("deployment", spec.name, exc) from None
             raise refused(f"revision {spec.revision} of {spec.name!r}", exc) from None
         self._revisions.put(made.to_dict())
         if take_traffic or latest == 0:
@@ -290,7 +268,7 @@ class ResourceRegistry:
                 made = await self._client.replace(StokerDeployment(obj), namespace=self.namespace)
         except ApiError as exc:
             if exc.status.code == 409:
-                raise conflict(spec.name, exc) from None
+                raise conflict("deployment", spec.name, exc) from None
             raise refused(f"the deployment {spec.name!r}", exc) from None
         made = made.to_dict()
         self.deployments.put(made)

@@ -24,9 +24,9 @@ from typing import Any
 
 from lightkube import ApiError, AsyncClient
 
+from stoker.control.kube.errors import conflict, refused
 from stoker.control.kube.kinds import API_VERSION, StokerRoute
 from stoker.control.kube.mirror import Mirror
-from stoker.control.kube.registry import refused
 from stoker.errors import APIError, invalid
 from stoker.spec.resources import (
     GROUP,
@@ -40,16 +40,6 @@ from stoker.spec.routes import CascadeRoute, route_not_found, validate_route
 from warm_pool.backends.kube_access import calls
 
 log = logging.getLogger("stoker.kube")
-
-
-def conflict(name: str, exc: ApiError) -> APIError:
-    return APIError(
-        409,
-        f"The route {name!r} was changed by someone else while this write was made "
-        f"({exc.status.message}); read it again and retry.",
-        param="name",
-        code="conflict",
-    )
 
 
 class ResourceRoutes:
@@ -120,7 +110,7 @@ class ResourceRoutes:
                 made = await self._client.replace(StokerRoute(obj), namespace=self.namespace)
         except ApiError as exc:
             if exc.status.code == 409:
-                raise conflict(route.name, exc) from None
+                raise conflict("route", route.name, exc) from None
             raise refused(f"the route {route.name!r}", exc) from None
         self._mirror.put(made.to_dict())
         return current is None
