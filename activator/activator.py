@@ -52,6 +52,7 @@ from typing import Any
 import aiohttp
 
 from activator import affinity, ejection, proxy
+from activator.adapters import AdapterRef, Adapters
 from activator.affinity import Balance
 from activator.config import ActivatorConfig
 from activator.ejection import HEALTHY, EjectionRules, Health
@@ -75,6 +76,7 @@ class _Exchange:
     """One request's state as it moves through the activator."""
 
     __slots__ = (
+        "adapter",
         "arrival",
         "body",
         "code",
@@ -101,7 +103,9 @@ class _Exchange:
         now: float,
         owner: str,
         prefix: int | None,
+        adapter: AdapterRef | None = None,
     ):
+        self.adapter = adapter  # the LoRA adapter it asks for, loaded on its instance first (`adapters`)
         self.arrival = now
         self.prefix = prefix  # its prompt prefix's key in prefix mode (`affinity.request_key`), else None
         self.owner = owner  # whose request (the API key): the hold queue is shared fairly by owner
@@ -154,6 +158,10 @@ class Activator:
         self._ejections = metrics.ejections.labels(deployment)
         self._ejected_now = metrics.ejected.labels(deployment)
         self._unavailable: str | None = None  # why no instance can start, while the source says so
+        # The adapters loaded on each instance, for the adapter deployments on this base (`adapters`);
+        # `on_adapter_load(name, seconds)` hears of each load.
+        self.on_adapter_load: Callable[[str, float], None] = lambda name, seconds: None
+        self.adapters = Adapters(lambda: self._session, lambda name, s: self.on_adapter_load(name, s))
 
     # -- what the pool and the scaler see ------------------------------------------------------
 
@@ -197,17 +205,23 @@ class Activator:
         stream: bool,
         owner: str = "",
         parsed: Mapping[str, Any] | None = None,
+        adapter: AdapterRef | None = None,
     ) -> None:
         """Answer one request whose body the gateway has read, on behalf of `owner` (its API key's
         id; held requests of different owners take turns). `parsed`: the body's JSON, if the caller
-        has it (prefix mode reads the prompt from it instead of parsing `body` again). Raises an
+        has it (prefix mode reads the prompt from it instead of parsing `body` again). `adapter`:
+        the LoRA adapter it is for (an adapter deployment's request on its base): the instance is
+        picked by the adapter's affinity key and has it loaded before the request goes. Raises an
         `ActivatorError` only while no header went to the client; after that every outcome is
         written to the stream."""
         now = self._clock()
         self._last_arrival = now
         balance = self._balance
-        prefix = affinity.request_key(body, balance, parsed) if balance.by_prefix else None
-        ex = _Exchange(scope, send, body, stream, now, owner, prefix)
+        if adapter is not None:
+            prefix = adapter.key
+        else:
+            prefix = affinity.request_key(body, balance, parsed) if balance.by_prefix else None
+        ex = _Exchange(scope, send, body, stream, now, owner, prefix, adapter)
         self._source.request_arrived()  # from here on, request_finished follows in every case
         work = asyncio.ensure_future(self._run(ex))
         watcher = asyncio.ensure_future(_until_disconnect(receive))
@@ -257,12 +271,15 @@ class Activator:
                 ex.cold = key(endpoint) not in ex.routing
                 ex.cold_on = endpoint.id if ex.cold else None
             failed: tuple[Key, ...] = ()
+            reloaded = again = False  # an adapter the engine had evicted is loaded again, once
             while True:
                 last = bool(failed)
                 acquired_at = self._clock()
                 k = key(endpoint)
                 waits = self._waits.setdefault(k, set())
                 try:
+                    if ex.adapter is not None:
+                        await self.adapters.ensure(endpoint, ex.adapter)
                     ex.code = await proxy.forward(
                         self._session,
                         endpoint,
@@ -276,12 +293,17 @@ class Activator:
                         stream=ex.stream,
                         on_first_byte=lambda status: self._first_byte(ex, status),
                         waits=waits,
+                        missing=ex.adapter is not None and not reloaded,
                     )
                     if ex.upstream_status in proxy.RETRYABLE:  # failed twice: passed through as is
                         self._source.report_failure(endpoint.id)
                     # 502 here: it failed mid-answer (reset, silence), after its first byte went out
                     self._outcome(k, ok=ex.code != 502 and ex.upstream_status not in proxy.RETRYABLE)
                     return
+                except proxy.Missing:
+                    # The engine evicted the adapter since it was loaded there: again, once.
+                    self.adapters.forget(endpoint.id, ex.adapter.name)
+                    reloaded = again = True
                 except proxy.Failed as exc:
                     self._source.report_failure(endpoint.id)
                     self._outcome(k, ok=False)
@@ -292,7 +314,9 @@ class Activator:
                         self._waits.pop(k, None)
                     self._slots.release(endpoint.id)
                     ex.held_s = (ex.held_s or 0.0) + max(0.0, self._clock() - acquired_at)
-                failed = (key(endpoint),)
+                if not again:  # an instance that failed: the retry goes elsewhere
+                    failed = (key(endpoint),)
+                again = False
                 endpoint = self._slots.try_acquire(failed, ex.prefix) or await self._hold(
                     ex, exclude=failed, front=True
                 )

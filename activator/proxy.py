@@ -53,6 +53,10 @@ class Failed(Exception):
     """The instance failed before any of its bytes reached the client (one line: why)."""
 
 
+class Missing(Failed):
+    """The instance answered 404 for an adapter it was thought to hold: its engine evicted it."""
+
+
 class Silence(asyncio.Timeout):
     """The deadline on an answer that is coming from an instance: none while the instance is in
     routing (aiohttp's `sock_read`, `chunk_gap_timeout_s`, bounds its gaps alone, and costs nothing
@@ -172,8 +176,10 @@ async def forward(
     stream: bool,
     on_first_byte: Callable[[int], None],
     waits: set[asyncio.Timeout] | None = None,
+    missing: bool = False,
 ) -> int:
     """POST `body` to `endpoint` and relay the answer through `reply`; the status to count.
+    `missing`: a 404 raises `Missing` (an adapter the engine evicted) instead of being relayed.
 
     Raises `Failed` while nothing of this instance's answer reached the client: connection
     refused or reset, no headers in time (`headers_deadline_s`), a 502/503/504 (unless `last`:
@@ -227,6 +233,8 @@ async def forward(
                 try:
                     if resp.status in RETRYABLE and not last:
                         raise Failed(f"{endpoint.id} answered {resp.status}")
+                    if resp.status == 404 and missing:
+                        raise Missing(f"{endpoint.id} does not hold the adapter")
                     first = await _read(resp, gap_s, endpoint.id)
                     relaying = True
                     on_first_byte(resp.status)

@@ -14,6 +14,7 @@ from starlette.routing import Route
 
 from stoker.api.logs import InstanceLogs
 from stoker.api.revisions import revision_routes
+from stoker.control.adapters import AdapterDeployment
 from stoker.control.platform import Platform
 from stoker.errors import (
     APIError,
@@ -44,6 +45,8 @@ def admin_routes(
         return Response(await platform.engine_metrics(), media_type=CONTENT_TYPE_LATEST)
 
     def describe(d) -> dict:
+        if isinstance(d, AdapterDeployment):  # no instances of its own: its base's serve it
+            return d.describe()
         decision = d.pool.last_decision
         last = None
         if decision is not None:
@@ -74,7 +77,8 @@ def admin_routes(
         }
 
     async def list_deployments(request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [describe(d) for d in platform.list()]})
+        every = [*platform.list(), *platform.adapters.list()]
+        return JSONResponse({"object": "list", "data": [describe(d) for d in every]})
 
     async def create_deployment(request: Request) -> Response:
         body = parse_json_object(await read_body(request.receive, request.scope, MAX_BODY_BYTES))

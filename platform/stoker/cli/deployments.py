@@ -39,10 +39,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     deploy.add_argument("name", help="the deployment's name, which clients send as `model`")
     deploy.add_argument(
         "--model",
-        required=True,
         help="snapshot name or id, s3://bucket/prefix, a local model dir or .gguf file, or a Hugging Face "
         "repo id (org/name[@revision]) already in the local Hugging Face cache",
     )
+    deploy.add_argument(
+        "--adapter",
+        help="a LoRA adapter instead of a model (a snapshot, s3://bucket/prefix or a local PEFT dir), "
+        "served by the instances of --base",
+    )
+    deploy.add_argument("--base", help="with --adapter: the deployment whose instances serve it")
     deploy.add_argument(
         "--engine", choices=ENGINES, default=default("engine"), help="the engine its instances run"
     )
@@ -210,6 +215,10 @@ def cmd_deploy(args: argparse.Namespace) -> int:
         hint = f"; did you mean {close[0]!r}?" if close else ""
         # Before reaching for the platform: the answer does not depend on it.
         raise CLIError(message.rstrip(".") + hint)
+    if args.adapter is not None or args.base is not None:
+        return _deploy_adapter(args)
+    if args.model is None:
+        raise CLIError("--model is required (or --adapter with --base, for a LoRA adapter)")
     body = {
         "name": args.name,
         "model": _model(args.model),
@@ -246,6 +255,39 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     print(
         f"deployed {out['name']} revision {new['revision']}: model {new['model']} "
         f"(snapshot {new['snapshot_id'][:12]}), engine {new['engine']}, policy {new['settings']['policy']}: {state}"
+    )
+    return 0
+
+
+def _deploy_adapter(args: argparse.Namespace) -> int:
+    """`stoker deploy NAME --adapter SRC --base BASE`: the adapter's own settings only; the rest is
+    its base's (the platform refuses them if set)."""
+    if args.model is not None:
+        raise CLIError("--model and --adapter exclude each other: an adapter runs on --base's model")
+    if args.adapter is None or args.base is None:
+        raise CLIError("--adapter and --base go together: the adapter, and the deployment that serves it")
+    body = {
+        "name": args.name,
+        "adapter": _model(args.adapter),
+        "base": args.base,
+        "auto_rollback": args.auto_rollback,
+        "rollback_error_rate": args.rollback_error_rate,
+        "rollback_ttft_s": args.rollback_ttft,
+        "rollback_window_s": args.rollback_window,
+        "rollback_min_requests": args.rollback_min_requests,
+        "log_requests": args.log_requests,
+        "log_content": args.log_content,
+    }
+    if args.canary is not None:
+        body["canary_percent"] = args.canary
+    out = call(args, "POST", "/admin/v1/deployments", body)
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    new = out["deployed"]
+    print(
+        f"deployed {out['name']} revision {new['revision']}: adapter {new['model']} "
+        f"(snapshot {new['snapshot_id'][:12]}) on {args.base}, {new['traffic_percent']}% of its traffic"
     )
     return 0
 

@@ -23,20 +23,16 @@ from prometheus_client import CollectorRegistry
 from activator import Activator, ActivatorConfig, ActivatorMetrics
 from snapshots import (
     SnapshotError,
-    SnapshotNotFound,
-    SnapshotRecord,
     SnapshotStore,
-    hf_cache,
-    import_gguf,
-    import_hf_dir,
 )
-from snapshots.remote import read_manifest
 from snapshots.s3 import RemoteConfig
+from stoker.control.adapters import AdapterDeployment, AdapterDeployments
 from stoker.control.cluster import GatewayLoad, RoutingTable
 from stoker.control.cost import CostMeter
 from stoker.control.deployment import Deployment, Unit
 from stoker.control.devices import check_devices
 from stoker.control.federate import EngineFederation, Target
+from stoker.control.models import resolve_model
 from stoker.control.policy_states import PolicyStates
 from stoker.control.prices import PriceTable
 from stoker.control.registry import DeploymentStore, Registry
@@ -119,6 +115,7 @@ class Platform:
         self.policy_states = PolicyStates(self.pools, clock)
         self._left: list[tuple[str, Pool]] | None = None  # the pools as shutdown left them
         self.rollout = Rollout(self, check_interval_s=canary_check_s)
+        self.adapters = AdapterDeployments(self, self.metrics_registry)  # LoRA adapters on the bases
         self._activator_config = activator_config or ActivatorConfig()
         self._stable_window_s = stable_window_s
         self._max_instance_age_s = max_instance_age_s
@@ -152,7 +149,8 @@ class Platform:
         )
         running = await self.backend.running()
         latest = {spec.name: spec for spec in self.registry.all()}
-        for spec in self.registry.serving():
+        serving = self.registry.serving()
+        for spec in (s for s in serving if s.base is None):
             source = self._source(spec.snapshot_id, spec.model)
             if source.remote is None and not source.is_local():
                 log.error(
@@ -182,6 +180,13 @@ class Platform:
                 continue
             serving = {r: p for r, p in d.traffic.items() if r in d.units}
             self.rollout.publish(d, serving if serving != d.traffic and serving else None)
+        for spec in (s for s in serving if s.base is not None):
+            if spec.base in self._deployments:
+                self.adapters.restore(spec, latest[spec.name])
+            else:
+                log.error(
+                    "adapter deployment %s not restored: its base %s did not come back", spec.name, spec.base
+                )
         self.rollout.start()
         await self._stop_unclaimed(running)
 
@@ -214,8 +219,13 @@ class Platform:
 
     # ---- deployments -------------------------------------------------------------------------------
 
-    def get(self, name: str) -> Deployment | None:
+    def base(self, name: str) -> Deployment | None:
+        """A model's deployment (one an adapter may run on)."""
         return self._deployments.get(name)
+
+    def get(self, name: str) -> Deployment | AdapterDeployment | None:
+        """A model's deployment, or an adapter's (`stoker.control.adapters`)."""
+        return self._deployments.get(name) or self.adapters.get(name)
 
     def list(self) -> list[Deployment]:
         return list(self._deployments.values())
@@ -254,11 +264,15 @@ class Platform:
         if (taken := name_taken(fields["name"])) is not None:
             raise taken
         canary = canary_percent(body)
-        if canary is not None and fields["name"] not in self._deployments:
+        if canary is not None and self.get(fields["name"]) is None:
             raise invalid(
                 f"'canary_percent' needs a deployment to split with; {fields['name']!r} is new.",
                 "canary_percent",
             )
+        if fields.get("base") is not None:  # a LoRA adapter, on its base's instances
+            async with self._lock:
+                return await self.adapters.deploy(fields, canary)
+        self.adapters.check_free(fields["name"])
         if fields["engine"] == "vllm":
             await self._vllm_setup.launch()
         await self._check_devices(fields)
@@ -285,7 +299,7 @@ class Platform:
         """A declared deployment (a resource's spec, `stoker.control.kube.reconcile`): deployed as
         `deploy` does, unless its newest revision already is what `body` declares (None then)."""
         fields = validate(body)
-        d = self._deployments.get(fields["name"])
+        d = self.get(fields["name"])
         if d is not None:
             latest = d.latest
             same = DeploymentSpec.from_dict(
@@ -306,6 +320,9 @@ class Platform:
     async def set_traffic(self, name: str, split: object) -> Deployment:
         """`stoker traffic`: split the traffic between revisions by percent (`stoker.control.rollout`)."""
         async with self._lock:
+            if (a := self.adapters.get(name)) is not None:
+                self.adapters.split(a, split)
+                return a
             d = self._existing(name)
             self.rollout.split(d, split, self.registry.revisions(name))
             return d
@@ -313,6 +330,8 @@ class Platform:
     async def rollback(self, name: str, to: int | None) -> DeploymentSpec:
         """Back to revision `to` (default: the one before the primary), warm before the switch."""
         async with self._lock:
+            if (a := self.adapters.get(name)) is not None:
+                return self.adapters.rollback(a, to)
             d = self._existing(name)
             target = self.rollout.rollback_target(d, to, self.registry.revisions(name))
             self.check_snapshot(target)
@@ -320,6 +339,8 @@ class Platform:
             return target
 
     def revisions(self, name: str) -> list[dict]:
+        if (a := self.adapters.get(name)) is not None:
+            return self.adapters.revision_rows(a)
         d = self._existing(name)
         return d.revision_rows(self.registry.revisions(name))
 
@@ -343,6 +364,9 @@ class Platform:
     async def remove(self, name: str) -> DeploymentSpec:
         """Drain every revision's instances, then forget the deployment and its revisions."""
         async with self._lock:
+            if self.adapters.get(name) is not None:
+                return await self.adapters.remove(name)
+            self.adapters.check_unused(name)
             deployment = self._existing(name)
             await self.rollout.cancel(deployment)
             await self._stop(deployment)
@@ -404,6 +428,7 @@ class Platform:
                 clock=self._clock,
             )
             self.rollout.configure(activator, spec)
+            self.adapters.listen(activator, spec.name)  # the loads of the adapters it serves
             pool.attach(activator)
             health = asyncio.create_task(activator.watch_health(), name=f"health-{pool.name}")
             unit = Unit(spec, pool, activator, loop, health)
@@ -450,44 +475,8 @@ class Platform:
 
     # ---- models ------------------------------------------------------------------------------------
 
-    async def _resolve_model(self, model: str) -> str:
-        """The snapshot id `model` names: a snapshot in the store, a snapshot in object storage (its
-        manifest is read now; the bytes are pulled before the first instance starts), or a local
-        directory or GGUF file, or a Hugging Face repo id (`org/name[@revision]`) already in this
-        machine's Hugging Face cache, imported now."""
-        if model.startswith("s3://"):
-            try:
-                manifest = await read_manifest(model, RemoteConfig.from_env())
-            except SnapshotError as exc:
-                raise invalid(str(exc), "model") from None
-            return manifest.snapshot_id
-        try:
-            return self.store.resolve(model).id
-        except SnapshotNotFound:
-            pass
-        except SnapshotError as exc:
-            raise invalid(str(exc), "model") from None
-        try:
-            record = await asyncio.to_thread(self._import_local, model)
-        except SnapshotError as exc:
-            raise invalid(str(exc), "model") from None
-        if record is None:
-            raise invalid(
-                f"Model {model!r} is neither a snapshot in the store, an s3:// snapshot, a local model "
-                "directory or .gguf file, nor a Hugging Face repo id (org/name).",
-                "model",
-            )
-        return record.id
-
-    def _import_local(self, model: str) -> SnapshotRecord | None:
-        path = Path(model).expanduser()
-        if path.is_dir():
-            return import_hf_dir(path, self.store)
-        if path.is_file() and path.suffix == ".gguf":
-            return import_gguf(path, self.store)
-        if not path.exists() and hf_cache.is_repo_ref(model):  # org/name: from the local HF cache only
-            return import_hf_dir(hf_cache.resolve(model), self.store)
-        return None
+    async def _resolve_model(self, model: str, param: str = "model") -> str:
+        return await resolve_model(self.store, model, param)
 
     def _source(self, snapshot_id: str, model: str) -> SnapshotSource:
         remote = model if model.startswith("s3://") else None

@@ -135,19 +135,24 @@ def data_routes(
 ) -> list[Route]:
     """OpenAI's routes."""
 
+    def card(d: Any) -> dict[str, Any]:
+        """A deployment's model card; an adapter's names its base as `parent`, as vLLM lists one."""
+        out = {
+            "id": d.spec.name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "stoker",
+            "root": d.spec.snapshot_id,
+        }
+        if getattr(d.spec, "base", None) is not None:
+            out["parent"] = d.spec.base
+        return out
+
     async def models(request: Request) -> Response:
         principal = principal_of(request.scope)
-        cards = [
-            {
-                "id": d.spec.name,
-                "object": "model",
-                "created": 0,
-                "owned_by": "stoker",
-                "root": d.spec.snapshot_id,
-            }
-            for d in platform.list()
-            if principal.may_call(d.spec.name)
-        ]
+        adapters = getattr(platform, "adapters", None)  # a gateway of its own serves none yet
+        every = [*platform.list(), *(adapters.list() if adapters is not None else [])]
+        cards = [card(d) for d in every if principal.may_call(d.spec.name)]
         return JSONResponse({"object": "list", "data": cards})
 
     async def model(request: Request) -> Response:
@@ -159,8 +164,7 @@ def data_routes(
         if d is None or not principal.may_call(name):
             message = f"The model `{name}` does not exist."
             return error_response(APIError(404, message, param="model", code="model_not_found"))
-        card = {"id": d.spec.name, "object": "model", "created": 0, "owned_by": "stoker"}
-        return JSONResponse({**card, "root": d.spec.snapshot_id})
+        return JSONResponse(card(d))
 
     inference = InferenceEndpoint(platform, limiter, cascades, observer)
     return [

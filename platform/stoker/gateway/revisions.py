@@ -29,6 +29,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from activator import Activator, ActivatorError
+from activator.adapters import AdapterRef
 from stoker.errors import invalid
 from stoker.spec.deployment import DeploymentSpec
 
@@ -215,14 +216,16 @@ async def answer_on(
     parsed: dict,
     stream: bool,
     owner: str,
+    adapter: AdapterRef | None = None,
 ) -> tuple[int, float | None]:
     """One request on one revision's activator: `x-stoker-revision` on the answer, its status and
     first-byte time recorded (and returned); an `ActivatorError` (no header sent yet) is counted as
-    the status the gateway will answer with, and raised for it."""
+    the status the gateway will answer with, and raised for it. `adapter`: the LoRA adapter it is
+    for, on its base's activator (`stoker.control.adapters`)."""
     scope["stoker.revision"] = revision  # for the gateway's error answers
     recorder = Recorder(send, revision, clock, clock())
     try:
-        await activator.serve(scope, receive, recorder, body, stream, owner, parsed=parsed)
+        await activator.serve(scope, receive, recorder, body, stream, owner, parsed=parsed, adapter=adapter)
     except ActivatorError as exc:
         stats.record(revision, exc.status, None)
         raise

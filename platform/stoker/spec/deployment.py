@@ -58,6 +58,9 @@ class DeploymentSpec:
     max_instance_age_s: float = 0.0
     # How its engine runs: devices, vLLM's settings, a pod's resources and placement.
     engine_settings: EngineSettings = dataclasses.field(default_factory=EngineSettings)
+    # A LoRA adapter's deployment: the deployment whose instances serve it (`model` is then the
+    # adapter, `snapshot_id` its snapshot); None for a model's own (`stoker.control.adapters`).
+    base: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Flat: the engine settings beside the other fields."""
@@ -114,6 +117,8 @@ LOG_FLAGS = ("log_requests", "log_content")  # true or false, default false
 DEPLOY_FIELDS = (
     "name",
     "model",
+    "adapter",
+    "base",
     "engine",
     "policy",
     "balance",
@@ -125,10 +130,19 @@ DEPLOY_FIELDS = (
 )
 
 
+# What an adapter deployment may set: the rest is its base's, whose instances serve it.
+ADAPTER_FIELDS = frozenset(
+    {"name", "adapter", "base", "auto_rollback", "canary_percent", *LOG_FLAGS}
+    | {f for f in FIELDS if f.startswith("rollback_")}
+)
+
+
 def validate(body: Any) -> dict[str, Any]:
     """Check a deploy request; returns its fields (model not yet resolved). Raises 400 naming the field."""
     if not isinstance(body, dict):
         raise invalid("The request body must be a JSON object.")
+    if body.get("adapter") is not None or body.get("base") is not None:
+        return _validate_adapter(body)
     unknown = sorted(set(body) - set(DEPLOY_FIELDS))
     if unknown:
         raise invalid(f"Unknown field(s) {unknown}; allowed: {', '.join(DEPLOY_FIELDS)}.", unknown[0])
@@ -191,6 +205,43 @@ def validate(body: Any) -> dict[str, Any]:
     return out
 
 
+def _body_default(field: str) -> Any:
+    return _DEFAULTS.get(field, engine_default(field) if field in SETTINGS else None)
+
+
+def _validate_adapter(body: dict[str, Any]) -> dict[str, Any]:
+    """An adapter deployment's body: `adapter` (its source, as `model` is a model's) and `base`."""
+    for field in ("adapter", "base"):
+        if body.get(field) is None:
+            other = "base" if field == "adapter" else "adapter"
+            raise invalid(
+                f"'{field}' is required with '{other}': an adapter deployment names the adapter and the "
+                "deployment whose instances serve it.",
+                field,
+            )
+    if body.get("model") is not None:
+        raise invalid("An adapter deployment takes 'adapter' (and 'base'), not 'model'.", "model")
+    # A base's field at its default is no setting (a resource's schema writes every default in).
+    theirs = sorted(
+        k
+        for k, v in body.items()
+        if k in DEPLOY_FIELDS and k not in ADAPTER_FIELDS and k != "model" and v != _body_default(k)
+    )
+    if theirs:
+        raise invalid(
+            f"'{theirs[0]}' is the base's to set: an adapter runs on its base deployment's instances.",
+            theirs[0],
+        )
+    base = body["base"]
+    if not isinstance(base, str) or not NAME.fullmatch(base):
+        raise invalid(f"'base' must be a deployment's name; got {base!r}.", "base")
+    if base == body.get("name"):
+        raise invalid("'base' must be another deployment than the adapter's own.", "base")
+    adapter = body["adapter"]
+    rest = {k: v for k, v in body.items() if k in ADAPTER_FIELDS and k not in ("adapter", "base")}
+    return {**validate({**rest, "model": adapter}), "base": base}
+
+
 def deploy_schema() -> dict[str, Any]:
     """The deploy body's JSON schema, from the tables above and `stoker.spec.engine.SETTINGS`: the
     admin API's OpenAPI description, the reference page (for the fields the spec does not hold:
@@ -216,7 +267,7 @@ def deploy_schema() -> dict[str, Any]:
         }
     return {
         "type": "object",
-        "required": ["name", "model"],
+        "required": ["name"],  # and 'model', or 'adapter' with 'base' (`validate` says which is missing)
         "additionalProperties": False,
         "properties": {
             "name": {"type": "string", "pattern": f"^{NAME.pattern}$"},
@@ -237,6 +288,16 @@ def deploy_schema() -> dict[str, Any]:
                 "description": "its requests in the request log (no content)",
             },
             "log_content": {"type": "boolean", "description": "prompts and answers too, secrets masked"},
+            "adapter": {
+                "type": "string",
+                "minLength": 1,
+                "description": "a LoRA adapter (a snapshot, s3:// or a local PEFT directory) served by 'base'",
+            },
+            "base": {
+                "type": "string",
+                "pattern": f"^{NAME.pattern}$",
+                "description": "the deployment whose instances serve the adapter",
+            },
             "canary_percent": {
                 "type": "integer",
                 "minimum": 1,

@@ -36,7 +36,7 @@ from stoker.control.kube.kinds import (
 )
 from stoker.control.kube.mirror import Mirror
 from stoker.errors import APIError, invalid
-from stoker.spec.deployment import DEPLOY_FIELDS, DeploymentSpec, validate
+from stoker.spec.deployment import ADAPTER_FIELDS, DEPLOY_FIELDS, DeploymentSpec, validate
 from stoker.spec.resources import (
     GROUP,
     KIND,
@@ -53,7 +53,12 @@ log = logging.getLogger("stoker.kube")
 
 
 def deploy_body(spec: DeploymentSpec) -> dict[str, Any]:
-    """A revision's deploy fields (no name, no snapshot, no revision), nulls left out."""
+    """A revision's deploy fields (no name, no snapshot, no revision), nulls left out; an adapter's
+    source as `adapter`, as its deploy gave it."""
+    if spec.base is not None:
+        fields = spec.to_dict()
+        body = {k: v for k, v in fields.items() if k in ADAPTER_FIELDS and k != "name" and v is not None}
+        return {**body, "adapter": fields["model"]}
     return {k: v for k, v in spec.to_dict().items() if k in DEPLOY_FIELDS and k != "name" and v is not None}
 
 

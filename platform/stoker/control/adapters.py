@@ -1,0 +1,307 @@
+"""LoRA adapters as deployments of their own, served on a base deployment's instances.
+
+    stoker deploy a1 --adapter ./my-lora --base smollm2
+      a1 ─── revisions, split, keys, metrics, request log: its own ──▶ requests for `a1`
+      └─ served by smollm2's instances: the base's activator picks one holding a1 (its affinity
+         key, within the load bound) or the least loaded, loads a1 there first
+         (`activator.adapters`), and the base's scaler sees a1's requests as its own demand
+
+An adapter deployment has no pool: nothing of its own starts, sleeps or scales. At zero it is its
+base at zero: a request is held like any request while the base starts, then the adapter loads.
+The engine knows the primary revision by the deployment's name (so answers say `"model": "a1"`)
+and another revision as `a1@N`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from activator.adapters import AdapterRef
+from activator.balancer import point
+from stoker.errors import APIError, invalid
+from stoker.gateway.revisions import RevisionStats, answer_on, pick_revision
+from stoker.spec.deployment import DeploymentSpec
+from stoker.spec.traffic import parse_traffic
+
+LOAD_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class AdapterMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.loads = Counter(
+            "stoker_adapter_loads",
+            "LoRA adapter loads on an instance of its base (each is the adapter's own cold start)",
+            ["deployment", "base"],
+            registry=registry,
+        )
+        self.load_seconds = Histogram(
+            "stoker_adapter_load_seconds",
+            "Seconds from asking an instance to load an adapter to its answer",
+            ["deployment"],
+            buckets=LOAD_BUCKETS,
+            registry=registry,
+        )
+
+
+def engine_name(spec: DeploymentSpec, primary: int) -> str:
+    """What the engine calls a revision of the adapter: the primary by the deployment's name."""
+    return spec.name if spec.revision == primary else f"{spec.name}@{spec.revision}"
+
+
+@dataclass
+class AdapterDeployment:
+    """One adapter deployment as it runs: its revisions that have traffic, and the split."""
+
+    name: str
+    latest: DeploymentSpec
+    revisions: dict[int, DeploymentSpec]  # those the split names
+    traffic: dict[int, int]
+    stats: RevisionStats
+    path_of: Callable[[str], str]  # a snapshot's directory on the instances' machine
+    base_of: Callable[[str], Any]  # a model deployment by name (the platform's)
+    clock: Callable[[], float] = time.monotonic
+    notes: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def primary(self) -> int:
+        return max(self.traffic, key=lambda r: (self.traffic[r], r))
+
+    @property
+    def spec(self) -> DeploymentSpec:
+        return self.revisions[self.primary]
+
+    def ref(self, revision: int) -> AdapterRef:
+        spec = self.revisions[revision]
+        return AdapterRef(
+            engine_name(spec, self.primary),
+            self.path_of(spec.snapshot_id),
+            spec.snapshot_id,
+            point(spec.snapshot_id),
+        )
+
+    async def serve(self, scope, receive, send, body: bytes, parsed: dict, stream: bool, owner: str) -> None:
+        """One request: the adapter's revision by its split, on the base's revision by the base's."""
+        revision = pick_revision(self.name, self.traffic, self.revisions, scope, parsed)
+        spec = self.revisions[revision]
+        base = self.base_of(spec.base)
+        if base is None:
+            raise APIError(503, f"The base {spec.base!r} of {self.name!r} is gone.", code="base_gone")
+        ref = self.ref(revision)
+        if ref.name != parsed.get("model"):
+            parsed = {**parsed, "model": ref.name}
+            body = json.dumps(parsed).encode()
+        base_revision = pick_revision(base.name, base.traffic, base.units, {}, parsed)
+        unit = base.units.get(base_revision) or base.primary
+        if unit.activator is None:
+            raise APIError(
+                503,
+                f"The base {base.name!r} of {self.name!r} serves from its gateways.",
+                code="base_elsewhere",
+            )
+        await answer_on(
+            unit.activator,
+            revision,
+            self.stats,
+            self.clock,
+            scope,
+            receive,
+            send,
+            body,
+            parsed,
+            stream,
+            owner,
+            adapter=ref,
+        )
+
+    def describe(self) -> dict[str, Any]:
+        spec = self.spec
+        return {
+            **spec.to_dict(),
+            "kind": "adapter",
+            "latest_revision": self.latest.revision,
+            "traffic": {str(r): p for r, p in sorted(self.traffic.items())},
+            "instances": {},
+            "instance_list": [],
+            "decision": None,
+            "unavailable": None,
+            "failed_starts": 0,
+            "last_failure": None,
+        }
+
+
+class AdapterDeployments:
+    """The platform's adapter deployments: deployed, restored, split, rolled back and removed here;
+    served through their bases' activators. `platform`: the `Platform` (its registry, store and
+    base deployments)."""
+
+    def __init__(self, platform: Any, registry: CollectorRegistry) -> None:
+        self._p = platform
+        self._by_name: dict[str, AdapterDeployment] = {}
+        self.metrics = AdapterMetrics(registry)
+
+    def get(self, name: str) -> AdapterDeployment | None:
+        return self._by_name.get(name)
+
+    def list(self) -> list[AdapterDeployment]:
+        return list(self._by_name.values())
+
+    def on(self, base: str) -> list[str]:
+        """The adapters that run on deployment `base`."""
+        return sorted(n for n, a in self._by_name.items() if a.latest.base == base)
+
+    def _path(self, snapshot_id: str) -> str:
+        return str(self._p.store.path_of(snapshot_id))
+
+    def _make(
+        self, latest: DeploymentSpec, revisions: dict[int, DeploymentSpec], traffic: dict[int, int]
+    ) -> AdapterDeployment:
+        a = AdapterDeployment(
+            latest.name,
+            latest,
+            revisions,
+            traffic,
+            RevisionStats(latest.name, self._p.revision_metrics, self._p.clock),
+            self._path,
+            self._p.base,
+            self._p.clock,
+        )
+        self._by_name[latest.name] = a
+        return a
+
+    def listen(self, activator: Any, base: str) -> None:
+        """Count the loads a base's activator makes, by the adapter deployment they were for."""
+
+        def loaded(engine_name: str, seconds: float) -> None:
+            name = engine_name.split("@")[0]
+            self.metrics.loads.labels(name, base).inc()
+            self.metrics.load_seconds.labels(name).observe(seconds)
+
+        activator.on_adapter_load = loaded
+
+    def restore(self, spec: DeploymentSpec, latest: DeploymentSpec) -> None:
+        """One revision that served, brought back at start (its base restored before it)."""
+        a = self._by_name.get(spec.name) or self._make(latest, {}, {})
+        a.revisions[spec.revision] = spec
+        a.traffic = {r: p for r, p in self._p.registry.traffic(spec.name).items() if p}
+
+    async def deploy(
+        self, fields: dict[str, Any], canary: int | None, snapshot_id: str
+    ) -> tuple[DeploymentSpec, bool]:
+        """A new revision of the adapter deployment (creating it): all of the traffic at once, or the
+        canary's share. Nothing warms: each instance loads it at its first request."""
+        base = self._p.get(fields["base"])
+        if base is None:
+            raise APIError(
+                400,
+                f"'base': no model deployment named {fields['base']!r} to serve the adapter on.",
+                param="base",
+            )
+        self._check(fields, base, snapshot_id)
+        spec = DeploymentSpec.from_dict({**fields, "snapshot_id": snapshot_id, "engine": base.spec.engine})
+        current = self._by_name.get(spec.name)
+        if current is None:
+            spec = await self._p.registry.put(spec)
+            self._make(spec, {spec.revision: spec}, {spec.revision: 100})
+            self._p.routes.bump()
+            return spec, True
+        spec = await self._p.registry.create_revision(spec)
+        current.latest = spec
+        current.revisions[spec.revision] = spec
+        if canary is None or canary == 100:
+            self.publish(current, {spec.revision: 100})
+        else:
+            rest = {current.primary: 100 - canary}
+            self.publish(current, {**rest, spec.revision: canary})
+        return spec, False
+
+    def _check(self, fields: dict[str, Any], base: Any, snapshot_id: str) -> None:
+        """Refuse what the base cannot serve: a base of another engine than the CPU one (vLLM's LoRA
+        comes later), or an adapter made for another base model."""
+        from snapshots.adapter import adapter_info, base_mismatch
+
+        if base.spec.engine != "cpu":
+            raise APIError(
+                400,
+                f"'base': {base.name!r} runs on the {base.spec.engine} engine; adapters are served on the CPU "
+                "engine's bases for now.",
+                param="base",
+                code="adapter_engine",
+            )
+        store = self._p.store
+        try:
+            info = adapter_info(store.path_of(snapshot_id))
+        except Exception as exc:  # not an adapter snapshot at all
+            raise APIError(
+                400, f"'adapter': {fields['model']!r} is no LoRA adapter: {exc}", param="adapter"
+            ) from None
+        config = json.loads((store.path_of(base.spec.snapshot_id) / "config.json").read_text())
+        if (why := base_mismatch(info, config)) is not None:
+            raise APIError(
+                400,
+                f"'adapter' {fields['model']!r} does not fit base {base.name!r} ({base.spec.model}): {why}",
+                param="adapter",
+                code="adapter_base_mismatch",
+            )
+
+    def publish(self, a: AdapterDeployment, traffic: dict[int, int]) -> None:
+        a.traffic = dict(traffic)
+        for r in traffic:
+            if r not in a.revisions and (spec := self._p.registry.revision(a.name, r)) is not None:
+                a.revisions[r] = spec
+        self._p.registry.set_traffic(a.name, a.traffic)
+        self._p.revision_metrics.set_traffic(a.name, a.traffic, sorted({*a.revisions, *a.traffic}))
+        self._p.routes.bump()
+
+    def split(self, a: AdapterDeployment, body: object) -> None:
+        """`stoker traffic` for an adapter: at once (nothing to warm)."""
+        self.publish(
+            a, parse_traffic(body, {spec.revision for spec, _ in self._p.registry.revisions(a.name)})
+        )
+
+    def rollback(self, a: AdapterDeployment, to: int | None) -> DeploymentSpec:
+        """Back to revision `to` (default: the newest before the primary), at once."""
+        known = {spec.revision: spec for spec, _ in self._p.registry.revisions(a.name)}
+        if to is not None:
+            if isinstance(to, bool) or not isinstance(to, int) or to not in known:
+                raise invalid(f"'to' must be one of the revisions {sorted(known)}, got {to!r}.", "to")
+            target = known[to]
+        else:
+            earlier = [r for r in known if r < a.primary]
+            if not earlier:
+                raise APIError(
+                    409,
+                    f"Deployment {a.name!r} has no revision before {a.primary} to roll back to.",
+                    param="to",
+                    code="no_previous_revision",
+                )
+            target = known[max(earlier)]
+        self.publish(a, {target.revision: 100})
+        return target
+
+    def revision_rows(self, a: AdapterDeployment) -> list[dict[str, Any]]:
+        return [
+            {
+                "revision": spec.revision,
+                "snapshot_id": spec.snapshot_id,
+                "model": spec.model,
+                "engine": spec.engine,
+                "traffic_percent": a.traffic.get(spec.revision, 0),
+                "state": "serving" if a.traffic.get(spec.revision) else "retired",
+                "ready": 0,
+                "created": created,
+                "settings": {"base": spec.base},
+            }
+            for spec, created in self._p.registry.revisions(a.name)
+        ]
+
+    async def remove(self, name: str) -> DeploymentSpec:
+        a = self._by_name.pop(name)
+        await self._p.registry.delete(name)
+        self._p.routes.bump()
+        return a.spec
