@@ -68,25 +68,34 @@ class AdapterInfo:
     def from_dict(cls, doc: object) -> AdapterInfo:
         """Parse the manifest's `adapter` object; CorruptSnapshot if it is not one `to_dict` writes."""
         try:
-            assert isinstance(doc, dict)
-            base, fp = doc["base_model"], doc["fingerprint"]
-            modules = fp["modules"]
-            assert base is None or isinstance(base, str)
-            assert isinstance(modules, dict) and all(isinstance(v, dict) for v in modules.values())
-            shapes = tuple(sorted((str(m), _int(v["in"]), _int(v["out"])) for m, v in modules.items()))
-            info = cls(
+            record = _dict(doc)
+            base, fp = record["base_model"], _dict(record["fingerprint"])
+            modules = _dict(fp["modules"])
+            if base is not None and not isinstance(base, str):
+                raise ValueError(base)
+            shapes = tuple(
+                sorted((m, _int(_dict(v)["in"]), _int(_dict(v)["out"])) for m, v in modules.items())
+            )
+            targets = record["target_modules"]
+            if not isinstance(targets, list) or targets != sorted(m for m, _, _ in shapes):
+                raise ValueError(targets)
+            return cls(
                 base_model=base,
-                rank=_int(doc["rank"]),
-                lora_alpha=_number(doc["lora_alpha"]),
-                target_modules=tuple(str(m) for m in doc["target_modules"]),
+                rank=_int(record["rank"]),
+                lora_alpha=_number(record["lora_alpha"]),
+                target_modules=tuple(targets),
                 shapes=shapes,
                 layers=_int(fp["layers"]),
                 all_layers=_bool(fp["all_layers"]),
             )
-            assert list(info.target_modules) == sorted(m for m, _, _ in shapes)
-        except (AssertionError, KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError) as exc:
             raise CorruptSnapshot("manifest 'adapter' is not a valid adapter record") from exc
-        return info
+
+
+def _dict(v: object) -> dict[str, Any]:
+    if not isinstance(v, dict):
+        raise ValueError(v)
+    return v
 
 
 def _int(v: object) -> int:

@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from snapshots import (
+    CorruptSnapshot,
     InvalidSource,
     Manifest,
     SnapshotStore,
@@ -115,6 +116,24 @@ def test_the_adapter_record_is_part_of_the_id(adapter_dir: Path, store: Snapshot
     raised = Manifest.from_json(json.dumps({**doc, "adapter": {**doc["adapter"], "rank": 64}}))
     as_model = Manifest.from_json(json.dumps({k: v for k, v in doc.items() if k not in ("kind", "adapter")}))
     assert raised.snapshot_id != record.id and as_model.snapshot_id != record.id
+
+
+@pytest.mark.parametrize(
+    ("edit", "fragment"),
+    [
+        ({"kind": "lora"}, "bad kind in manifest: 'lora'"),
+        ({"kind": "model"}, "manifest of kind 'model' with an adapter record"),
+        ({"adapter": None}, "not a valid adapter record"),
+        ({"adapter": {"rank": 4}}, "not a valid adapter record"),
+    ],
+)
+def test_a_malformed_adapter_manifest_is_corrupt(
+    edit: dict[str, Any], fragment: str, adapter_dir: Path, store: SnapshotStore
+) -> None:
+    record = import_adapter_dir(adapter_dir, store)
+    doc = {**json.loads((record.path / MANIFEST_NAME).read_text()), **edit}
+    with pytest.raises(CorruptSnapshot, match=re.escape(fragment)):
+        Manifest.from_json(json.dumps(doc))
 
 
 def test_a_pickled_adapter_is_refused_as_pickled_weights_are(
