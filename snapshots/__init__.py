@@ -7,12 +7,15 @@ bytes. This package is a leaf: it imports nothing else of Stoker's.
     store = SnapshotStore(root)
     record = store.resolve("smollm2")      # name, full id, or id prefix of 8+ hex chars
     record.path, record.dtype              # the dir to hand an engine; "float32", "bfloat16", ...
+    record.kind, record.adapter            # "model", or "adapter" with its AdapterInfo (base, rank, shapes)
+    base_mismatch(record.adapter, config)  # None if the adapter fits a base's config.json; else why not
     pagecache.warm(record.path)            # the page-cache tier: the next load runs at memory speed
 
 Object storage lives in `snapshots.remote` (`push`, `pull`, `read_manifest`, `RemoteConfig`),
 imported on demand: aiobotocore costs most of a second to import, which nothing else should pay.
 """
 
+from snapshots.adapter import AdapterInfo, adapter_info, base_mismatch, is_adapter_dir
 from snapshots.builtin import BUILTINS, builtin_path
 from snapshots.errors import (
     AmbiguousRef,
@@ -29,7 +32,7 @@ from snapshots.errors import (
     UnsafeFileError,
     UnsafePathError,
 )
-from snapshots.importer import import_gguf, import_hf_dir
+from snapshots.importer import import_adapter_dir, import_gguf, import_hf_dir
 from snapshots.manifest import MANIFEST_NAME, FileEntry, Manifest
 from snapshots.pagecache import WarmReport
 from snapshots.store import SnapshotRecord, SnapshotStore
@@ -38,6 +41,7 @@ from snapshots.verify import Problem
 __all__ = [
     "BUILTINS",
     "MANIFEST_NAME",
+    "AdapterInfo",
     "AmbiguousRef",
     "CorruptSnapshot",
     "FileEntry",
@@ -57,7 +61,11 @@ __all__ = [
     "UnsafeFileError",
     "UnsafePathError",
     "WarmReport",
+    "adapter_info",
+    "base_mismatch",
     "builtin_path",
+    "import_adapter_dir",
     "import_gguf",
     "import_hf_dir",
+    "is_adapter_dir",
 ]

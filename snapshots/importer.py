@@ -1,4 +1,5 @@
-"""Importing a model into the store: from a Hugging Face layout directory or a GGUF file.
+"""Importing a model into the store: from a Hugging Face layout directory or a GGUF file; or a PEFT
+LoRA adapter directory (`import_adapter_dir`: a snapshot of kind "adapter", see `snapshots.adapter`).
 
 Either way the files are written into a hidden staging dir inside the store root, hashed, listed in
 a manifest, and renamed into place in one step (see `store`). Refused up front, before a byte is
@@ -24,11 +25,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from snapshots.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterInfo, adapter_info, read_adapter
 from snapshots.durable import copy_hashing, hash_file
 from snapshots.errors import InvalidSource, UnsafeFileError
 from snapshots.manifest import MANIFEST_NAME, FileEntry, Manifest
 from snapshots.store import SnapshotRecord, SnapshotStore, check_name
-from snapshots.weights import PICKLE_SUFFIXES, dominant_dtype, is_pickle
+from snapshots.weights import dominant_dtype, is_pickle, pickle_refused
 
 GGUF_MAGIC = b"GGUF"
 
@@ -63,14 +65,44 @@ def scan_hf_dir(src: Path) -> list[SourceFile]:
     skipped. A symlink is followed only when it stays inside `src`, or when `src` is a revision
     of a Hugging Face cache and the link leads to that repository's blob store.
     """
+    _check_dir(src)
+    # Before walking anything: a deploy names its model by path, and `/` or a home directory must
+    # be refused at once, not walked file by file. The walk below still checks every file.
+    if not (src / "config.json").is_file():
+        hint = f" (it is a LoRA adapter: {ADAPTER_CONFIG})" if (src / ADAPTER_CONFIG).is_file() else ""
+        raise InvalidSource(f"{src} is not a Hugging Face model directory: it has no config.json{hint}")
+    found = _walk(src)
+    rels = {f.rel for f in found}
+    if "config.json" not in rels:
+        raise InvalidSource(f"{src} is not a Hugging Face model directory: it has no config.json")
+    if not any(r.endswith(".safetensors") for r in rels):
+        raise InvalidSource(f"{src} has no *.safetensors weights")
+    _check_config(src / "config.json")
+    return found
+
+
+def scan_adapter_dir(src: Path) -> list[SourceFile]:
+    """`scan_hf_dir` for a PEFT LoRA adapter: `adapter_config.json` and `adapter_model.safetensors`."""
+    _check_dir(src)
+    if not (src / ADAPTER_CONFIG).is_file():
+        raise InvalidSource(f"{src} is not a LoRA adapter directory: it has no {ADAPTER_CONFIG}")
+    found = _walk(src)  # refuses a pickled adapter_model.bin, as it refuses any pickled weights
+    rels = {f.rel for f in found}
+    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+        if name not in rels:
+            raise InvalidSource(f"{src} is not a LoRA adapter directory: it has no {name}")
+    return found
+
+
+def _check_dir(src: Path) -> None:
     if not src.exists():
         raise InvalidSource(f"no such file or directory: {src}")
     if not src.is_dir():
         raise InvalidSource(f"{src} is neither a model directory nor a .gguf file")
-    # Before walking anything: a deploy names its model by path, and `/` or a home directory must
-    # be refused at once, not walked file by file. The walk below still checks every file.
-    if not (src / "config.json").is_file():
-        raise InvalidSource(f"{src} is not a Hugging Face model directory: it has no config.json")
+
+
+def _walk(src: Path) -> list[SourceFile]:
+    """Every file under `src` but the hidden ones and a manifest, sorted; raise on anything unsafe."""
     root = src.resolve()
     found: list[SourceFile] = []
     seen = 0
@@ -94,11 +126,7 @@ def scan_hf_dir(src: Path) -> list[SourceFile]:
                     f"refusing {rel}: a symlink to {target}, outside {src} (copy the files with cp -L first)"
                 )
             if is_pickle(rel) or is_pickle(target):
-                kinds = "/".join(sorted(PICKLE_SUFFIXES))
-                raise UnsafeFileError(
-                    f"refusing {rel}: pickled weights ({kinds}) are never loaded, since unpickling runs "
-                    "code; convert them to safetensors"
-                )
+                raise pickle_refused(rel)
             try:
                 st = target.stat()
             except OSError as exc:
@@ -106,15 +134,7 @@ def scan_hf_dir(src: Path) -> list[SourceFile]:
             if not stat.S_ISREG(st.st_mode):
                 raise InvalidSource(f"{rel} in {src} is not a regular file")
             found.append(SourceFile(rel, target, (st.st_dev, st.st_ino), st.st_size))
-    rels = {f.rel for f in found}
-    if "config.json" not in rels:
-        raise InvalidSource(f"{src} is not a Hugging Face model directory: it has no config.json")
-    if not any(r.endswith(".safetensors") for r in rels):
-        raise InvalidSource(f"{src} has no *.safetensors weights")
-    if MANIFEST_NAME in rels:
-        found = [f for f in found if f.rel != MANIFEST_NAME]  # a snapshot dir given back as source
-    _check_config(src / "config.json")
-    return found
+    return [f for f in found if f.rel != MANIFEST_NAME]  # a snapshot dir given back as source
 
 
 def _check_config(path: Path) -> None:
@@ -130,8 +150,18 @@ def _now() -> str:
     return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
 
 
-def _commit(store: SnapshotStore, tmp: Path, entries: list[FileEntry], dtype: str, source: str) -> str:
-    manifest = Manifest(dtype=dtype, files=tuple(entries), source=source, created=_now())
+def _commit(
+    store: SnapshotStore,
+    tmp: Path,
+    entries: list[FileEntry],
+    dtype: str,
+    source: str,
+    adapter: AdapterInfo | None = None,
+) -> str:
+    kind = "model" if adapter is None else "adapter"
+    manifest = Manifest(
+        dtype=dtype, files=tuple(entries), source=source, created=_now(), kind=kind, adapter=adapter
+    )
     with open(tmp / MANIFEST_NAME, "x") as f:
         f.write(manifest.to_json())
     return store.commit(tmp)
@@ -142,7 +172,28 @@ def import_hf_dir(src: Path, store: SnapshotStore, name: str | None = None) -> S
     src = Path(src)
     if name is not None:
         check_name(name)
-    files = scan_hf_dir(src)
+    return _import_files(src, scan_hf_dir(src), store, name)
+
+
+def import_adapter_dir(src: Path, store: SnapshotStore, name: str | None = None) -> SnapshotRecord:
+    """Copy a PEFT LoRA adapter directory into the store as a snapshot of kind "adapter".
+
+    Its config and tensor header are checked before a byte is copied (`snapshots.adapter`), and the
+    record is read again from the staged copy, so it describes exactly the bytes stored.
+    """
+    src = Path(src)
+    if name is not None:
+        check_name(name)
+    files = scan_adapter_dir(src)
+    by_rel = {f.rel: f for f in files}
+    config, weights = by_rel[ADAPTER_CONFIG], by_rel[ADAPTER_WEIGHTS]
+    read_adapter(config.path, weights.path, {config.path: config.identity, weights.path: weights.identity})
+    return _import_files(src, files, store, name, adapter=True)
+
+
+def _import_files(
+    src: Path, files: list[SourceFile], store: SnapshotStore, name: str | None, *, adapter: bool = False
+) -> SnapshotRecord:
     dtype = dominant_dtype(f.path for f in files if f.rel.endswith(".safetensors"))
     store.remove_stale_tmp()
     store.make_room(sum(f.size for f in files))  # StoreFull now beats ENOSPC halfway
@@ -155,7 +206,8 @@ def import_hf_dir(src: Path, store: SnapshotStore, name: str | None = None) -> S
             # (or another file) since is refused, not copied (see `open_regular_nofollow`).
             size, digest = copy_hashing(f.path, dst, expect=f.identity)
             entries.append(FileEntry(f.rel, size, digest))
-        snapshot_id = _commit(store, tmp, entries, dtype, source=str(src.resolve()))
+        info = adapter_info(tmp) if adapter else None
+        snapshot_id = _commit(store, tmp, entries, dtype, source=str(src.resolve()), adapter=info)
     if name is not None:
         store.set_name(name, snapshot_id)
     store.touch(snapshot_id)

@@ -10,6 +10,13 @@ those, are hashed into the snapshot id:
 so the same bytes always give the same id, whatever they are called or wherever they came from.
 `source` and `created` are kept in the file for people and tools but stay out of the id.
 
+`kind` is "model" or "adapter" (a PEFT LoRA adapter, see `snapshots.adapter`); a manifest written
+before the field existed reads as a model. An adapter's manifest also holds `adapter` (base model,
+rank, alpha, targets, base shape fingerprint), and for adapters only, `kind` and `adapter` join the
+hashed content: a model's id is what it always was, and an adapter's record cannot be edited (or
+an adapter passed off as a model) without its id changing. Those fields are derived from the
+files, so the same adapter bytes still give the same id.
+
 Parsing is strict: a manifest is data from disk that may have been tampered with, and its paths are
 later joined onto the snapshot directory, so a path that could leave that directory is refused.
 """
@@ -24,10 +31,12 @@ from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any
 
+from snapshots.adapter import AdapterInfo
 from snapshots.errors import CorruptSnapshot, UnsafePathError
 
 MANIFEST_NAME = "manifest.json"
 FORMAT_VERSION = 1
+KINDS = ("model", "adapter")
 
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
@@ -71,15 +80,24 @@ class FileEntry:
 
 @dataclass(frozen=True)
 class Manifest:
-    """A snapshot's content (version, dtype, files) plus metadata that is not hashed."""
+    """A snapshot's content (version, dtype, files; an adapter's record) plus metadata that is not hashed."""
 
     dtype: str
     files: tuple[FileEntry, ...]
     version: int = FORMAT_VERSION
     source: str = field(default="", compare=False)
     created: str = field(default="", compare=False)
+    kind: str = "model"
+    adapter: AdapterInfo | None = None  # set exactly when kind is "adapter"
 
     def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise CorruptSnapshot(f"bad kind in manifest: {self.kind!r} (expected one of {', '.join(KINDS)})")
+        if (self.kind == "adapter") != (self.adapter is not None):
+            raise CorruptSnapshot(
+                f"manifest of kind {self.kind!r} with{'out' if self.adapter is None else ''} "
+                "an adapter record"
+            )
         if self.version != FORMAT_VERSION:
             raise CorruptSnapshot(
                 f"unsupported manifest version {self.version!r} (expected {FORMAT_VERSION})"
@@ -99,6 +117,8 @@ class Manifest:
     def canonical_bytes(self) -> bytes:
         """The exact bytes hashed into the id: content fields only, in canonical JSON."""
         content = {"version": self.version, "dtype": self.dtype, "files": [e.to_dict() for e in self.files]}
+        if self.adapter is not None:
+            content |= {"kind": self.kind, "adapter": self.adapter.to_dict()}
         return json.dumps(content, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
 
     @property
@@ -113,7 +133,10 @@ class Manifest:
             "source": self.source,
             "created": self.created,
             "files": [e.to_dict() for e in self.files],
+            "kind": self.kind,
         }
+        if self.adapter is not None:
+            doc["adapter"] = self.adapter.to_dict()
         return json.dumps(doc, indent=2, sort_keys=True) + "\n"
 
     @classmethod
@@ -135,10 +158,14 @@ class Manifest:
         source, created = doc.get("source", ""), doc.get("created", "")
         if not isinstance(source, str) or not isinstance(created, str):
             raise CorruptSnapshot("manifest 'source' and 'created' must be strings")
+        kind = doc.get("kind", "model")
+        adapter = AdapterInfo.from_dict(doc["adapter"]) if "adapter" in doc else None
         return cls(
             dtype=doc.get("dtype"),
             files=tuple(entries),
             version=doc.get("version"),
             source=source,
             created=created,
+            kind=kind,
+            adapter=adapter,
         )

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from snapshots import pins, usage
+from snapshots.adapter import AdapterInfo
 from snapshots.durable import READ_BITS, fsync_dir, fsync_file, write_atomic
 from snapshots.errors import (
     AmbiguousRef,
@@ -80,6 +81,8 @@ class SnapshotRecord:
     dtype: str  # "?" when the manifest cannot be read: run verify
     created: str  # ISO 8601, UTC
     source: str
+    kind: str = "model"  # or "adapter": a PEFT LoRA adapter, described by `adapter`
+    adapter: AdapterInfo | None = None
 
     @property
     def name(self) -> str | None:
@@ -95,6 +98,8 @@ class SnapshotRecord:
             "dtype": self.dtype,
             "created": self.created,
             "source": self.source,
+            "kind": self.kind,
+            "adapter": None if self.adapter is None else self.adapter.to_dict(),
         }
 
 
@@ -174,7 +179,9 @@ class SnapshotStore:
             m = self.manifest(snapshot_id)
         except SnapshotError:
             return SnapshotRecord(snapshot_id, own, path, 0, "?", "", "")
-        return SnapshotRecord(snapshot_id, own, path, m.total_bytes, m.dtype, m.created, m.source)
+        return SnapshotRecord(
+            snapshot_id, own, path, m.total_bytes, m.dtype, m.created, m.source, m.kind, m.adapter
+        )
 
     def list(self) -> builtins.list[SnapshotRecord]:
         """Every complete snapshot, oldest first."""

@@ -14,8 +14,9 @@ import struct
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
+from typing import BinaryIO
 
-from snapshots.errors import InvalidSource
+from snapshots.errors import InvalidSource, UnsafeFileError
 
 PICKLE_SUFFIXES = frozenset({".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt"})
 
@@ -46,23 +47,40 @@ def is_pickle(path: str | Path) -> bool:
     return Path(path).suffix.lower() in PICKLE_SUFFIXES
 
 
+def pickle_refused(rel: str) -> UnsafeFileError:
+    """The importer's refusal of a pickled weights file found at `rel` in a source."""
+    kinds = "/".join(sorted(PICKLE_SUFFIXES))
+    return UnsafeFileError(
+        f"refusing {rel}: pickled weights ({kinds}) are never loaded, since unpickling runs code; "
+        "convert them to safetensors"
+    )
+
+
 def read_header(path: Path) -> dict[str, dict]:
     """Return the tensor entries of a safetensors file's header; InvalidSource if it is not one."""
+    try:
+        with open(path, "rb") as f:
+            return read_header_from(f, path)
+    except OSError as exc:
+        raise InvalidSource(f"cannot read {path}: {exc.strerror or exc}") from exc
+
+
+def read_header_from(f: BinaryIO, path: Path) -> dict[str, dict]:
+    """`read_header` of a file already open (e.g. a descriptor opened without following symlinks)."""
 
     def bad(why: str) -> InvalidSource:
         return InvalidSource(f"{path.name} is not a valid safetensors file: {why}")
 
     try:
-        with open(path, "rb") as f:
-            size = f.seek(0, 2)
-            f.seek(0)
-            prefix = f.read(8)
-            if len(prefix) < 8:
-                raise bad("shorter than 8 bytes")
-            (n,) = struct.unpack("<Q", prefix)
-            if n > MAX_HEADER_BYTES or 8 + n > size:
-                raise bad(f"header length {n} does not fit a {size}-byte file")
-            raw = f.read(n)
+        size = f.seek(0, 2)
+        f.seek(0)
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise bad("shorter than 8 bytes")
+        (n,) = struct.unpack("<Q", prefix)
+        if n > MAX_HEADER_BYTES or 8 + n > size:
+            raise bad(f"header length {n} does not fit a {size}-byte file")
+        raw = f.read(n)
     except OSError as exc:
         raise InvalidSource(f"cannot read {path}: {exc.strerror or exc}") from exc
     try:

@@ -33,7 +33,8 @@ def import_json(cli: RunCLI, *args: str) -> dict:
 
 def test_import_then_ls(cli: RunCLI, tiny_model_dir: Path) -> None:
     imported = import_json(cli, str(tiny_model_dir))
-    assert set(imported) == {"id", "name", "path", "bytes", "dtype"}
+    assert set(imported) == {"id", "name", "path", "bytes", "dtype", "kind", "adapter"}
+    assert (imported["kind"], imported["adapter"]) == ("model", None)
     source_bytes = sum(p.stat().st_size for p in tiny_model_dir.iterdir())
     assert (imported["name"], imported["dtype"], imported["bytes"]) == ("tiny-llama", "float32", source_bytes)
     [listed] = ls_json(cli)
@@ -43,7 +44,7 @@ def test_import_then_ls(cli: RunCLI, tiny_model_dir: Path) -> None:
 
     header, columns, row = cli("ls").stdout.splitlines()
     assert header.endswith(f"in {Path(imported['path']).parent}/<ID>")  # the path, less the id
-    assert columns.split() == "ID NAME DTYPE SIZE LAST USED PINNED BY CACHED WHERE".split()
+    assert columns.split() == "ID NAME DTYPE SIZE KIND RANK BASE LAST USED PINNED BY CACHED WHERE".split()
     assert row.split()[:3] == [imported["id"][:12], "tiny-llama", "float32"]
     assert row.split()[-1] == "local"
 

@@ -1,7 +1,8 @@
 """`stoker snapshot`: import models into the local snapshot store, list them, verify them.
 
-    stoker snapshot import SOURCE [--name NAME] [--json]     a model directory, a .gguf file, or a
-                                                               Hugging Face repo id in the local cache
+    stoker snapshot import SOURCE [--name NAME] [--json]     a model directory, a .gguf file, a PEFT
+                                                               LoRA adapter directory, or a Hugging
+                                                               Face repo id in the local cache
     stoker snapshot import --builtin smollm2 [--name NAME] [--json]
     stoker snapshot ls [--json]                                most recently used first
     stoker snapshot verify REF                                 name, id, or id prefix (8+ hex)
@@ -31,8 +32,10 @@ from snapshots import (
     SnapshotStore,
     builtin_path,
     hf_cache,
+    import_adapter_dir,
     import_gguf,
     import_hf_dir,
+    is_adapter_dir,
     pagecache,
 )
 from snapshots.errors import SnapshotNotFound
@@ -51,13 +54,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     sub = parser.add_subparsers(dest="snapshot_command", required=True, metavar="SUBCOMMAND")
 
-    imp = sub.add_parser("import", help="import a model directory, a .gguf file, or a builtin model")
+    imp = sub.add_parser(
+        "import", help="import a model directory, a .gguf file, a LoRA adapter directory, or a builtin model"
+    )
     imp.add_argument(
         "source",
         nargs="?",
         metavar="SOURCE",
-        help="a Hugging Face layout directory, a .gguf file, or a repo id (org/name[@revision]) already in "
-        "the local Hugging Face cache ($HF_HOME/hub)",
+        help="a Hugging Face layout directory, a .gguf file, a PEFT LoRA adapter directory "
+        "(adapter_config.json + adapter_model.safetensors), or a repo id (org/name[@revision]) already "
+        "in the local Hugging Face cache ($HF_HOME/hub)",
     )
     imp.add_argument("--builtin", metavar="NAME", help=f"a model shipped in a package: {', '.join(BUILTINS)}")
     imp.add_argument(
@@ -131,13 +137,27 @@ def _import_source(source: str, store: SnapshotStore, name: str | None) -> Snaps
         raise InvalidSource(f"unsupported source {source}: give a local model directory or .gguf file")
     path = Path(source).expanduser()
     if not path.exists() and hf_cache.is_repo_ref(source):  # a path that exists wins over a repo id
-        return import_hf_dir(hf_cache.resolve(source), store, name or hf_cache.default_name(source))
+        return _import_dir(hf_cache.resolve(source), store, name or hf_cache.default_name(source))
     if not path.exists():
         raise InvalidSource(f"no such file or directory: {source}")
     name = name or _default_name(path)
     if path.is_file() and path.suffix.lower() == ".gguf":
         return import_gguf(path, store, name, on_convert=_say_converting)
+    return _import_dir(path, store, name)
+
+
+def _import_dir(path: Path, store: SnapshotStore, name: str | None) -> SnapshotRecord:
+    if path.is_dir() and is_adapter_dir(path):
+        return import_adapter_dir(path, store, name)
     return import_hf_dir(path, store, name)
+
+
+def _adapter_line(record: SnapshotRecord) -> str:
+    """`LoRA r=4, alpha 8, on down_proj,q_proj,v_proj, for BASE` (an adapter's line in `import`)."""
+    a = record.adapter
+    assert a is not None
+    targets = ",".join(a.target_modules)
+    return f"LoRA r={a.rank}, alpha {a.lora_alpha:g}, on {targets}, for {a.base_model or '(no base named)'}"
 
 
 def cmd_import(args: argparse.Namespace) -> int:
@@ -158,13 +178,15 @@ def cmd_import(args: argparse.Namespace) -> int:
     else:
         record = _import_source(args.source, store, args.name)
     if args.json:
-        keys = ("id", "name", "path", "bytes", "dtype")
+        keys = ("id", "name", "path", "bytes", "dtype", "kind", "adapter")
         print(json.dumps({k: v for k, v in record.to_dict().items() if k in keys}))
     else:
         print(f"id:    {record.id}")
         print(f"name:  {', '.join(record.names) or '-'}")
         print(f"path:  {record.path}")
         print(f"size:  {format_size(record.bytes)} ({record.dtype})")
+        if record.adapter is not None:
+            print(f"kind:  adapter ({_adapter_line(record)})")
     return 0
 
 
@@ -238,16 +260,23 @@ def cmd_ls(args: argparse.Namespace) -> int:
     budget = f" of the {format_size(store.budget_bytes)} budget" if store.budget_bytes else ""
     print(f"{len(entries)} snapshot(s), {total}{budget}, in {store.root}/<ID>")
     now = time.time()
-    rows = [("ID", "NAME", "DTYPE", "SIZE", "LAST USED", "PINNED BY", "CACHED", "WHERE")]
+    # KIND, RANK and BASE after SIZE: an adapter's rank and the base it was trained on (as given).
+    rows = [
+        ("ID", "NAME", "DTYPE", "SIZE", "KIND", "RANK", "BASE", "LAST USED", "PINNED BY", "CACHED", "WHERE")
+    ]
     for e in entries:
         pinned = ",".join(e["pinned_by"]) or "?" if e["pinned"] else "-"
         cached = "-" if e["page_cache"] is None else f"{e['page_cache']:.0%}"
+        adapter = e["adapter"] or {}
         rows.append(
             (
                 e["id"][:12],
                 _clip(",".join(e["names"]) or "-", 24),
                 e["dtype"],
                 format_size(e["bytes"]),
+                e["kind"],
+                str(adapter.get("rank", "-")),
+                _clip(adapter.get("base_model") or "-", 24),
                 _ago(now - e["last_used_epoch"]),
                 _clip(pinned, 16),
                 cached,
