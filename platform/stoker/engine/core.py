@@ -36,7 +36,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
-import json
 import logging
 import time
 import uuid
@@ -53,7 +52,7 @@ from stoker.engine import draw as draw_mod
 from stoker.engine import pages, weights
 from stoker.engine.generation import PAGE_SIZE, Generation
 from stoker.engine.metrics import EngineMetrics, blocks
-from stoker.engine.protocol import GenerationRequest, SamplingParams
+from stoker.engine.protocol import GenerationRequest, SamplingParams, sampling_defaults
 from stoker.engine.structured import Grammars
 from stoker.errors import invalid, unavailable
 
@@ -466,24 +465,6 @@ class Engine:
             if self._manager.is_running():  # not when asleep: a kept manager is stopped already
                 self._manager.stop(block=True, timeout=10)
             self._manager = None
-
-
-def sampling_defaults(snapshot_dir: Path) -> dict[str, float]:
-    """The sampling parameters the snapshot's generation_config.json sets (temperature, top_p): the
-    defaults for requests that leave them out, as vLLM applies them. Values out of range are ignored."""
-    try:
-        config = json.loads((snapshot_dir / "generation_config.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    limits = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0)}
-    out = {}
-    for key, (low, high) in limits.items():
-        value = config.get(key) if isinstance(config, dict) else None
-        if isinstance(value, int | float) and not isinstance(value, bool) and low <= value <= high:
-            out[key] = float(value)
-    if out.get("top_p") == 0.0:
-        del out["top_p"]
-    return out
 
 
 def _trim_heap() -> None:
