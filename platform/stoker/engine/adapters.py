@@ -356,6 +356,8 @@ class Adapters:
 
     def use_model(self, model: nn.Module) -> None:
         """A new module tree for the same base (a reload on wake): hook it instead of the old one."""
+        if model is self.model:
+            return
         with self._lock:
             self.model, self._hooks, self._dirty = model, {}, True
 

@@ -294,3 +294,13 @@ def test_an_adapter_request_never_shares_prefix_blocks_with_the_base(lora_engine
     adapter_first = [answer(lora_engine.url, "a1"), answer(lora_engine.url, "tiny")]
     base_first = [answer(fresh, "tiny"), answer(fresh, "a1")]
     assert adapter_first == base_first[::-1]
+
+
+def test_an_adapter_answers_alike_after_sleep_and_wake(fresh_engine, adapters):
+    e = fresh_engine()
+    assert load(e.url, "a1", adapters["a1"]).status_code == 200
+    before = (text(e.url, "a1"), text(e.url, "tiny"))
+    for level in (1, 2):
+        assert httpx.post(f"{e.url}/sleep?level={level}", timeout=HTTP_READ).status_code == 200
+        assert httpx.post(f"{e.url}/wake_up", timeout=HTTP_READ).status_code == 200
+        assert (text(e.url, "a1"), text(e.url, "tiny")) == before
