@@ -57,6 +57,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--kv-cache-tokens", type=_positive_int, help="KV cache size in tokens (default 2×context)"
     )
     p.add_argument(
+        "--max-adapters",
+        type=_non_negative_int,
+        default=4,
+        help="LoRA adapters loaded at once, least recently used evicted (0: none)",
+    )
+    p.add_argument("--max-lora-rank", type=_positive_int, default=64, help="largest LoRA rank loaded")
+    p.add_argument(
         "--max-body-bytes",
         type=_positive_int,
         default=1 << 20,
@@ -115,6 +122,8 @@ def run(args: argparse.Namespace) -> int:
             max_waiting=args.max_waiting,
             queue_timeout_s=args.queue_timeout,
             kv_cache_tokens=args.kv_cache_tokens,
+            max_adapters=args.max_adapters,
+            max_lora_rank=args.max_lora_rank,
         )
     except ValueError as exc:
         raise CLIError(str(exc)) from None

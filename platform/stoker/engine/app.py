@@ -1,6 +1,8 @@
 """The CPU engine's HTTP surface: vLLM's OpenAI-compatible routes, health, metrics, sleep and wake.
 
-The two generation routes are pure ASGI endpoints: they read the body under a size limit, answer
+LoRA adapters come and go by vLLM's routes (`/v1/load_lora_adapter`, `/v1/unload_lora_adapter`),
+are listed by `/v1/models` with their `parent`, and a request names one as its `model`
+(`stoker.engine.adapters`). The two generation routes are pure ASGI endpoints: they read the body under a size limit, answer
 every refusal as an OpenAI error before any header goes out, then stream each delta to the client
 as it is produced (nothing buffered). A chat stream's role chunk goes out with the first token, in
 the same write, never before it exists. A task watches the connection for `http.disconnect` the
@@ -18,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
@@ -26,7 +28,7 @@ from stoker.engine.core import Engine
 from stoker.engine.generation import Generation
 from stoker.engine.protocol import Kind, ensure_served, parse_request
 from stoker.engine.responses import ResponseShape, sse
-from stoker.errors import APIError, error_response, invalid
+from stoker.errors import UNAVAILABLE, APIError, error_response, invalid
 from stoker.http import (
     BearerAuth,
     ClientGone,
@@ -89,11 +91,11 @@ class CompletionsEndpoint:
         try:
             body = parse_json_object(await read_body(receive, scope, self.max_body_bytes))
             req = parse_request(self.kind, body, engine.sampling_defaults)
-            ensure_served(req.model, engine.config.served_model_name)
+            adapter = _resolve(engine, req.model)
             engine.check_serving()
             ids = engine.prompt_ids(req)
             max_new = engine.budget(len(ids), req.params)
-            generation = await engine.start(ids, req.params, max_new)
+            generation = await engine.start(ids, req.params, max_new, adapter)
         except APIError as exc:
             await error_response(exc)(scope, receive, send)
             return
@@ -167,6 +169,22 @@ def _as_api_error(exc: Exception, generation: Generation) -> APIError:
     return internal_error("engine")
 
 
+def _resolve(engine: Engine, model: str):
+    """The LoRA adapter a request's `model` names, None for the base; a 404 for anything else."""
+    served = engine.config.served_model_name
+    if engine.adapters is None:  # still loading: only the base's name is known
+        ensure_served(model, served)
+        return None
+    return engine.adapters.resolve(model, served)
+
+
+def _lora_name(body: dict) -> str:
+    name = body.get("lora_name")
+    if not isinstance(name, str) or not name:
+        raise invalid("'lora_name' must be a non-empty string.", param="lora_name")
+    return name
+
+
 def _response_id(kind: Kind, request_id: str) -> str:
     return ("chatcmpl-" if kind == "chat" else "cmpl-") + request_id
 
@@ -196,16 +214,66 @@ def build_app(
             out["max_model_len"] = engine.max_model_len
         return out
 
+    def adapter_cards() -> dict[str, dict]:
+        """vLLM's cards for LoRA adapters: `root` is the adapter's path, `parent` the base's name."""
+        loaded = engine.adapters.loaded if engine.adapters is not None else {}
+        return {
+            name: {
+                "id": name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "stoker",
+                "root": a.path,
+                "parent": served,
+            }
+            for name, a in loaded.items()
+        }
+
     async def models(request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [card()]})
+        return JSONResponse({"object": "list", "data": [card(), *adapter_cards().values()]})
 
     async def model(request: Request) -> Response:
         """OpenAI's `GET /v1/models/{model}`: the model object, or a 404 in OpenAI's error shape."""
         name = request.path_params["model"]
-        if name != served:
-            message = f"The model `{name}` does not exist."
-            return error_response(APIError(404, message, param="model", code="model_not_found"))
-        return JSONResponse(card())
+        if name == served:
+            return JSONResponse(card())
+        if (adapter := adapter_cards().get(name)) is not None:
+            return JSONResponse(adapter)
+        message = f"The model `{name}` does not exist."
+        return error_response(APIError(404, message, param="model", code="model_not_found"))
+
+    async def lora_body(request: Request) -> dict:
+        if engine.adapters is None:
+            raise APIError(
+                503, f"The engine is {engine.state}.", type=UNAVAILABLE, code=f"engine_{engine.state}"
+            )
+        return parse_json_object(await read_body(request.receive, request.scope, max_body_bytes))
+
+    async def load_lora_adapter(request: Request) -> Response:
+        """vLLM's `POST /v1/load_lora_adapter` {lora_name, lora_path, load_inplace?}: 200 and a line
+        of text, or an OpenAI error (400 a bad adapter, 404 no such path, 503 every slot busy)."""
+        try:
+            body = await lora_body(request)
+            name, path = _lora_name(body), body.get("lora_path")
+            if not isinstance(path, str) or not path:
+                raise invalid("Both 'lora_name' and 'lora_path' must be provided.", param="lora_path")
+            if name == served:
+                raise invalid(f"'lora_name' cannot be the base model's name `{served}`.", param="lora_name")
+            inplace = body.get("load_inplace", False)
+            if not isinstance(inplace, bool):
+                raise invalid("'load_inplace' must be true or false.", param="load_inplace")
+            await engine.adapters.load(name, path, inplace)
+        except APIError as exc:
+            return error_response(exc)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload_lora_adapter(request: Request) -> Response:
+        try:
+            name = _lora_name(await lora_body(request))
+            await engine.adapters.unload(name)
+        except APIError as exc:
+            return error_response(exc)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
     async def health(request: Request) -> Response:
         engine.check_loop()
@@ -248,6 +316,8 @@ def build_app(
         Route("/v1/chat/completions", CompletionsEndpoint(engine, "chat", max_body_bytes), methods=["POST"]),
         Route("/v1/completions", CompletionsEndpoint(engine, "completion", max_body_bytes), methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/load_lora_adapter", load_lora_adapter, methods=["POST"]),
+        Route("/v1/unload_lora_adapter", unload_lora_adapter, methods=["POST"]),
         Route("/v1/models/{model:path}", model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),

@@ -13,6 +13,8 @@ comes back to the loop through `register_result_handler` (`call_soon_threadsafe`
   the manager's step (`draw.py`); its grammar is compiled before admission, so a schema that cannot
   be enforced is a 400 that holds no slot. `vllm:time_to_first_token_seconds` is observed when the
   first token reaches the event loop, before any byte of the answer is sent.
+- LoRA adapters: loaded and unloaded at run time, each request for the base or for one of them,
+  all mixed in one batch step (`adapters.py` says how); a request holds its adapter from admission on.
 - Device: the CPU, or a CUDA GPU, chosen once at start (`EngineConfig.device`); everything else is
   the same code on both.
 - Load: the weights are memory-mapped from the snapshot's safetensors into a model built without
@@ -36,7 +38,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
-import json
 import logging
 import time
 import uuid
@@ -49,11 +50,13 @@ from transformers import AutoTokenizer, GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 from snapshots import pagecache
+from stoker.engine import adapters as adapters_mod
 from stoker.engine import draw as draw_mod
 from stoker.engine import pages, weights
+from stoker.engine.adapters import Adapter, Adapters
 from stoker.engine.generation import PAGE_SIZE, Generation
 from stoker.engine.metrics import EngineMetrics, blocks
-from stoker.engine.protocol import GenerationRequest, SamplingParams
+from stoker.engine.protocol import GenerationRequest, SamplingParams, sampling_defaults
 from stoker.engine.structured import Grammars
 from stoker.errors import invalid, unavailable
 
@@ -80,17 +83,20 @@ class EngineConfig:
     # Longest silence between two outputs of one request (a long prefill behind a full batch is
     # seconds on this CPU); past it the request fails rather than waiting forever.
     stall_timeout_s: float = 300.0
+    max_adapters: int = 4  # LoRA adapters loaded at once (an LRU); 0: none served
+    max_lora_rank: int = 64
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.device not in weights.DEVICES:
             raise ValueError(f"device must be one of {list(weights.DEVICES)}, got {self.device!r}")
-        for name in ("max_num_seqs", "max_prefill_tokens"):
+        for name in ("max_num_seqs", "max_prefill_tokens", "max_lora_rank"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.max_waiting < 0:
-            raise ValueError(f"max_waiting must be at least 0, got {self.max_waiting}")
+        for name in ("max_waiting", "max_adapters"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be at least 0, got {getattr(self, name)}")
         for name in ("queue_timeout_s", "stall_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -112,6 +118,7 @@ class Engine:
         self._model = None
         self._tokenizer = None
         self._manager = None
+        self.adapters: Adapters | None = None  # once the model is loaded
         self._draws = draw_mod.Draws()
         self._grammars: Grammars | None = None
         self.vocab_size = 0  # the width of the model's logits
@@ -151,6 +158,10 @@ class Engine:
         self.vocab_size = model_cfg.vocab_size
         self._draws.eos = min(self._eos, default=0)
         self._grammars = Grammars(self._tokenizer, self.vocab_size, self._eos)
+        limits = (cfg.max_adapters, cfg.max_lora_rank)
+        self.adapters = Adapters(
+            self._model, *limits, self.metrics, self.clock, cfg.device, DTYPES[cfg.dtype]
+        )
         self._start_manager()
         self._ready_to_serve()
         if cfg.device != "cpu":  # measured on the CPU only: a GPU's first kernels may still want it
@@ -192,6 +203,7 @@ class Engine:
         )
         manager = self._model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
         draw_mod.install(manager, self._draws)
+        adapters_mod.install(manager, self.adapters)
         manager.start()
         self._manager = manager
 
@@ -206,6 +218,7 @@ class Engine:
             if not self._manager.is_running() or time.monotonic() > deadline:
                 raise RuntimeError("the engine's generation loop did not start")
             time.sleep(0.002)
+        adapters_mod.guard_prefix_cache(self._manager.batch_processor.cache, self.adapters)
 
     def _warm_up(self) -> None:
         """One short generation, so that the first real request does not pay for lazy initialisation
@@ -294,7 +307,9 @@ class Engine:
             self.failure = "the generation loop stopped"
             log.error("the generation loop stopped; this engine is failed and serves no more requests")
 
-    async def start(self, prompt_ids: list[int], params: SamplingParams, max_new: int) -> Generation:
+    async def start(
+        self, prompt_ids: list[int], params: SamplingParams, max_new: int, adapter: Adapter | None = None
+    ) -> Generation:
         """Admit one request and hand it to the batching manager.
 
         Raises `APIError` before anything is generated when the engine cannot take it (503) or the
@@ -302,21 +317,28 @@ class Engine:
         `logit_bias`, a `response_format` schema that cannot be enforced), so the caller can answer
         with an error status instead of a broken stream. The returned `Generation` must be used as
         an async context manager: leaving it frees the slot and cancels generation that has not
-        finished.
+        finished. With `adapter` (`Adapters.resolve`), it generates with that LoRA adapter.
         """
         arrival = self.clock()
         self.check_serving()
-        for token, _ in params.logit_bias:
-            if token >= self.vocab_size:
-                raise invalid(
-                    f"'logit_bias' has token id {token}, outside the vocabulary (size {self.vocab_size}).",
-                    param="logit_bias",
-                )
-        grammar = None
-        if params.response_format is not None:  # compiled before admission: a bad schema holds no slot
-            grammar = await asyncio.to_thread(self._grammars.compile, params.response_format)
-        await self._admit()
-        generation = Generation(self, self._manager, prompt_ids, params, arrival, grammar, self.clock())
+        self.adapters.pin(adapter)  # held while it waits (no eviction); the generation unpins it
+        try:
+            for token, _ in params.logit_bias:
+                if token >= self.vocab_size:
+                    raise invalid(
+                        f"'logit_bias' has token id {token}, outside the vocabulary (size {self.vocab_size}).",
+                        param="logit_bias",
+                    )
+            grammar = None
+            if params.response_format is not None:  # compiled before admission: a bad schema holds no slot
+                grammar = await asyncio.to_thread(self._grammars.compile, params.response_format)
+            await self._admit()
+        except BaseException:
+            self.adapters.unpin(adapter)
+            raise
+        generation = Generation(
+            self, self._manager, prompt_ids, params, arrival, grammar, self.clock(), adapter
+        )
         try:
             generation.submit(max_new)
         except BaseException:
@@ -428,6 +450,7 @@ class Engine:
             log.warning("weights: %s; reloading through transformers' from_pretrained instead", reason)
             self._model = weights.from_pretrained(snapshot_dir, dtype, cfg.device)
             self.weights_source = weights.FROM_PRETRAINED
+        self.adapters.use_model(self._model)  # a new module tree wants its hooks again
         self._asleep = None
         manager = self._manager
         if manager is not None and manager.model is self._model:
@@ -466,24 +489,6 @@ class Engine:
             if self._manager.is_running():  # not when asleep: a kept manager is stopped already
                 self._manager.stop(block=True, timeout=10)
             self._manager = None
-
-
-def sampling_defaults(snapshot_dir: Path) -> dict[str, float]:
-    """The sampling parameters the snapshot's generation_config.json sets (temperature, top_p): the
-    defaults for requests that leave them out, as vLLM applies them. Values out of range are ignored."""
-    try:
-        config = json.loads((snapshot_dir / "generation_config.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    limits = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0)}
-    out = {}
-    for key, (low, high) in limits.items():
-        value = config.get(key) if isinstance(config, dict) else None
-        if isinstance(value, int | float) and not isinstance(value, bool) and low <= value <= high:
-            out[key] = float(value)
-    if out.get("top_p") == 0.0:
-        del out["top_p"]
-    return out
 
 
 def _trim_heap() -> None:

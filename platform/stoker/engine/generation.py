@@ -26,6 +26,7 @@ from stoker.engine.text import TextTracker
 from stoker.errors import SERVER_ERROR, APIError
 
 if TYPE_CHECKING:
+    from stoker.engine.adapters import Adapter
     from stoker.engine.core import Engine
 
 PAGE_SIZE = 32  # tokens per KV block: small pages waste little memory on short CPU requests
@@ -51,12 +52,14 @@ class Generation:
         arrival: float,
         grammar: Matcher | None = None,
         admitted: float | None = None,  # when it got its slot; default: arrival
+        adapter: Adapter | None = None,  # pinned by the engine; unpinned here on close
     ):
         self._engine = engine
         self._manager = manager
         self._prompt_ids = prompt_ids
         self._params = params
         self._arrival = arrival
+        self._adapter = adapter
         self._admitted = arrival if admitted is None else admitted
         self._first_token_at: float | None = None
         self._max_new = 0
@@ -87,6 +90,8 @@ class Generation:
         greedy = params.greedy
         if self._draw is not None:
             engine._draws.register(rid, self._draw)
+        if self._adapter is not None:  # before the manager can schedule it: its first step uses it
+            engine.adapters.bind(rid, self._adapter)
         self._manager.register_result_handler(rid, self._outputs.put_nowait)
         accepted = self._manager.add_request(
             self._prompt_ids,
@@ -212,6 +217,9 @@ class Generation:
                 self._observe("error" if self._failed else "abort")
         self._fill_kv(0)
         engine._draws.forget(self.request_id)
+        if self._adapter is not None:
+            engine.adapters.unbind(self.request_id)
+            engine.adapters.unpin(self._adapter)
         engine._release()
 
 

@@ -14,8 +14,10 @@ vLLM families this engine does not export, because it measures nothing they coul
 multi-modal and external cache queries and hits, preemptions, prompt tokens by source or cached,
 tokens per engine step (`iteration_tokens_total`), waiting by reason, admission rejections (its own
 are `stoker_engine_rejected_requests_total{reason}`), FLOPs estimates, `cache_config_info`.
-`stoker_engine_` names what only this engine reports: rejections, start-up phases, and a plain 0/1
-sleep gauge (`vllm:engine_sleep_state` says the same by level).
+`stoker_engine_` names what only this engine reports: rejections, start-up phases, a plain 0/1
+sleep gauge (`vllm:engine_sleep_state` says the same by level), and LoRA adapter loads, their
+seconds, evictions and the number loaded (vLLM's one LoRA family, `vllm:lora_requests_info`, an
+info gauge whose label values are adapter names, is not exported).
 
 One registry per engine, built by the composition root, never a module-level global.
 """
@@ -44,6 +46,7 @@ REQUEST_LATENCY_BUCKETS = (
     480.0, 960.0, 1920.0, 7680.0,
 )  # fmt: skip
 REQUEST_PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
+LORA_LOAD_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")  # vLLM's FinishReason, all shown
 SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")  # awake; asleep at level 1; at level 2
 
@@ -160,7 +163,35 @@ class EngineMetrics:
             [*labels, "phase"],
             registry=r,
         )
+        # LoRA adapters (`stoker.engine.adapters`). vLLM exports only `vllm:lora_requests_info`
+        # (adapter names as label values); loads, their time and evictions are this engine's own.
+        self._lora_loads = Counter(
+            "stoker_engine_lora_adapter_loads",
+            "LoRA adapter loads, by result: ok, refused (a 4xx) or failed.",
+            [*labels, "result"],
+            registry=r,
+        )
+        self._lora_load_seconds = histogram(
+            "stoker_engine_lora_adapter_load_seconds",
+            "Histogram of the time to read, check and add one LoRA adapter, in seconds.",
+            LORA_LOAD_BUCKETS,
+        )
+        self._lora_evictions = counter(
+            "stoker_engine_lora_adapter_evictions", "LoRA adapters evicted to make room (--max-adapters)."
+        )
+        self._lora_loaded = gauge("stoker_engine_lora_adapters_loaded", "LoRA adapters loaded now.")
         self.asleep(None)
+
+    def lora_load(self, result: str, seconds: float | None = None) -> None:
+        self._lora_loads.labels(model_name=self._model, engine=ENGINE, result=result).inc()
+        if seconds is not None:
+            self._lora_load_seconds.observe(seconds)
+
+    def lora_evicted(self) -> None:
+        self._lora_evictions.inc()
+
+    def lora_adapters(self, loaded: int) -> None:
+        self._lora_loaded.set(loaded)
 
     def sized(self, max_model_len: int) -> None:
         """Register the token-count histograms, whose buckets end at the context length (once)."""

@@ -37,6 +37,7 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 from stoker.errors import APIError, invalid
@@ -415,3 +416,21 @@ def ensure_served(model: str, served: str) -> None:
             param="model",
             code="model_not_found",
         )
+
+
+def sampling_defaults(snapshot_dir: Path) -> dict[str, float]:
+    """The sampling parameters the snapshot's generation_config.json sets (temperature, top_p): the
+    defaults for requests that leave them out, as vLLM applies them. Values out of range are ignored."""
+    try:
+        config = json.loads((snapshot_dir / "generation_config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    limits = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0)}
+    out = {}
+    for key, (low, high) in limits.items():
+        value = config.get(key) if isinstance(config, dict) else None
+        if isinstance(value, int | float) and not isinstance(value, bool) and low <= value <= high:
+            out[key] = float(value)
+    if out.get("top_p") == 0.0:
+        del out["top_p"]
+    return out

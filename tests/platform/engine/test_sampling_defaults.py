@@ -6,8 +6,7 @@ import json
 
 import pytest
 
-from stoker.engine.core import sampling_defaults
-from stoker.engine.protocol import parse_request
+from stoker.engine.protocol import parse_request, sampling_defaults
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
