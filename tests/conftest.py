@@ -154,6 +154,36 @@ def build_tiny_model(
     return out
 
 
+LORA_TARGETS = ("q_proj", "v_proj", "o_proj", "up_proj", "down_proj")
+
+
+def build_tiny_adapter(
+    base: Path,
+    out: Path,
+    *,
+    seed: int,
+    rank: int = 8,
+    targets: tuple[str, ...] = LORA_TARGETS,
+    scale: float = 0.5,
+):
+    """A PEFT LoRA adapter for the model at `base`, saved to `out` as PEFT saves one; returns the
+    peft model (to merge). Its lora_B is seeded random times `scale` (PEFT starts it at zero, which
+    would change nothing; `scale=0` keeps that)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(base)
+    peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(targets)))
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn_like(param) * scale)
+    peft_model.save_pretrained(out)
+    return peft_model
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model") / "tiny-llama")

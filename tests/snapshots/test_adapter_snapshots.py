@@ -32,6 +32,7 @@ from snapshots import (
 )
 from snapshots.adapter import MAX_RANK
 from snapshots.manifest import MANIFEST_NAME
+from tests.conftest import build_tiny_adapter
 from tests.deadlines import CLI
 from tests.snapshots.s3_support import ACCESS_KEY, SECRET_KEY, MotoServer, aws_env
 from tests.snapshots.support import RunCLI, assert_one_line_error, snapshot_dirs
@@ -44,14 +45,8 @@ TINY_SHAPES = (("down_proj", 128, 64), ("q_proj", 64, 64), ("v_proj", 64, 32))
 @pytest.fixture(scope="module")
 def adapter_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A rank-4 LoRA adapter (alpha 8) on q_proj, v_proj and down_proj of the tiny Llama, as PEFT saves it."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaForCausalLM
-
-    torch.manual_seed(0)
-    model = LlamaForCausalLM.from_pretrained(tiny_model_dir)
-    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS))
     out = tmp_path_factory.mktemp("adapter") / "tiny-lora"
-    peft_model.save_pretrained(out)
+    build_tiny_adapter(tiny_model_dir, out, seed=0, rank=4, targets=tuple(TARGETS), scale=0.0)
     return out
 
 

@@ -24,6 +24,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from activator.adapters import AdapterRef
 from activator.balancer import point
+from stoker.control.models import resolve_model
 from stoker.errors import APIError, invalid
 from stoker.gateway.revisions import RevisionStats, answer_on, pick_revision
 from stoker.spec.deployment import DeploymentSpec
@@ -190,11 +191,37 @@ class AdapterDeployments:
         a.revisions[spec.revision] = spec
         a.traffic = {r: p for r, p in self._p.registry.traffic(spec.name).items() if p}
 
-    async def deploy(
-        self, fields: dict[str, Any], canary: int | None, snapshot_id: str
-    ) -> tuple[DeploymentSpec, bool]:
+    def check_free(self, name: str) -> None:
+        """A model's deploy under an adapter's name: 409."""
+        if name in self._by_name:
+            raise APIError(
+                409,
+                f"{name!r} is an adapter's deployment; deploy it with --adapter and --base.",
+                param="name",
+                code="name_taken",
+            )
+
+    def check_unused(self, base: str) -> None:
+        """A base's removal while adapters run on it: 409 naming them."""
+        if on := self.on(base):
+            raise APIError(
+                409,
+                f"Adapter deployment(s) {', '.join(on)} run on {base!r}; remove them first.",
+                param="name",
+                code="base_in_use",
+            )
+
+    async def deploy(self, fields: dict[str, Any], canary: int | None) -> tuple[DeploymentSpec, bool]:
         """A new revision of the adapter deployment (creating it): all of the traffic at once, or the
         canary's share. Nothing warms: each instance loads it at its first request."""
+        if self._p.base(fields["name"]) is not None:
+            raise APIError(
+                409,
+                f"{fields['name']!r} is a model's deployment; an adapter needs a name of its own.",
+                param="name",
+                code="name_taken",
+            )
+        snapshot_id = await resolve_model(self._p.store, fields["model"], "adapter")
         base = self._p.get(fields["base"])
         if base is None:
             raise APIError(

@@ -15,6 +15,7 @@ from snapshots import (
     import_gguf,
     import_hf_dir,
 )
+from snapshots.importer import import_adapter_dir
 from snapshots.remote import read_manifest
 from snapshots.s3 import RemoteConfig
 from stoker.errors import invalid
@@ -52,6 +53,8 @@ async def resolve_model(store: SnapshotStore, model: str, param: str = "model") 
 
 def import_local(store: SnapshotStore, model: str) -> SnapshotRecord | None:
     path = Path(model).expanduser()
+    if path.is_dir() and (path / "adapter_config.json").exists() and not (path / "config.json").exists():
+        return import_adapter_dir(path, store)  # a PEFT LoRA adapter (`snapshots.adapter`)
     if path.is_dir():
         return import_hf_dir(path, store)
     if path.is_file() and path.suffix == ".gguf":

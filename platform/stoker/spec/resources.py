@@ -131,7 +131,10 @@ def _spec_schema(body: dict[str, Any] | None = None, names: dict[str, str] = _TO
     body = body or deploy_schema()
     properties = {names[k]: structural(v) for k, v in body["properties"].items() if k in names}
     required = [names[k] for k in body.get("required", []) if k in names]
-    return {"type": "object", "required": required, "properties": properties}
+    out: dict[str, Any] = {"type": "object", "properties": properties}
+    if required:  # an empty list is not a schema's `required`
+        out["required"] = required
+    return out
 
 
 def _revision_schema() -> dict[str, Any]:
@@ -144,7 +147,7 @@ def _revision_schema() -> dict[str, Any]:
         "snapshotId": {"type": "string", "minLength": 1, "maxLength": 128},
         **spec["properties"],
     }
-    spec["required"] = ["deployment", "revision", "snapshotId", *spec["required"]]
+    spec["required"] = ["deployment", "revision", "snapshotId", *spec.get("required", [])]
     return spec
 
 

@@ -65,7 +65,9 @@ def test_version():
         (["up", "--checkpoint-interval", "0.5s"], ["--checkpoint-interval must be 1s to 3600s (or off), got 0.5s"]),
         (["controller", "--checkpoint-interval", "2h"], ["--checkpoint-interval must be 1s to 3600s"]),
         (["logs", "x", "--tail", "many"], ["argument --tail: must be a number of lines"]),
-        (["deploy", "x"], ["the following arguments are required: --model"]),
+        (["deploy", "x"], ["--model is required (or --adapter with --base, for a LoRA adapter)"]),
+        (["deploy", "x", "--adapter", "./lora"], ["--adapter and --base go together"]),
+        (["deploy", "x", "--model", "m", "--adapter", "./lora", "--base", "b"], ["--model and --adapter exclude each other"]),
         ([], ["the following arguments are required: COMMAND"]),
         (["ls", "--url", "localhost:8080"], ["--url: 'localhost:8080' is not an http:// or https:// address"]),
         (["ls"], ["cannot reach the platform at http://127.0.0.1:1"]),  # $STOKER_URL

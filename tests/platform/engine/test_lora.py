@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from stoker.engine.adapters import UNSUPPORTED, check_config, choose_victim
 from stoker.errors import APIError
-from tests.conftest import build_tiny_model
+from tests.conftest import build_tiny_adapter, build_tiny_model
 from tests.deadlines import HTTP_READ
 
 PROMPT = "the quick brown fox"
@@ -27,20 +27,7 @@ TARGETS = ["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"]
 
 
 def build_adapter(base: Path, out: Path, seed: int, rank: int = 8):
-    """A peft LoRA adapter for `base`, saved to `out`; returns the peft model (for merging)."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_pretrained(base)
-    peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS))
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if "lora_B" in name:
-                param.copy_(torch.randn_like(param) * 0.5)
-    peft_model.save_pretrained(out)
-    return peft_model
+    return build_tiny_adapter(base, out, seed=seed, rank=rank, targets=tuple(TARGETS))
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,89 @@
+"""LoRA adapters as deployments on `stoker up` with the CPU engine, end to end with real parts: a
+base deployed at zero, two adapters deployed on it from local PEFT directories, and the official
+`openai` client calling `model="a1"`.
+
+The adapter's answer is its own (greedy, it differs from the base's and from the other adapter's);
+a request for an adapter of a base at zero is held while the base starts, then the adapter loads;
+both adapters and the base answer from the one instance; `/v1/models` lists each adapter with its
+base as `parent`; a tenant key scoped to one adapter calls it and not its base; an adapter made for
+another base is refused at deploy, naming both."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import build_tiny_adapter, build_tiny_model
+from tests.deadlines import COLD_ANSWER, HTTP_READ
+from tests.platform.conftest import PlatformProcess
+
+ADMIN = "admin-key-adapters"
+H = {"authorization": f"Bearer {ADMIN}"}
+
+
+@pytest.fixture(scope="module")
+def adapter_dirs(tiny_model_dir: Path, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("lora")
+    out = {}
+    for name, seed in (("a1", 1), ("a2", 2)):
+        build_tiny_adapter(tiny_model_dir, root / name, seed=seed)
+        out[name] = root / name
+    return out
+
+
+def greedy(client: openai.OpenAI, model: str) -> str:
+    answer = client.completions.create(model=model, prompt="the quick brown fox", max_tokens=8, temperature=0)
+    return answer.choices[0].text
+
+
+def test_adapters_on_a_base_at_zero(
+    platform_factory, tiny_model_dir: Path, adapter_dirs, tmp_path: Path
+) -> None:
+    p: PlatformProcess = platform_factory("--stable-window", "2", env={"STOKER_ADMIN_KEY": ADMIN})
+    p.deploy("base", tiny_model_dir, "--max", "1", "--idle-timeout", "600")
+    for name, path in adapter_dirs.items():
+        out = json.loads(p.cli("deploy", name, "--adapter", str(path), "--base", "base", "--json").stdout)
+        assert out["kind"] == "adapter" and out["base"] == "base" and out["revision"] == 1
+    client = openai.OpenAI(base_url=f"{p.url}/v1", api_key=ADMIN, timeout=COLD_ANSWER, max_retries=0)
+
+    # The base is at zero: the adapter's request is held while it starts, then a1 loads and answers.
+    first = greedy(client, "a1")
+    assert p.metric("stoker_adapter_loads_total", deployment="a1", base="base") == 1
+    assert greedy(client, "a1") == first  # greedy: the same again, with no second load
+    assert p.metric("stoker_adapter_loads_total", deployment="a1", base="base") == 1
+    base, second = greedy(client, "base"), greedy(client, "a2")
+    assert len({first, base, second}) == 3, (first, base, second)  # each its own weights
+    [instance] = p.deployments()["base"]["instance_list"]  # all three on the base's one instance
+    assert p.metric("stoker_adapter_loads_total", deployment="a2", base="base") == 1
+
+    models = {m.id: m for m in client.models.list().data}
+    assert models["a1"].model_extra["parent"] == "base" and "parent" not in (models["base"].model_extra or {})
+
+    # A tenant scoped to a1 calls a1, and its base is the same 404 as a model that does not exist.
+    made = json.loads(p.cli("keys", "create", "--tenant", "acme", "--deployment", "a1", "--json").stdout)
+    tenant = openai.OpenAI(base_url=f"{p.url}/v1", api_key=made["key"], timeout=COLD_ANSWER, max_retries=0)
+    assert greedy(tenant, "a1") == first
+    with pytest.raises(openai.NotFoundError):
+        greedy(tenant, "base")
+    assert {m.id for m in tenant.models.list().data} == {"a1"}
+
+    # An adapter made for another base model: refused at deploy, naming both.
+    other = build_tiny_model(tmp_path / "wide", head_dim=32)  # its attention projections are wider
+    p.deploy("wide", other, "--max", "1")
+    r = httpx.post(
+        f"{p.url}/admin/v1/deployments",
+        json={"name": "a3", "adapter": str(adapter_dirs["a1"]), "base": "wide"},
+        headers=H,
+        timeout=HTTP_READ,
+    )
+    assert r.status_code == 400 and r.json()["error"]["code"] == "adapter_base_mismatch", r.text
+    assert "'wide'" in r.json()["error"]["message"]
+
+    # A base with adapters on it is not removed from under them.
+    r = httpx.delete(f"{p.url}/admin/v1/deployments/base", headers=H, timeout=HTTP_READ)
+    assert r.status_code == 409 and "a1, a2" in r.json()["error"]["message"], r.text
+    assert instance["state"] == "READY"
