@@ -82,6 +82,7 @@ class EngineSettings:
     max_model_len: int | None = None
     gpu_memory_utilization: float | None = None
     max_num_seqs: int | None = None
+    max_adapters: int | None = None  # the CPU engine's LRU of loaded LoRA adapters
     enable_prefix_caching: bool | None = None
     enforce_eager: bool = False
     engine_args: tuple[str, ...] = ()

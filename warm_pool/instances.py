@@ -194,6 +194,8 @@ class InstanceOps:
             extra += ("--max-model-len", str(engine.max_model_len))
         if engine.dtype != "auto":
             extra += ("--dtype", engine.dtype)
+        if engine.max_adapters is not None:
+            extra += ("--max-adapters", str(engine.max_adapters))
         return cpu_engine_spec(
             snapshot_dir,
             inst.port,

@@ -324,6 +324,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
     head = f"{'NAME':<20} {'MODEL':<24} {'ENGINE':<6} {'POLICY':<10} {'MIN':>3} {'MAX':>3} {'READY':>5}"
     print(f"{head} {'ASLEEP':>6}  INSTANCES")
     for d in data:
+        if d.get("kind") == "adapter":  # no instances of its own
+            where = f"adapter on {d['base']}"
+            print(f"{d['name']:<20} {d['model'][:24]:<24} {d['engine']:<6} {where}")
+            continue
         n = d["instances"]
         counts = ", ".join(f"{k} {state}" for state, k in n.items() if k) or "none"
         print(
@@ -359,6 +363,14 @@ def cmd_describe(args: argparse.Namespace) -> int:
 
 def describe_lines(d: dict) -> list[str]:
     """`stoker describe`: everything about one deployment, as `kubectl describe` lays it out."""
+    if d.get("kind") == "adapter":
+        split = ", ".join(f"revision {r} {p}%" for r, p in d["traffic"].items())
+        return [
+            f"Name:            {d['name']}",
+            f"Adapter:         {d['model']} (snapshot {d['snapshot_id'][:12]})",
+            f"Base:            {d['base']} (its instances serve it: `stoker describe {d['base']}`)",
+            f"Revision:        {d['revision']} of {d['latest_revision']}; {split}",
+        ]
     counts = ", ".join(f"{k} {state}" for state, k in d["instances"].items() if k) or "none"
     out = [
         f"Name:            {d['name']}",

@@ -78,6 +78,12 @@ SETTINGS: dict[str, Setting] = {
         "sequences vLLM batches at once (default: vLLM's)",
         ("vllm",),
     ),
+    "max_adapters": Setting(
+        {"type": "integer", "minimum": 1, "maximum": 1024},
+        "an integer in 1..1024",
+        "LoRA adapters each instance keeps loaded, the least recently used evicted (default: the engine's, 4)",
+        ("cpu",),
+    ),
     "enable_prefix_caching": Setting(
         {"type": "boolean"}, "true or false", "vLLM's prefix caching (default: vLLM's)", ("vllm",)
     ),

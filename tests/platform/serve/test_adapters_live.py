@@ -4,7 +4,8 @@ base deployed at zero, two adapters deployed on it from local PEFT directories, 
 
 The adapter's answer is its own (greedy, it differs from the base's and from the other adapter's);
 a request for an adapter of a base at zero is held while the base starts, then the adapter loads;
-both adapters and the base answer from the one instance; `/v1/models` lists each adapter with its
+both adapters and the base answer from the one instance, which keeps one adapter loaded at a time
+(`--max-adapters 1`): an adapter it evicted is loaded again at its next request; `/v1/models` lists each adapter with its
 base as `parent`; a tenant key scoped to one adapter calls it and not its base; an adapter made for
 another base is refused at deploy, naming both."""
 
@@ -44,7 +45,8 @@ def test_adapters_on_a_base_at_zero(
     platform_factory, tiny_model_dir: Path, adapter_dirs, tmp_path: Path
 ) -> None:
     p: PlatformProcess = platform_factory("--stable-window", "2", env={"STOKER_ADMIN_KEY": ADMIN})
-    p.deploy("base", tiny_model_dir, "--max", "1", "--idle-timeout", "600")
+    # One adapter loaded at a time on each instance: the second evicts the first.
+    p.deploy("base", tiny_model_dir, "--max", "1", "--idle-timeout", "600", "--max-adapters", "1")
     for name, path in adapter_dirs.items():
         out = json.loads(p.cli("deploy", name, "--adapter", str(path), "--base", "base", "--json").stdout)
         assert out["kind"] == "adapter" and out["base"] == "base" and out["revision"] == 1
@@ -59,6 +61,9 @@ def test_adapters_on_a_base_at_zero(
     assert len({first, base, second}) == 3, (first, base, second)  # each its own weights
     [instance] = p.deployments()["base"]["instance_list"]  # all three on the base's one instance
     assert p.metric("stoker_adapter_loads_total", deployment="a2", base="base") == 1
+    # a2's load evicted a1 from the engine: its next request finds it gone (404), loads it again.
+    assert greedy(client, "a1") == first
+    assert p.metric("stoker_adapter_loads_total", deployment="a1", base="base") == 2
 
     models = {m.id: m for m in client.models.list().data}
     assert models["a1"].model_extra["parent"] == "base" and "parent" not in (models["base"].model_extra or {})
