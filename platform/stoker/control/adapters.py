@@ -20,34 +20,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry
 
 from activator.adapters import AdapterRef
-from activator.balancer import point
 from stoker.control.models import resolve_model
 from stoker.errors import APIError, invalid
-from stoker.gateway.revisions import RevisionStats, answer_on, pick_revision
+from stoker.gateway.adapters import AdapterMetrics, adapter_ref, serve_on_base
+from stoker.gateway.revisions import RevisionStats, pick_revision
 from stoker.spec.deployment import DeploymentSpec
 from stoker.spec.traffic import parse_traffic
-
-LOAD_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-
-
-class AdapterMetrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.loads = Counter(
-            "stoker_adapter_loads",
-            "LoRA adapter loads on an instance of its base (each is the adapter's own cold start)",
-            ["deployment", "base"],
-            registry=registry,
-        )
-        self.load_seconds = Histogram(
-            "stoker_adapter_load_seconds",
-            "Seconds from asking an instance to load an adapter to its answer",
-            ["deployment"],
-            buckets=LOAD_BUCKETS,
-            registry=registry,
-        )
 
 
 def engine_name(spec: DeploymentSpec, primary: int) -> str:
@@ -79,46 +60,31 @@ class AdapterDeployment:
 
     def ref(self, revision: int) -> AdapterRef:
         spec = self.revisions[revision]
-        return AdapterRef(
-            engine_name(spec, self.primary),
-            self.path_of(spec.snapshot_id),
-            spec.snapshot_id,
-            point(spec.snapshot_id),
-        )
+        return adapter_ref(engine_name(spec, self.primary), self.path_of(spec.snapshot_id), spec.snapshot_id)
 
     async def serve(self, scope, receive, send, body: bytes, parsed: dict, stream: bool, owner: str) -> None:
         """One request: the adapter's revision by its split, on the base's revision by the base's."""
         revision = pick_revision(self.name, self.traffic, self.revisions, scope, parsed)
-        spec = self.revisions[revision]
-        base = self.base_of(spec.base)
+        base = self.base_of(self.revisions[revision].base)
         if base is None:
-            raise APIError(503, f"The base {spec.base!r} of {self.name!r} is gone.", code="base_gone")
-        ref = self.ref(revision)
-        if ref.name != parsed.get("model"):
-            parsed = {**parsed, "model": ref.name}
-            body = json.dumps(parsed).encode()
-        base_revision = pick_revision(base.name, base.traffic, base.units, {}, parsed)
-        unit = base.units.get(base_revision) or base.primary
-        if unit.activator is None:
-            raise APIError(
-                503,
-                f"The base {base.name!r} of {self.name!r} serves from its gateways.",
-                code="base_elsewhere",
-            )
-        await answer_on(
-            unit.activator,
-            revision,
-            self.stats,
-            self.clock,
-            scope,
-            receive,
-            send,
-            body,
-            parsed,
-            stream,
-            owner,
-            adapter=ref,
-        )
+            raise APIError(503, f"The base of {self.name!r} is gone.", code="base_gone")
+        request = (scope, receive, send, body, parsed, stream, owner)
+        await serve_on_base(self.name, revision, self.ref(revision), base, self.stats, self.clock, request)
+
+    def routed(self) -> dict[str, Any]:
+        """What a gateway of its own serves it by (`stoker.gateway.adapters.RemoteAdapters`)."""
+        revisions = {}
+        for r, spec in self.revisions.items():
+            ref = self.ref(r)
+            revisions[str(r)] = {
+                "snapshot_id": spec.snapshot_id,
+                "base": spec.base,
+                "path": ref.path,
+                "engine_name": ref.name,
+                "log_requests": spec.log_requests,
+                "log_content": spec.log_content,
+            }
+        return {"traffic": {str(r): p for r, p in self.traffic.items()}, "revisions": revisions}
 
     def describe(self) -> dict[str, Any]:
         spec = self.spec
@@ -157,6 +123,11 @@ class AdapterDeployments:
         return sorted(n for n, a in self._by_name.items() if a.latest.base == base)
 
     def _path(self, snapshot_id: str) -> str:
+        """Where the base's instances read an adapter's files: this machine's store, or on the
+        Kubernetes backend the node's, mounted in every engine pod at the same path."""
+        store_path = getattr(getattr(self._p.backend, "settings", None), "store_path", None)
+        if store_path is not None:
+            return f"{store_path.rstrip('/')}/{snapshot_id}"
         return str(self._p.store.path_of(snapshot_id))
 
     def _make(
@@ -176,14 +147,7 @@ class AdapterDeployments:
         return a
 
     def listen(self, activator: Any, base: str) -> None:
-        """Count the loads a base's activator makes, by the adapter deployment they were for."""
-
-        def loaded(engine_name: str, seconds: float) -> None:
-            name = engine_name.split("@")[0]
-            self.metrics.loads.labels(name, base).inc()
-            self.metrics.load_seconds.labels(name).observe(seconds)
-
-        activator.on_adapter_load = loaded
+        self.metrics.listen(activator, base)
 
     def restore(self, spec: DeploymentSpec, latest: DeploymentSpec) -> None:
         """One revision that served, brought back at start (its base restored before it)."""

@@ -71,8 +71,10 @@ class GatewayMeter:
         self._clock = clock
 
     def tap(self, send: Callable, name: str, prompt_estimate: int) -> MeterTap | None:
-        if self._plane.get(name) is None:
-            return None  # a cascade route: neither deployment's request, as in one process
+        if getattr(self._plane.get(name), "units", None) is None:
+            # a cascade route (neither deployment's request), or an adapter (its base's instances
+            # serve it; its share of their cost is not metered yet), as in one process
+            return None
         return MeterTap(send, name, prompt_estimate, self._clock())
 
     def done(self, tap: MeterTap, scope: Mapping[str, Any]) -> None:

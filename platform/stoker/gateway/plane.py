@@ -35,6 +35,7 @@ from prometheus_client import CollectorRegistry
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
 
 from activator import Activator, ActivatorConfig, ActivatorMetrics, Balance
+from stoker.gateway.adapters import AdapterMetrics, RemoteAdapters
 from stoker.gateway.metering import GatewayMeter, changed_samples
 from stoker.gateway.revisions import RevisionMetrics, RevisionStats, answer_on, pick_revision
 from stoker.gateway.routes import SyncedRoutes
@@ -220,6 +221,8 @@ class GatewayPlane:
     clock: Callable[[], float] = time.monotonic
     keys: KeyTable = field(default_factory=KeyTable)
     cascade_routes: SyncedRoutes = field(default_factory=SyncedRoutes)  # the controller's, as last sent
+    adapters: RemoteAdapters | None = None  # the LoRA adapter deployments, as last sent
+    adapter_metrics: AdapterMetrics | None = None
     _deployments: dict[str, RemoteDeployment] = field(default_factory=dict)
     _session: aiohttp.ClientSession | None = None  # the proxy's, to the engines
     _control: aiohttp.ClientSession | None = None  # to the controller, with this gateway's key
@@ -237,11 +240,13 @@ class GatewayPlane:
 
     def __post_init__(self) -> None:
         self.cost = GatewayMeter(self, self.clock)
+        self.adapters = RemoteAdapters(self._deployments.get, self.clock)
 
     # -- what the data routes need (as `Platform` gives them in one process) -----------------------
 
-    def get(self, name: str) -> RemoteDeployment | None:
-        return self._deployments.get(name)
+    def get(self, name: str) -> Any:
+        """A deployment of a model (a `RemoteDeployment`) or of an adapter (a `RemoteAdapter`)."""
+        return self._deployments.get(name) or self.adapters.get(name)
 
     def list(self) -> list[RemoteDeployment]:
         return list(self._deployments.values())
@@ -254,6 +259,7 @@ class GatewayPlane:
     async def start(self) -> None:
         self.metrics = ActivatorMetrics(self.metrics_registry)
         self.revision_metrics = RevisionMetrics(self.metrics_registry)
+        self.adapter_metrics = AdapterMetrics(self.metrics_registry)
         self._passthrough = aiohttp.ClientSession(auto_decompress=False)
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30)
         self._session = aiohttp.ClientSession(
@@ -356,6 +362,9 @@ class GatewayPlane:
                 unit.activator.set_unavailable(u["unavailable"])
                 unit.activator.capacity_changed()
             current.traffic = {int(r): p for r, p in d["traffic"].items() if int(r) in current.units}
+        self.adapters.replace(
+            table.get("adapters", {}), self.revision_metrics
+        )  # none from an older controller
         self.synced.set()
 
     def _make(self, spec: RemoteSpec) -> RemoteUnit:
@@ -364,6 +373,7 @@ class GatewayPlane:
             spec.name, source, self.activator_config, self._session, self.metrics, clock=self.clock
         )
         health = asyncio.create_task(activator.watch_health(), name=f"health-{spec.name}@{spec.revision}")
+        self.adapter_metrics.listen(activator, spec.name)  # the loads of the adapters it serves
         return RemoteUnit(spec, activator, source, health)
 
     # -- reports ----------------------------------------------------------------------------------------

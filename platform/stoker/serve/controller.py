@@ -98,6 +98,8 @@ def routing_table(
         "deployments": deployments,
         "keys": keys,
         "cascades": [{**r.to_dict(), "small_context": cascades.small_context(r)} for r in routes],
+        # LoRA adapter deployments, served on their bases' activators (`stoker.gateway.adapters`)
+        "adapters": {a.name: a.routed() for a in platform.adapters.list()},
     }
 
 
@@ -186,7 +188,7 @@ def build_controller(
     async def snapshots(request: Request) -> Response:
         """Which snapshots the deployments use, for the node agents (`stoker node`)."""
         by_id: dict[str, dict[str, Any]] = {}
-        for d in platform.list():
+        for d in [*platform.list(), *platform.adapters.list()]:  # an adapter's files too
             uri = d.spec.model if d.spec.model.startswith("s3://") else None
             entry = by_id.setdefault(
                 d.spec.snapshot_id, {"id": d.spec.snapshot_id, "uri": uri, "deployments": []}

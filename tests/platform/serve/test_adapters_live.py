@@ -12,6 +12,7 @@ another base is refused at deploy, naming both."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import httpx
@@ -20,7 +21,9 @@ import pytest
 
 from tests.conftest import build_tiny_adapter, build_tiny_model
 from tests.deadlines import COLD_ANSWER, HTTP_READ
+from tests.deadlines import deadline as deadline_s
 from tests.platform.conftest import PlatformProcess
+from tests.platform.engine.conftest import free_port
 
 ADMIN = "admin-key-adapters"
 H = {"authorization": f"Bearer {ADMIN}"}
@@ -92,3 +95,45 @@ def test_adapters_on_a_base_at_zero(
     r = httpx.delete(f"{p.url}/admin/v1/deployments/base", headers=H, timeout=HTTP_READ)
     assert r.status_code == 409 and "a1, a2" in r.json()["error"]["message"], r.text
     assert instance["state"] == "READY"
+
+
+def test_adapters_through_a_gateway_of_its_own(tiny_model_dir: Path, adapter_dirs, tmp_path: Path) -> None:
+    """The split planes: the controller lists the adapter deployments in its routing table; a
+    `stoker gateway` serves them on its own activator for the base, loading each adapter there."""
+    env = {"STOKER_ADMIN_KEY": ADMIN}
+    controller = PlatformProcess(
+        tmp_path / "ctl", free_port(), ("--stable-window", "2"), extra_env=env, command="controller"
+    )
+    started = [controller.start()]
+    try:
+        args = ("--controller", controller.url, "--report-interval", "0.2s", "--gateway-id", "g0")
+        gateway = PlatformProcess(
+            tmp_path / "g0", free_port(), args, extra_env=env, command="gateway"
+        ).start()
+        started.append(gateway)
+        gateway.deploy("base", tiny_model_dir, "--max", "1", "--idle-timeout", "600")
+        out = json.loads(
+            gateway.cli(
+                "deploy", "a1", "--adapter", str(adapter_dirs["a1"]), "--base", "base", "--json"
+            ).stdout
+        )
+        assert out["kind"] == "adapter"
+        client = openai.OpenAI(
+            base_url=f"{gateway.url}/v1", api_key=ADMIN, timeout=COLD_ANSWER, max_retries=0
+        )
+
+        def listed() -> bool:
+            return "a1" in {m.id for m in client.models.list().data}
+
+        deadline = time.monotonic() + deadline_s(30)
+        while not listed():  # the gateway's table follows the controller's
+            assert time.monotonic() < deadline, "a1 never reached the gateway's table"
+            time.sleep(0.1)
+        adapted, base = greedy(client, "a1"), greedy(client, "base")
+        assert adapted != base
+        assert gateway.metric("stoker_adapter_loads_total", deployment="a1", base="base") == 1
+        models = {m.id: m for m in client.models.list().data}
+        assert models["a1"].model_extra["parent"] == "base"
+    finally:
+        for p in started:
+            p.stop()

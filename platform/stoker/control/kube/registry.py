@@ -137,10 +137,11 @@ class ResourceRegistry:
     def _spec(obj: dict[str, Any]) -> DeploymentSpec | None:
         s = dict(obj["spec"])
         name, number, snapshot = s.pop("deployment"), s.pop("revision"), s.pop("snapshotId")
+        fields = from_resource(name, s)
+        if "adapter" in fields:  # an adapter's source, which its spec keeps as `model`
+            fields["model"] = fields.pop("adapter")
         try:
-            return DeploymentSpec.from_dict(
-                {**from_resource(name, s), "snapshot_id": snapshot, "revision": number}
-            )
+            return DeploymentSpec.from_dict({**fields, "snapshot_id": snapshot, "revision": number})
         except (TypeError, ValueError) as exc:  # written by another version, or by hand
             log.error("revision %s unreadable, left out: %s", obj["metadata"]["name"], exc)
             return None
