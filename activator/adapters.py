@@ -7,9 +7,11 @@ name and the directory its files are in on the instance's machine.
                                  instance and adapter; the others for it wait on that one)
                               ─▶ forwarded with `model` = the name the engine knows it by
 
-The engine keeps at most `--max-adapters` loaded and evicts the least recently used, so what this
-remembers of an instance is a hint: an engine that answers 404 for an adapter it had (evicted since)
-gets it loaded again and the request once more (`Activator`). Each load is timed (`on_load`): the
+The CPU engine keeps at most `--max-adapters` loaded and evicts the least recently used, so what
+this remembers of an instance is a hint: an engine that answers 404 for an adapter it had (evicted
+since) gets it loaded again and the request once more (`Activator`). vLLM (--enable-lora) keeps every
+adapter it loaded registered and reads one it evicted back from its directory itself: there the
+404 comes only from an engine that lost it some other way. Each load is timed (`on_load`): the
 adapter's own cold start, the tier its scaler and the simulator know.
 """
 

@@ -14,6 +14,9 @@ placement (`warm_pool.backends.kube_pod`).
     max_num_seqs,
     enable_prefix_caching,
     enforce_eager
+    max_adapters             LoRA adapters an instance holds: the CPU engine's LRU (--max-adapters);
+                             vLLM's --enable-lora --max-loras N --max-lora-rank 64 (None: vLLM
+                             serves no adapters)
     engine_args              further vLLM arguments, refused where they collide with what Stoker
                              manages (`MANAGED_ARGS`) or with a named setting (`NAMED_ARGS`)
     cpu, memory              a pod's requests (Kubernetes quantities: "4", "500m", "16Gi")
@@ -30,6 +33,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+# The largest LoRA rank an instance that hosts adapters loads, on either engine: the CPU engine's
+# --max-lora-rank default, and vLLM's --max-lora-rank where `max_adapters` is set (vLLM's own default,
+# 16, would refuse many published adapters; on a GPU each of the --max-loras slots reserves room for
+# this rank on every layer it adapts). An adapter of a higher rank is refused at deploy.
+MAX_LORA_RANK = 64
 # vLLM arguments Stoker sets on every vLLM it starts, from the snapshot, the instance or the pool:
 # neither `stoker up --vllm-args` nor a deployment's engine_args may set them.
 MANAGED_ARGS: dict[str, str] = {
@@ -44,6 +52,7 @@ MANAGED_ARGS: dict[str, str] = {
     "--uds": "the engine listens on the instance's port",
     "--tensor-parallel-size": "use 'gpus'",
     "-tp": "use 'gpus'",
+    "--max-lora-rank": f"{MAX_LORA_RANK} with 'max_adapters', the CPU engine's limit too",
 }
 # vLLM arguments a deployment names as settings of their own.
 NAMED_ARGS: dict[str, str] = {
@@ -56,6 +65,9 @@ NAMED_ARGS: dict[str, str] = {
     "--enable-prefix-caching": "enable_prefix_caching",
     "--no-enable-prefix-caching": "enable_prefix_caching",
     "--enforce-eager": "enforce_eager",
+    "--enable-lora": "max_adapters",
+    "--no-enable-lora": "max_adapters",
+    "--max-loras": "max_adapters",
 }
 
 
@@ -82,7 +94,7 @@ class EngineSettings:
     max_model_len: int | None = None
     gpu_memory_utilization: float | None = None
     max_num_seqs: int | None = None
-    max_adapters: int | None = None  # the CPU engine's LRU of loaded LoRA adapters
+    max_adapters: int | None = None  # LoRA adapters at once: the CPU engine's LRU, vLLM's --max-loras
     enable_prefix_caching: bool | None = None
     enforce_eager: bool = False
     engine_args: tuple[str, ...] = ()
@@ -119,6 +131,12 @@ class EngineSettings:
             )
         if self.enforce_eager:
             args.append("--enforce-eager")
+        if self.max_adapters is not None:
+            # Adapters loaded at run time (`VLLM_ALLOW_RUNTIME_LORA_UPDATING`, which `vllm_spec` sets
+            # with --enable-lora): --max-loras of them in one batch, and as many kept in host memory
+            # (vLLM's --max-cpu-loras default); one more is read from its directory again when asked.
+            args += ["--enable-lora", "--max-loras", str(self.max_adapters)]
+            args += ["--max-lora-rank", str(MAX_LORA_RANK)]
         return (*args, *self.engine_args)
 
     def pod_resources(self) -> dict[str, str]:

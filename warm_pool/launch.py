@@ -22,6 +22,7 @@ from warm_pool.errors import InvalidConfig, NoGpuAvailable
 _UNBUFFERED = {"PYTHONUNBUFFERED": "1"}
 ENGINE_KEY_ENV = "STOKER_ENGINE_API_KEY"  # stoker.engine.app.API_KEY_ENV: warm_pool imports no stoker
 VLLM_KEY_ENV = "VLLM_API_KEY"  # vLLM's --api-key, from the environment
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"  # vLLM's /v1/load_lora_adapter, served with it
 # Stoker's guard inside vLLM's API server (`vllm serve --middleware`), and the directory that holds
 # only it: vLLM's Python, where Stoker is not installed, imports it from there.
 VLLM_GUARD = "stoker_vllm_guard.EngineGuard"
@@ -136,7 +137,8 @@ def vllm_spec(
 ) -> LaunchSpec:
     """`vllm serve` on a snapshot. With GPUs: `CUDA_VISIBLE_DEVICES`, tensor parallel over them, and
     sleep mode (served only in vLLM's dev mode). Without (vLLM's CPU build): a KV cache of
-    `cpu_kv_cache_gib` in host memory, and no sleep mode, which the CPU build refuses.
+    `cpu_kv_cache_gib` in host memory, and no sleep mode, which the CPU build refuses. With
+    `--enable-lora` among `extra_args` (`EngineSettings.max_adapters`), vLLM's run-time LoRA API.
 
     With `api_key`, Stoker's guard (`VLLM_GUARD`) wants it on every route but `/health` and refuses
     every route Stoker does not call, dev mode's among them. Sleep mode needs the key: dev mode
@@ -184,6 +186,11 @@ def vllm_spec(
         env["VLLM_API_KEY"] = api_key
         argv += ["--middleware", VLLM_GUARD]
         python_path = (str(VLLM_GUARD_DIR),)
+    if "--enable-lora" in extra_args:
+        # A deployment that hosts adapters (`max_adapters`): the activator loads each one on the
+        # instance at its first request (POST /v1/load_lora_adapter), a route vLLM serves only with
+        # this set. Its tenants cannot reach it: the gateways proxy chat, completions and models only.
+        env[RUNTIME_LORA_ENV] = "True"
     if cache_root is not None:
         # Where vLLM keeps its torch.compile artifacts: a directory of the snapshot store, keyed by
         # snapshot, vLLM version and the arguments that change compilation (snapshots.compile_cache).

@@ -105,6 +105,12 @@ def test_vllm_cpu_build_has_no_sleep_mode_and_a_host_kv_cache():
         vllm_spec(SNAP, 8000, "m", [], sleep_mode=True)
 
 
+def test_vllm_with_lora_enabled_serves_its_run_time_lora_api():
+    spec = vllm_spec(SNAP, 8000, "m", [], sleep_mode=False, extra_args=("--enable-lora", "--max-loras", "2"))
+    assert spec.env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+    assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in vllm_spec(SNAP, 8000, "m", [], sleep_mode=False).env
+
+
 def test_vllm_tensor_parallel_over_the_gpus_it_was_given():
     spec = vllm_spec(SNAP, 8000, "big", [4, 5, 6, 7], extra_args=("--max-num-seqs", "64"), api_key="k")
     assert spec.argv[-7:-4] == ("--tensor-parallel-size", "4", "--enable-sleep-mode")

@@ -29,6 +29,7 @@ from stoker.gateway.adapters import AdapterMetrics, adapter_ref, serve_on_base
 from stoker.gateway.revisions import RevisionStats, pick_revision
 from stoker.spec.deployment import DeploymentSpec
 from stoker.spec.traffic import parse_traffic
+from warm_pool.engine_settings import MAX_LORA_RANK
 
 
 def engine_name(spec: DeploymentSpec, primary: int) -> str:
@@ -212,15 +213,16 @@ class AdapterDeployments:
         return spec, False
 
     def _check(self, fields: dict[str, Any], base: Any, snapshot_id: str) -> None:
-        """Refuse what the base cannot serve: a base of another engine than the CPU one (vLLM's LoRA
-        comes later), or an adapter made for another base model."""
+        """Refuse what the base cannot serve: a vLLM base deployed without `max_adapters` (vLLM
+        serves adapters only with --enable-lora), an adapter of a rank above the engines' limit, or
+        an adapter made for another base model."""
         from snapshots.adapter import adapter_info, base_mismatch
 
-        if base.spec.engine != "cpu":
+        if base.spec.engine == "vllm" and base.spec.engine_settings.max_adapters is None:
             raise APIError(
                 400,
-                f"'base': {base.name!r} runs on the {base.spec.engine} engine; adapters are served on the CPU "
-                "engine's bases for now.",
+                f"'base': {base.name!r} runs on vLLM without adapters; deploy it again with "
+                "--max-adapters N (the 'max_adapters' setting: vLLM's --enable-lora --max-loras N).",
                 param="base",
                 code="adapter_engine",
             )
@@ -231,6 +233,14 @@ class AdapterDeployments:
             raise APIError(
                 400, f"'adapter': {fields['model']!r} is no LoRA adapter: {exc}", param="adapter"
             ) from None
+        if info.rank > MAX_LORA_RANK:
+            raise APIError(
+                400,
+                f"'adapter' {fields['model']!r} has rank {info.rank}; instances load LoRA adapters of "
+                f"rank {MAX_LORA_RANK} at most.",
+                param="adapter",
+                code="adapter_rank",
+            )
         config = json.loads((store.path_of(base.spec.snapshot_id) / "config.json").read_text())
         if (why := base_mismatch(info, config)) is not None:
             raise APIError(

@@ -5,7 +5,7 @@ default, the engines it applies to and its help, written once. The deploy body v
 
 A setting left out or null is the default. A setting that does not apply to the deployment's
 engine is refused, naming the engines it applies to: Stoker's engine takes `gpus` 0 or 1 (1: it
-runs on CUDA), `dtype` and `max_model_len`; vLLM takes every one. The pod settings (`cpu`,
+runs on CUDA), `dtype`, `max_model_len` and `max_adapters`; vLLM takes every one. The pod settings (`cpu`,
 `memory`, `node_selector`, `tolerations`) are the Kubernetes backend's, for either engine; a local
 backend runs processes and does not use them.
 """
@@ -81,8 +81,8 @@ SETTINGS: dict[str, Setting] = {
     "max_adapters": Setting(
         {"type": "integer", "minimum": 1, "maximum": 1024},
         "an integer in 1..1024",
-        "LoRA adapters each instance keeps loaded, the least recently used evicted (default: the engine's, 4)",
-        ("cpu",),
+        "LoRA adapters each instance keeps loaded, the least recently used evicted; vLLM's --enable-lora "
+        "--max-loras N --max-lora-rank 64, without which it serves none (default: Stoker's engine 4, vLLM none)",
     ),
     "enable_prefix_caching": Setting(
         {"type": "boolean"}, "true or false", "vLLM's prefix caching (default: vLLM's)", ("vllm",)

@@ -61,6 +61,11 @@ def test_a_gpu_build_in_the_image_gets_its_devices_tensor_parallel_and_sleep_mod
     assert " --tensor-parallel-size 2" in " ".join(argv) and "--enable-sleep-mode" in argv
     assert argv[argv.index("--dtype") + 1] == "bfloat16" and argv[argv.index("--max-model-len") + 1] == "8192"
     assert run["env"]["CUDA_VISIBLE_DEVICES"] == "0,1" and run["env"]["VLLM_SERVER_DEV_MODE"] == "1"
+    assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in run["env"]
+    # A deployment with `max_adapters`: its LoRA arguments, and with them vLLM's run-time LoRA API.
+    lora = ("--", "--enable-lora", "--max-loras", "2", "--max-lora-rank", "64")
+    run = dry_run(snapshot_dir, vllm, "--gpus", "1", *lora)
+    assert run["argv"][-5:] == list(lora[1:]) and run["env"]["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
 
 
 def test_no_vllm_in_the_image_is_one_line(snapshot_dir, tmp_path):

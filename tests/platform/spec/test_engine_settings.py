@@ -93,6 +93,10 @@ def test_a_bad_value_is_a_400_naming_the_field_the_value_and_what_it_must_be(fie
         ("--config=/etc/x.yaml", "a config file"),
         ("--dtype=half", "use the 'dtype' setting"),
         ("--max-model-len=4096", "use the 'max_model_len' setting"),
+        ("--enable-lora", "use the 'max_adapters' setting"),
+        ("--no-enable-lora", "use the 'max_adapters' setting"),
+        ("--max-loras=8", "use the 'max_adapters' setting"),
+        ("--max-lora-rank=128", "Stoker sets it (64 with 'max_adapters'"),
         ("some/model", "a positional argument"),
     ],
 )
@@ -155,3 +159,15 @@ def test_the_named_settings_become_vllms_arguments_then_the_passthrough_ones():
 
 def test_validate_engine_keeps_every_settings_key():
     assert set(validate_engine({}, "cpu")) == set(SETTINGS)
+
+
+def test_max_adapters_on_vllm_is_its_run_time_lora():
+    """vLLM serves adapters only where the deployment asks for them: --enable-lora, as many in a batch
+    as `max_adapters` (--max-loras), of rank 64 at most (vLLM's default, 16, is too small for many)."""
+    ok = validate(body(max_adapters=3))
+    assert ok["max_adapters"] == 3
+    assert validate({**body(max_adapters=2), "engine": "cpu"})["max_adapters"] == 2
+    assert EngineSettings(max_adapters=3, enforce_eager=True, engine_args=("--seed=7",)).vllm_args() == (
+        "--enforce-eager", "--enable-lora", "--max-loras", "3", "--max-lora-rank", "64", "--seed=7",
+    )  # fmt: skip
+    assert "--enable-lora" not in EngineSettings().vllm_args()
