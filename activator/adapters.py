@@ -93,7 +93,24 @@ class Adapters:
 
     async def _load(self, endpoint: Endpoint, ref: AdapterRef) -> None:
         started = time.monotonic()
-        body = {"lora_name": ref.name, "lora_path": ref.path}
+        status, text = await self._post(endpoint, ref, inplace=False)
+        if status == 400 and "already" in text:
+            # The engine has this name with bytes this activator did not load there: another
+            # gateway's (the same, most likely) or an earlier revision's under the primary's name.
+            # Loaded again in place, so the instance serves exactly these bytes.
+            status, text = await self._post(endpoint, ref, inplace=True)
+        if status != 200:
+            raise AdapterFailed(
+                400 if 400 <= status < 500 else 502,
+                f"instance {endpoint.id} could not load adapter {ref.name!r}: {_reason(text, status)}",
+            )
+        self._held.setdefault(endpoint.id, {})[ref.name] = ref.snapshot_id
+        self._on_load(ref.name, time.monotonic() - started)
+
+    async def _post(self, endpoint: Endpoint, ref: AdapterRef, *, inplace: bool) -> tuple[int, str]:
+        body: dict = {"lora_name": ref.name, "lora_path": ref.path}
+        if inplace:
+            body["load_inplace"] = True  # vLLM's, and the CPU engine's: replace what the name holds
         headers = {**endpoint.auth_headers, "content-type": "application/json"}
         try:
             async with self._session().post(
@@ -102,19 +119,11 @@ class Adapters:
                 headers=headers,
                 timeout=aiohttp.ClientTimeout(total=LOAD_TIMEOUT_S),
             ) as resp:
-                text = await resp.text()
-                status = resp.status
+                return resp.status, await resp.text()
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             raise AdapterFailed(
                 502, f"loading adapter {ref.name!r} on {endpoint.id} failed: {exc!r}"
             ) from None
-        if status != 200 and not (status == 400 and "already" in text):
-            raise AdapterFailed(
-                400 if 400 <= status < 500 else 502,
-                f"instance {endpoint.id} could not load adapter {ref.name!r}: {_reason(text, status)}",
-            )
-        self._held.setdefault(endpoint.id, {})[ref.name] = ref.snapshot_id
-        self._on_load(ref.name, time.monotonic() - started)
 
 
 def _reason(text: str, status: int) -> str:

@@ -149,8 +149,8 @@ class Platform:
         )
         running = await self.backend.running()
         latest = {spec.name: spec for spec in self.registry.all()}
-        serving = self.registry.serving()
-        for spec in (s for s in serving if s.base is None):
+        revisions = self.registry.serving()  # that had traffic: the models', then the adapters'
+        for spec in (s for s in revisions if s.base is None):
             source = self._source(spec.snapshot_id, spec.model)
             if source.remote is None and not source.is_local():
                 log.error(
@@ -180,7 +180,7 @@ class Platform:
                 continue
             serving = {r: p for r, p in d.traffic.items() if r in d.units}
             self.rollout.publish(d, serving if serving != d.traffic and serving else None)
-        for spec in (s for s in serving if s.base is not None):
+        for spec in (s for s in revisions if s.base is not None):
             if spec.base in self._deployments:
                 self.adapters.restore(spec, latest[spec.name])
             else:

@@ -67,6 +67,11 @@ def test_adapters_on_a_base_at_zero(
     # a2's load evicted a1 from the engine: its next request finds it gone (404), loads it again.
     assert greedy(client, "a1") == first
     assert p.metric("stoker_adapter_loads_total", deployment="a1", base="base") == 2
+    # A new revision of a1 with other bytes (a2's) takes the name on the engine: loaded in place,
+    # so a1 now answers as a2 does, never with the weights its name held before.
+    p.cli("deploy", "a1", "--adapter", str(adapter_dirs["a2"]), "--base", "base")
+    assert greedy(client, "a1") == second
+    assert p.metric("stoker_adapter_loads_total", deployment="a1", base="base") == 3
 
     models = {m.id: m for m in client.models.list().data}
     assert models["a1"].model_extra["parent"] == "base" and "parent" not in (models["base"].model_extra or {})
@@ -74,7 +79,7 @@ def test_adapters_on_a_base_at_zero(
     # A tenant scoped to a1 calls a1, and its base is the same 404 as a model that does not exist.
     made = json.loads(p.cli("keys", "create", "--tenant", "acme", "--deployment", "a1", "--json").stdout)
     tenant = openai.OpenAI(base_url=f"{p.url}/v1", api_key=made["key"], timeout=COLD_ANSWER, max_retries=0)
-    assert greedy(tenant, "a1") == first
+    assert greedy(tenant, "a1") == second  # a1 revision 2: a2's bytes
     with pytest.raises(openai.NotFoundError):
         greedy(tenant, "base")
     assert {m.id for m in tenant.models.list().data} == {"a1"}
@@ -95,6 +100,12 @@ def test_adapters_on_a_base_at_zero(
     r = httpx.delete(f"{p.url}/admin/v1/deployments/base", headers=H, timeout=HTTP_READ)
     assert r.status_code == 409 and "a1, a2" in r.json()["error"]["message"], r.text
     assert instance["state"] == "READY"
+
+    # Restarted on its data dir: the adapters come back with their bases, a1 at its revision 2.
+    p.stop()
+    p.start()
+    assert greedy(client, "a1") == second and greedy(client, "a2") == second
+    assert p.deployments()["a1"]["revision"] == 2
 
 
 def test_adapters_through_a_gateway_of_its_own(tiny_model_dir: Path, adapter_dirs, tmp_path: Path) -> None:
