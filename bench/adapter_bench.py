@@ -7,7 +7,7 @@ One `stoker up` (its own `STOKER_HOME`, default ~/.cache/stoker-bench/adapters; 
 the platform's default tiers, so one warm runtime, `--warm-runtimes` left at its default), on the
 embedded model (SmolLM2-135M-Instruct, `stoker snapshot import --builtin smollm2`). Before it
 starts, the bench builds a LoRA adapter for that model with peft (rank 8 on q_proj and v_proj,
-lora_alpha 16, its lora_B seeded random × 0.05: PEFT's zero lora_B would change nothing) and the
+lora_alpha 16, its lora_B seeded random × 0.2: PEFT's zero lora_B would change nothing) and the
 same adapter merged into the base (`merge_and_unload`, saved as a full model directory), and
 imports both as snapshots. Deployed: `smollm2 --model smollm2 --min-warm 1`, the base.
 
@@ -71,7 +71,8 @@ from scale_bench import InstanceWatch, StokerUp, metric, stream_chat
 BASE = "smollm2"
 LORA, MERGED = "bench-lora", "bench-merged"  # the snapshots' names
 KINDS = ("base", "adapter", "merged")
-RANK, TARGETS, B_SCALE, SEED = 8, ("q_proj", "v_proj"), 0.05, 1234
+# lora_B × 0.2: SmolLM2's greedy answer changes ("The capital of France is 942.") and stays text.
+RANK, TARGETS, B_SCALE, SEED = 8, ("q_proj", "v_proj"), 0.2, 1234
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 SETTLE_S = 180.0
 QUIET_S = 1.0  # after settling, before each measured request
@@ -199,6 +200,7 @@ def summarize(samples: dict[str, list[dict]]) -> dict:
         "ttft_s": ttft,
         "adapter_load_s": spread([s["adapter_load_s"] for s in adapter]),
         "merged_total_to_ready_s": spread([s["total_to_ready_s"] for s in samples.get("merged", [])]),
+        "answers": {k: sorted({s["text"] for s in samples[k]}) for k in samples},
         "ratios": {
             "adapter_over_base": ratio(m.get("adapter"), m.get("base")),
             "merged_over_adapter": ratio(m.get("merged"), m.get("adapter")),
@@ -233,6 +235,8 @@ def table(res: dict) -> str:
         f"(b′) ÷ (a) {fmt_x(r['adapter_loaded_over_base'])}. "
         f"Adapter load (`stoker_adapter_load_seconds`) median {fmt_s(s['adapter_load_s']['median'])}; "
         f"the merged model's start to READY median {fmt_s(s['merged_total_to_ready_s']['median'])}. "
+        f"Answers: base {' / '.join(map(repr, s['answers']['base']))}; adapter "
+        f"{' / '.join(map(repr, s['answers']['adapter']))}; merged {' / '.join(map(repr, s['answers']['merged']))}. "
         f"Medians of {res['rounds']} interleaved rounds; load average at start "
         f"{res['machine']['loadavg_start'][0]:.2f}, end {res['machine']['loadavg_end'][0]:.2f}."
     )
