@@ -50,6 +50,7 @@ def test_summary_and_table_give_the_ratios_of_the_medians(adapter_bench):
     assert summary["ttft_s"]["adapter"] == {"median": 0.4, "min": 0.3, "max": 0.9, "n": 3}
     assert summary["ratios"]["adapter_over_base"] == pytest.approx(2.0)
     assert summary["ratios"]["merged_over_adapter"] == pytest.approx(7.5)
+    assert summary["ratios"]["merged_ready_over_adapter_load"] == pytest.approx(2.8 / 0.05)
     res = {
         "summary": summary,
         "rounds": 3,
