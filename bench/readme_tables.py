@@ -12,7 +12,17 @@ ROOT = Path(__file__).resolve().parent.parent
 def main() -> None:
     for page in sorted((ROOT / "docs" / "benchmarks").glob("*.md")):
         text = page.read_text()
-        for name in ("engine", "constrained", "engines", "vllm_start", "proxy", "s3", "scale", "policies"):
+        for name in (
+            "engine",
+            "constrained",
+            "engines",
+            "vllm_start",
+            "proxy",
+            "s3",
+            "scale",
+            "policies",
+            "adapters",
+        ):
             source = ROOT / "bench" / "results" / f"{name}.md"
             if not source.exists():
                 continue
