@@ -26,7 +26,7 @@ import math
 from stoker.cli.fleet import GB, _asleep_bytes, load_fleet
 from stoker.errors import CLIError
 
-MAX_ADAPTERS = 100_000
+MOST = 100_000  # the most adapters, bases or loaded adapters a flag takes
 ROWS = (
     ("requests", "requests", "{}"),
     ("rejected", "rejected", "{}"),
@@ -44,7 +44,7 @@ ROWS = (
 def cmd_adapters(args: argparse.Namespace) -> int:
     from stoker.cli.sim_setup import instance_model
     from warm_pool.adapter_sim import MAX_ADAPTERS as DEFAULT_MAX
-    from warm_pool.adapter_sim import Adapter, Base, simulate_adapters
+    from warm_pool.adapter_sim import Adapter, simulate_adapters
     from warm_pool.errors import PoolError
     from warm_pool.fleet_sim import simulate_fleet
 
@@ -67,10 +67,7 @@ def cmd_adapters(args: argparse.Namespace) -> int:
         adapters = [Adapter(d.name, names[i % bases], d.trace) for i, d in enumerate(deps)]
         on_bases = simulate_adapters(
             adapters,
-            [
-                _base(Base, name, [d for i, d in enumerate(deps) if i % bases == b])
-                for b, name in enumerate(names)
-            ],
+            [_base(name, [d for i, d in enumerate(deps) if i % bases == b]) for b, name in enumerate(names)],
             devices=devices,
             device_memory=memory,
             model=model,
@@ -100,18 +97,20 @@ def cmd_adapters(args: argparse.Namespace) -> int:
 
 
 def _whole(flag: str, value: int, low: int) -> int:
-    if not low <= value <= MAX_ADAPTERS:
-        raise CLIError(f"{flag} must be a whole number in {low}..{MAX_ADAPTERS}, got {value}")
+    if not low <= value <= MOST:
+        raise CLIError(f"{flag} must be a whole number in {low}..{MOST}, got {value}")
     return value
 
 
-def _base(base_cls, name: str, deps: list):
+def _base(name: str, deps: list):
     """A base for these deployments' adapters: their largest footprint, their one policy."""
+    from warm_pool.adapter_sim import Base
+
     policies = sorted({d.policy for d in deps})
     if len(policies) > 1:
         raise CLIError(f"{name}: its adapters' deployments name policies {', '.join(policies)}: want one")
     awake = max(d.awake_bytes for d in deps)
-    return base_cls(name, awake, max(d.asleep_bytes for d in deps), policies[0])
+    return Base(name, awake, max(d.asleep_bytes for d in deps), policies[0])
 
 
 def _side(report, loads: int, paid: int) -> dict[str, object]:
