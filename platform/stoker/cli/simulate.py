@@ -104,7 +104,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     if args.from_log is not None:  # a what-if over the platform's own arrivals (`stoker.cli.whatif`)
         return whatif.cmd_from_log(args)
-    if args.fleet is not None or args.trace is None or args.baseline is not None:
+    if args.fleet is not None or args.trace is None or args.baseline is not None or fleet.adapter_flags(args):
         return fleet.cmd_fleet(args)
     try:
         if args.plot is not None:
