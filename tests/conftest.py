@@ -24,7 +24,6 @@ STOKER = str(Path(sys.executable).with_name("stoker"))
 # starting a two-minute vLLM test when the other is nearly done. Order within a file is kept.
 SLOW_FILES = (
     "tests/platform/serve/test_vllm_engine.py",
-    "tests/platform/serve/test_vllm_adapters.py",  # one vLLM start, ~90 s
     "tests/platform/serve/test_reliability.py",
     "tests/platform/serve/test_serve_from_zero.py",
     "tests/platform/serve/test_revisions_live.py",

@@ -232,20 +232,11 @@ def cmd_deploy(args: argparse.Namespace) -> int:
         "max_instance_age_s": args.max_instance_age,
         "balance": args.balance,
         "affinity_bound": args.affinity_bound,
-        "auto_rollback": args.auto_rollback,
-        "rollback_error_rate": args.rollback_error_rate,
-        "rollback_ttft_s": args.rollback_ttft,
-        "rollback_window_s": args.rollback_window,
-        "rollback_min_requests": args.rollback_min_requests,
-        "log_requests": args.log_requests,
-        "log_content": args.log_content,
+        **_revision_fields(args),
         **engine_body(args),
     }
-    if args.canary is not None:
-        body["canary_percent"] = args.canary
-    out = call(args, "POST", "/admin/v1/deployments", body)
-    if args.json:
-        print(json.dumps(out))
+    out = _post_deploy(args, body)
+    if out is None:
         return 0
     new = out["deployed"]
     state = new["state"]
@@ -266,10 +257,21 @@ def _deploy_adapter(args: argparse.Namespace) -> int:
         raise CLIError("--model and --adapter exclude each other: an adapter runs on --base's model")
     if args.adapter is None or args.base is None:
         raise CLIError("--adapter and --base go together: the adapter, and the deployment that serves it")
-    body = {
-        "name": args.name,
-        "adapter": _model(args.adapter),
-        "base": args.base,
+    body = {"name": args.name, "adapter": _model(args.adapter), "base": args.base, **_revision_fields(args)}
+    out = _post_deploy(args, body)
+    if out is None:
+        return 0
+    new = out["deployed"]
+    print(
+        f"deployed {out['name']} revision {new['revision']}: adapter {new['model']} "
+        f"(snapshot {new['snapshot_id'][:12]}) on {args.base}, {new['traffic_percent']}% of its traffic"
+    )
+    return 0
+
+
+def _revision_fields(args: argparse.Namespace) -> dict:
+    """What a model's deploy and an adapter's both set: the canary's rollback and the request log."""
+    fields = {
         "auto_rollback": args.auto_rollback,
         "rollback_error_rate": args.rollback_error_rate,
         "rollback_ttft_s": args.rollback_ttft,
@@ -279,17 +281,17 @@ def _deploy_adapter(args: argparse.Namespace) -> int:
         "log_content": args.log_content,
     }
     if args.canary is not None:
-        body["canary_percent"] = args.canary
+        fields["canary_percent"] = args.canary
+    return fields
+
+
+def _post_deploy(args: argparse.Namespace, body: dict) -> dict | None:
+    """The deploy's answer; None once printed as JSON (`--json`)."""
     out = call(args, "POST", "/admin/v1/deployments", body)
     if args.json:
         print(json.dumps(out))
-        return 0
-    new = out["deployed"]
-    print(
-        f"deployed {out['name']} revision {new['revision']}: adapter {new['model']} "
-        f"(snapshot {new['snapshot_id'][:12]}) on {args.base}, {new['traffic_percent']}% of its traffic"
-    )
-    return 0
+        return None
+    return out
 
 
 def _model(model: str) -> str:

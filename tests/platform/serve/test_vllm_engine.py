@@ -33,6 +33,7 @@ import pytest
 
 from tests.conftest import REPO, build_tiny_model
 from tests.deadlines import HTTP_READ, STOP, VLLM_START, deadline, wait_healthy
+from tests.platform.serve.vllm_adapters import check_adapters_on
 from warm_pool.backends.local import free_port
 from warm_pool.engine_calls import EngineCapabilities, HttpEngines
 from warm_pool.launch import vllm_spec
@@ -78,7 +79,7 @@ def group_members(pgid: int) -> list[int]:
 
 
 @needs_vllm
-def test_vllm_from_zero_served_streamed_and_drained_on_rm(platform_factory, vllm_model_dir):
+def test_vllm_from_zero_served_streamed_and_drained_on_rm(platform_factory, vllm_model_dir, tmp_path):
     # A long stable window: the policy holds the idle instance READY (it cannot sleep) for the whole
     # test, so the stream `rm` drains runs on the instance that served the first request.
     p = platform_factory(
@@ -89,7 +90,9 @@ def test_vllm_from_zero_served_streamed_and_drained_on_rm(platform_factory, vllm
         "--vllm-args=--enforce-eager --max-num-seqs 8",
         *VLLM_HOLD,
     )
-    deployed = p.deploy("tiny", vllm_model_dir, "--engine", "vllm", "--idle-timeout", "600")
+    deployed = p.deploy(
+        "tiny", vllm_model_dir, "--engine", "vllm", "--idle-timeout", "600", "--max-adapters", "1"
+    )
     assert deployed["engine"] == "vllm"
     assert p.deployments()["tiny"]["instances"]["READY"] == 0
 
@@ -108,6 +111,8 @@ def test_vllm_from_zero_served_streamed_and_drained_on_rm(platform_factory, vllm
     )
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    # LoRA adapters on this instance (`vllm_adapters`: vLLM's run-time LoRA API, one start shared).
+    check_adapters_on(p, "tiny", vllm_model_dir, tmp_path)
 
     # What the pool learned from the engine: its start phases (parsed from vLLM's log) ...
     assert p.metric("stoker_cold_start_seconds_count", deployment="tiny", phase="engine_init") == 1
