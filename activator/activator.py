@@ -168,6 +168,8 @@ class Activator:
     def capacity_changed(self) -> None:
         """The routing set changed (an instance became READY, or left): wake held requests."""
         self._slots.dispatch()
+        if self.adapters.tracked():  # what instances that left held is forgotten (bounded by the live set)
+            self.adapters.gone({e.id for e in self._source.endpoints()})
 
     def set_unavailable(self, reason: str | None) -> None:
         """The source cannot start an instance (`reason`, one line), or can again (None). Meanwhile

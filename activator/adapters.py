@@ -73,8 +73,11 @@ class Adapters:
         """The engine no longer has it (it answered 404 for it: evicted)."""
         self._held.get(endpoint_id, {}).pop(name, None)
 
+    def tracked(self) -> bool:
+        return bool(self._held)
+
     def gone(self, live: set[str]) -> None:
-        """Forget the instances no longer routable."""
+        """Forget the instances that are no longer READY: what is kept is bounded by the live set."""
         for endpoint_id in [e for e in self._held if e not in live]:
             del self._held[endpoint_id]
 
