@@ -117,7 +117,7 @@ class _Exchange:
         self.reply = proxy.Reply(send)
         self.cold = False  # served by an instance that was not routable at arrival (see the module doc)
         self.cold_on: str | None = None  # that instance's id
-        self.routing: frozenset[Key] | None = None  # the routing set when it was held at arrival
+        self.routing: frozenset[Key] | None = None  # the READY set when it was held at arrival
         self.granted: float | None = None  # when a held request got its slot
         self.held_s: float | None = None  # seconds it held instance slots; None: it never got one
         self.upstream_status = 0  # the status of the answer whose first byte went to the client
@@ -260,7 +260,9 @@ class Activator:
         try:
             endpoint = self._slots.try_acquire(prefix=ex.prefix)
             if endpoint is None:
-                ex.routing = frozenset(key(e) for e in self._routable())
+                # READY at arrival, ejected or not: one re-admitted after a probe was there all
+                # along, so a request it serves is held, not a cold start.
+                ex.routing = frozenset(key(e) for e in self._source.endpoints())
                 ex.cold = not ex.routing  # nothing READY: whatever serves it is a cold start
                 # The bound is on requests held at arrival; a retry (at most one per request in
                 # flight, so bounded by the instances' concurrency) is held past it.

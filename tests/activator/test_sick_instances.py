@@ -113,3 +113,23 @@ async def test_an_instance_ejected_again_and_again_is_reported_for_replacement(r
     await activator.check_health()
     assert activator.ejected() == [] and rig.sample("stoker_instances_ejected") == 0
     stopped.set()
+
+
+async def test_a_request_held_while_every_instance_is_ejected_is_not_a_cold_start(rig: Rig) -> None:
+    """Cold means served by an instance that became READY after the request arrived: the one that
+    was ejected and comes back after a probe was READY all along."""
+    clock = Clock()
+    source = MemorySource([Ep("a", rig.a_url)])
+    activator = rig.activator(source, clock, eject_after=1, eject_base_s=10, health_timeout_s=0.1)
+    rig.a.health = 500
+    await activator.check_health()
+    assert activator.ejected() == ["a"]
+    held = asyncio.ensure_future(rig.client.post("/v1/completions", json=PLAIN))
+    await eventually(lambda: activator.load().queued == 1)
+    rig.a.health, clock.now = 200, clock.now + 10
+    await activator.check_health()  # re-admitted: the held request goes to it
+    response = await held
+    assert response.headers["x-stoker-instance"] == "a"
+    assert response.headers["x-stoker-cold-start"] == "false"
+    await eventually(lambda: len(source.finished) == 1)
+    assert source.finished[0][1] is None

@@ -42,9 +42,13 @@ def served(tmp_path_factory, tiny_model_dir):
     try:
         p.deploy("tiny", tiny_model_dir, "--idle-timeout", "600")
         body = {"model": "tiny", "prompt": "The quick", "max_tokens": 4}
+        p.served = []  # (instance, cold start?) of each answer, as its headers say
         for _ in range(6):  # the first one waits for the cold start
             answer = httpx.post(f"{p.url}/v1/completions", json=body, headers=AUTH, timeout=deadline(300))
             assert answer.status_code == 200, answer.text
+            p.served.append(
+                (answer.headers["x-stoker-instance"], answer.headers["x-stoker-cold-start"] == "true")
+            )
             time.sleep(0.2)  # spread over a few of the history's points
         p.wait_for(lambda: busy_points(p) >= 2, timeout=WAIT, what="two points with requests")
         yield p
@@ -85,7 +89,11 @@ def test_the_history_holds_the_requests_the_instances_and_the_cold_start(served)
     assert any(t["requests_per_s"] > 0 for t in tiny)
     assert tiny[-1]["instances"].get("READY", 0) >= 1
     cold = [t for t in tiny if t["cold_starts"]]
-    assert sum(sum(t["cold_starts"].values()) for t in cold) == 1  # the first request's
+    # The first request's, and any other an instance that came up later served (one replaced under
+    # load): as many as the answers' headers said.
+    assert served.served[0][1], served.served
+    told = sum(c for _, c in served.served)
+    assert sum(sum(t["cold_starts"].values()) for t in cold) == told, served.served
     starts = [s for t in tiny for s in t["start_s"].values()]  # the start, in the point it finished
     assert starts and all(s > 0 for s in starts)
     assert any(t["hold_s"] is not None and t["hold_s"] > 0 for t in tiny)  # the held request's wait
