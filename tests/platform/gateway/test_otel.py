@@ -117,7 +117,8 @@ def receiver():
     server.server_close()
 
 
-def test_spans_arrive_with_the_gen_ai_names(platform_factory, receiver, tiny_model_dir):
+def test_spans_arrive_with_the_gen_ai_names(receiver, platform_factory, tiny_model_dir):
+    # `receiver` first: torn down after the platform, whose exporter flushes to it as it stops
     endpoint = f"http://127.0.0.1:{receiver.server_address[1]}"
     env = {
         "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
