@@ -145,10 +145,22 @@ class AdapterDeployments:
             self._p.clock,
         )
         self._by_name[latest.name] = a
+        self._p.cost.adapter(latest.name, latest.base)
         return a
 
     def listen(self, activator: Any, base: str) -> None:
+        """Count and time the loads `base`'s activator makes, and price them to their adapters."""
         self.metrics.listen(activator, base)
+        counted = activator.on_adapter_load
+
+        def loaded(engine_name: str, seconds: float) -> None:
+            counted(engine_name, seconds)
+            name, _, revision = engine_name.partition("@")
+            a = self._by_name.get(name)
+            if a is not None:
+                self._p.cost.adapter_loaded(name, int(revision) if revision else a.primary, seconds)
+
+        activator.on_adapter_load = loaded
 
     def restore(self, spec: DeploymentSpec, latest: DeploymentSpec) -> None:
         """One revision that served, brought back at start (its base restored before it)."""
@@ -204,6 +216,7 @@ class AdapterDeployments:
             return spec, True
         spec = await self._p.registry.create_revision(spec)
         current.latest = spec
+        self._p.cost.adapter(spec.name, spec.base)
         current.revisions[spec.revision] = spec
         if canary is None or canary == 100:
             self.publish(current, {spec.revision: 100})

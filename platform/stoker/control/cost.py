@@ -65,7 +65,9 @@ from stoker.spec.deployment import NAME
 
 _MINUTES = HISTORY_S // 60 + 1  # the current minute too
 _UNCOUNTED = ("STOPPED",)
-_AMOUNT = re.compile(r"(?:s|usd):[A-Za-z_]{1,32}|requests|tokens_in|tokens_out|busy_s")  # a ledger's names
+_AMOUNT = re.compile(
+    r"(?:s|usd):[A-Za-z_]{1,32}|requests|tokens_in|tokens_out|busy_s|load_s"
+)  # a ledger's names
 _MOST_LEDGERS = 10_000
 
 
@@ -191,6 +193,8 @@ class CostMeter:
         self._revisions: dict[tuple[str, int], Ledger] = {}
         self._deployments: dict[str, Ledger] = {}  # busy seconds
         self._loads: dict[str, _Load] = {}
+        self._bases: dict[str, str] = {}  # adapter deployment -> the base its requests run on
+        self._engines: dict[str, tuple[str, int]] = {}  # deployment -> (engine, devices), its latest pool's
 
     @classmethod
     def of_platform(
@@ -214,6 +218,7 @@ class CostMeter:
         self._ledger(spec.name, spec.revision)
         size = self._snapshot_bytes(spec.snapshot_id)
         devices = max(1, spec.engine_settings.gpus or 0)
+        self._engines[spec.name] = (spec.engine, devices)
         return PoolCostTap(inner, self, spec.name, spec.revision, spec.engine, size, devices)
 
     def _ledger(self, deployment: str, revision: int) -> Ledger:
@@ -222,6 +227,13 @@ class CostMeter:
             self._deployments.setdefault(deployment, Ledger())
         if deployment not in self._loads:  # restored ledgers have none until their pool is here
             self._loads[deployment] = _Load(self._clock())
+        return self._revisions[(deployment, revision)]
+
+    def _ledger_only(self, deployment: str, revision: int) -> Ledger:
+        """An adapter's ledger: it has no pool, so no busy integral of its own."""
+        if (deployment, revision) not in self._revisions:
+            self._revisions[(deployment, revision)] = Ledger()
+            self._deployments.setdefault(deployment, Ledger())
         return self._revisions[(deployment, revision)]
 
     def instance_seconds(
@@ -255,20 +267,35 @@ class CostMeter:
 
     # ---- from the gateway ----------------------------------------------------------------------------
 
+    def adapter(self, name: str, base: str) -> None:
+        """Adapter deployment `name` runs on deployment `base`: its requests keep the base's
+        instances busy, and its rows take a share of the base's cost (`share_adapters`)."""
+        self._bases[name] = base
+
+    def adapter_loaded(self, name: str, revision: int, seconds: float) -> None:
+        """One load of adapter `name`'s `revision` on an instance of its base, `seconds` long."""
+        if seconds > 0:
+            self._ledger_only(name, revision).add(self._clock(), {"load_s": seconds})
+
     def tap(self, send: Callable, name: str, prompt_estimate: int) -> MeterTap | None:
         """A tap for a request to deployment `name`; None for a name with no pool here (a cascade
-        route). From here `done` follows in every case."""
-        load = self._loads.get(name)
+        route). From here `done` follows in every case. An adapter's request is busy time of its
+        base's instances."""
+        on = self._bases.get(name, name)
+        load = self._loads.get(on)
         if load is None:
             return None
-        self._settle(name, load)
+        self._settle(on, load)
         load.in_flight += 1
-        return MeterTap(send, name, prompt_estimate, self._clock())
+        tap = _Metered(send, name, prompt_estimate, self._clock())
+        tap.load = on
+        return tap
 
     def done(self, tap: MeterTap, scope: Mapping[str, Any]) -> None:
         name = tap.deployment
-        load = self._loads[name]
-        self._settle(name, load)
+        on = getattr(tap, "load", name)
+        load = self._loads[on]
+        self._settle(on, load)
         load.in_flight -= 1
         revision = scope.get("stoker.revision")
         if not isinstance(revision, int):
@@ -282,9 +309,8 @@ class CostMeter:
         """One answer of `revision`: its tokens, a request, a line of the arrival log. From `done`
         in one process; from the gateways' reports when they are processes of their own
         (`stoker.gateway.metering`)."""
-        self._ledger(name, revision).add(
-            self._clock(), {"requests": 1, "tokens_in": tokens_in, "tokens_out": tokens_out}
-        )
+        ledger = self._ledger_only(name, revision) if name in self._bases else self._ledger(name, revision)
+        ledger.add(self._clock(), {"requests": 1, "tokens_in": tokens_in, "tokens_out": tokens_out})
         for direction, n in (("in", tokens_in), ("out", tokens_out)):
             if n:
                 self._tokens.labels(name, str(revision), direction).inc(n)
@@ -367,7 +393,13 @@ class CostMeter:
                 r: ledger.sum(since_minute) for (d, r), ledger in sorted(self._revisions.items()) if d == name
             }
             rows.append(summarize(name, revisions, self._deployments[name].sum(since_minute)))
-        return rows
+        return share_adapters(rows, self._bases, self._load_price)
+
+    def _load_price(self, base: str) -> float:
+        """Dollars a second of adapter load costs on an instance of `base`: a READY second of its
+        engine on its devices."""
+        engine, devices = self._engines.get(base, ("cpu", 1))
+        return self.prices.per_second(engine, "READY") * devices
 
 
 class PoolCostTap:
@@ -422,6 +454,54 @@ def store_bytes(store: Any) -> Callable[[str], int]:
     return size
 
 
+class _Metered(MeterTap):
+    __slots__ = ("load",)  # the deployment whose busy integral it is in: its own, or an adapter's base's
+
+
+def share_adapters(
+    rows: list[dict[str, Any]], bases: Mapping[str, str], load_price: Callable[[str], float]
+) -> list[dict[str, Any]]:
+    """Each adapter's share of its base's cost, moved from the base's row to the adapter's: the
+    price of its loads (`load_s` × `load_price(base)`, a READY second of the base's instance) and
+    its tokens' share of what is left of the base's instance cost (storage stays the base's). The
+    rows' `cost_usd` then add up to what was spent. The base's revisions' rows keep the devices'
+    whole cost.
+
+    Worked example: base b $1.00 (of which $0.10 storage), 600 tokens of its own; adapter a1 300
+    tokens and 2 s of loads at $0.01/s, a2 100 tokens. Shareable 1.00 − 0.10 − 0.02 = $0.88 over
+    1,000 tokens: a1 0.88 × 0.3 + 0.02 = $0.284, a2 $0.088, b 1.00 − 0.372 = $0.628."""
+    by_name = {row["deployment"]: row for row in rows}
+    on: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        base = bases.get(row["deployment"])
+        if base is not None and base in by_name:
+            on.setdefault(base, []).append(row)
+            row["base"] = base
+    for base, adapters in on.items():
+        b = by_name[base]
+        shareable = max(0.0, b["cost_usd"] - b["storage_usd"])
+        loads = [a["load_seconds"] * load_price(base) for a in adapters]
+        scale = min(1.0, shareable / sum(loads)) if sum(loads) > 0 else 0.0
+        loads = [usd * scale for usd in loads]
+        pool = shareable - sum(loads)
+        tokens = [a["tokens_in"] + a["tokens_out"] for a in adapters]
+        total = b["tokens_in"] + b["tokens_out"] + sum(tokens)
+        moved = 0.0
+        for a, load_usd, t in zip(adapters, loads, tokens, strict=True):
+            share = pool * t / total if total else 0.0
+            a["base_share_usd"] = round(share, 9)
+            a["load_usd"] = round(load_usd, 9)
+            a["cost_usd"] = round(a["cost_usd"] + share + load_usd, 9)
+            a["cost_per_1k_tokens"] = _per_1k(a["cost_usd"], t)
+            a["cost_per_1k_requests"] = _per_1k(a["cost_usd"], a["requests"])
+            moved += share + load_usd
+        b["adapters_usd"] = round(moved, 9)
+        b["cost_usd"] = round(b["cost_usd"] - moved, 9)
+        b["cost_per_1k_tokens"] = _per_1k(b["cost_usd"], b["tokens_in"] + b["tokens_out"])
+        b["cost_per_1k_requests"] = _per_1k(b["cost_usd"], b["requests"])
+    return rows
+
+
 def _per_1k(cost: float, count: float) -> float | None:
     return round(cost / count * 1000, 6) if count else None
 
@@ -452,6 +532,7 @@ def summarize(
     out["instance_seconds"] = {s: round(v, 6) for s, v in sorted(seconds.items())}
     out["idle_seconds"] = round(idle, 6)
     out["idle_share"] = round(min(1.0, idle / total_s), 6) if total_s else None
+    out["load_seconds"] = round(sum(sums.get("load_s", 0.0) for sums in revisions.values()), 6)
     out["revisions"] = rows
     return out
 

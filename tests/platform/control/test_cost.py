@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry
 
 from stoker.api.cost import parse_since
 from stoker.control.arrival_log import ArrivalLog, load_arrivals
-from stoker.control.cost import CostMeter, Ledger, summarize
+from stoker.control.cost import CostMeter, Ledger, share_adapters, summarize
 from stoker.control.prices import PriceError, PriceTable, load_prices
 from stoker.errors import APIError
 from tests.conftest import STOKER
@@ -322,3 +322,74 @@ def test_an_instance_on_several_gpus_costs_each_of_them(tmp_path):
     cost = {row["deployment"]: row["cost_usd"] for row in meter.report()}
     asleep = 100 * 0.08 / 3600  # the default sleeping price
     assert cost == pytest.approx({"wide": 4 * 10 * 0.001 + asleep, "one": 10 * 0.001 + asleep})
+
+
+# ---- adapters: a share of their base's cost -----------------------------------------------------------
+
+
+def _row(name: str, cost: float, storage: float, tokens: int, load_s: float = 0.0) -> dict:
+    return {
+        "deployment": name,
+        "cost_usd": cost,
+        "storage_usd": storage,
+        "requests": 1,
+        "tokens_in": tokens,
+        "tokens_out": 0,
+        "load_seconds": load_s,
+    }
+
+
+def test_adapters_take_their_tokens_share_and_their_loads_and_the_rows_add_up():
+    """The docstring's worked example of `share_adapters`."""
+    rows = [_row("b", 1.00, 0.10, 600), _row("a1", 0.0, 0.0, 300, 2.0), _row("a2", 0.0, 0.0, 100)]
+    b, a1, a2 = share_adapters(rows, {"a1": "b", "a2": "b"}, lambda base: 0.01)
+    assert a1["cost_usd"] == pytest.approx(0.88 * 0.3 + 0.02) and a1["load_usd"] == pytest.approx(0.02)
+    assert a2["cost_usd"] == pytest.approx(0.088) and a2["base"] == "b" and "base" not in b
+    assert b["cost_usd"] == pytest.approx(0.628) and b["adapters_usd"] == pytest.approx(0.372)
+    assert b["cost_usd"] + a1["cost_usd"] + a2["cost_usd"] == pytest.approx(1.00)
+    assert a1["cost_per_1k_tokens"] == pytest.approx(a1["cost_usd"] / 300 * 1000, rel=1e-6)
+
+
+def test_loads_priced_past_the_base_cost_are_scaled_to_it_and_no_tokens_leaves_the_base_its_cost():
+    [b, a1] = share_adapters(
+        [_row("b", 0.05, 0.0, 0), _row("a1", 0.0, 0.0, 0, 10.0)], {"a1": "b"}, lambda _: 0.01
+    )
+    assert a1["cost_usd"] == pytest.approx(0.05) and b["cost_usd"] == pytest.approx(0.0)
+    [b, a1] = share_adapters([_row("b", 0.05, 0.0, 0), _row("a1", 0.0, 0.0, 0)], {"a1": "b"}, lambda _: 0.01)
+    assert a1["cost_usd"] == 0 and b["cost_usd"] == pytest.approx(0.05)
+    # an adapter whose base has no row (removed, or never ran) keeps what it has
+    [a1] = share_adapters([_row("a1", 0.0, 0.0, 50)], {"a1": "gone"}, lambda _: 0.01)
+    assert a1["cost_usd"] == 0 and "base" not in a1
+
+
+async def test_an_adapters_requests_are_its_own_and_busy_time_of_its_base(tmp_path):
+    clock = Clock(1000.0)
+    registry = CollectorRegistry()
+    prices = PriceTable.parse({"ready_hour": 3.6, "sleeping_hour": 0.36, "snapshot_gb_month": 0.0})
+    meter = CostMeter(prices, registry, clock, lambda sid: 0, ArrivalLog(tmp_path))
+    pool = meter.pool_metrics(PoolMetrics(registry), _spec(1))
+    pool.set_instances("chat@1", {S.READY: 1, S.SLEEPING: 0})
+    meter.adapter("a1", "chat")
+    assert meter.tap(_sink, "a2", 7) is None  # no base known: a name with no pool here
+    clock.now = 1002.0
+    tap = meter.tap(_sink, "a1", 7)
+    meter.adapter_loaded("a1", 1, 0.5)
+    clock.now = 1006.0
+    await _answer(tap, [b'{"choices":[],"usage":{"prompt_tokens":10,"completion_tokens":10}}'])
+    meter.done(tap, {"stoker.revision": 1})
+    clock.now = 1010.0
+    pool.add_instance_seconds("chat", S.READY, 10.0)
+    pool.set_instances("chat@1", {S.READY: 1, S.SLEEPING: 0})
+    rows = {row["deployment"]: row for row in meter.report()}
+    a1, chat = rows["a1"], rows["chat"]
+    assert (a1["requests"], a1["tokens_in"], a1["tokens_out"], a1["load_seconds"]) == (1, 10, 10, 0.5)
+    assert chat["requests"] == 0 and chat["idle_seconds"] == pytest.approx(10 - 4)  # a1's 4 s were busy
+    # all of the base's tokens were a1's: it pays for the base's 10 READY seconds, its load included
+    assert a1["cost_usd"] == pytest.approx(10 * 0.001) and a1["load_usd"] == pytest.approx(0.5 * 0.001)
+    assert chat["cost_usd"] == pytest.approx(0.0) and chat["adapters_usd"] == pytest.approx(0.01)
+    assert (
+        registry.get_sample_value(
+            "stoker_tokens_total", {"deployment": "a1", "revision": "1", "direction": "out"}
+        )
+        == 10
+    )

@@ -84,6 +84,17 @@ def test_adapters_on_a_base_at_zero(
         greedy(tenant, "base")
     assert {m.id for m in tenant.models.list().data} == {"a1"}
 
+    # Cost: each adapter's share of the base's, by tokens, plus its loads; the rows add up.
+    p.wait_for(lambda: cost_rows(p)["base"]["cost_usd"] > 0, what="the base's instance-seconds priced")
+    rows = cost_rows(p)
+    a1, a2, b = rows["a1"], rows["a2"], rows["base"]
+    assert a1["base"] == a2["base"] == "base" and "base" not in b
+    assert a1["requests"] == 5 and a2["requests"] == 1 and a1["tokens_out"] > 0
+    assert a1["load_seconds"] > 0 and a1["load_usd"] > 0 and a1["base_share_usd"] > 0
+    devices = sum(r["cost_usd"] for r in b["revisions"])  # what the base's instances cost
+    assert b["adapters_usd"] == pytest.approx(a1["cost_usd"] + a2["cost_usd"], abs=1e-8)
+    assert b["cost_usd"] + a1["cost_usd"] + a2["cost_usd"] == pytest.approx(devices, abs=1e-8)
+
     # An adapter made for another base model: refused at deploy, naming both.
     other = build_tiny_model(tmp_path / "wide", head_dim=32)  # its attention projections are wider
     p.deploy("wide", other, "--max", "1")
@@ -148,3 +159,8 @@ def test_adapters_through_a_gateway_of_its_own(tiny_model_dir: Path, adapter_dir
     finally:
         for p in started:
             p.stop()
+
+
+def cost_rows(p) -> dict[str, dict]:
+    return {row["deployment"]: row for row in json.loads(p.cli("cost", "--json").stdout)}
+
