@@ -73,6 +73,11 @@ def cost_paths() -> dict[str, Any]:
             "idle_seconds": {"type": "number"},
             "idle_share": nullable,
             "instance_seconds": {"type": "object", "additionalProperties": {"type": "number"}},
+            "load_seconds": {"type": "number", "description": "an adapter's loads on its base's instances"},
+            "base": {"type": "string", "description": "an adapter's: the deployment it runs on"},
+            "base_share_usd": {"type": "number", "description": "an adapter's share of its base's cost"},
+            "load_usd": {"type": "number", "description": "an adapter's loads, priced"},
+            "adapters_usd": {"type": "number", "description": "a base's: the part charged to its adapters"},
             "revisions": {"type": "array", "items": {"type": "object"}},
         },
     }

@@ -188,6 +188,19 @@ class AdapterDeployments:
                 code="base_in_use",
             )
 
+    def check_serves(self, fields: dict[str, Any]) -> None:
+        """A new revision of a base that could not serve the adapters running on it (vLLM without
+        `max_adapters`): 409 naming them, before anything changes."""
+        serves = fields["engine"] != "vllm" or fields.get("max_adapters") is not None
+        if not serves and (on := self.on(fields["name"])):
+            raise APIError(
+                409,
+                f"Adapter deployment(s) {', '.join(on)} run on {fields['name']!r}, and this revision would "
+                "serve none: deploy it with --max-adapters N, or remove them first.",
+                param="max_adapters",
+                code="base_in_use",
+            )
+
     async def deploy(self, fields: dict[str, Any], canary: int | None) -> tuple[DeploymentSpec, bool]:
         """A new revision of the adapter deployment (creating it): all of the traffic at once, or the
         canary's share. Nothing warms: each instance loads it at its first request."""

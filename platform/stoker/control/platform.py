@@ -273,6 +273,7 @@ class Platform:
             async with self._lock:
                 return await self.adapters.deploy(fields, canary)
         self.adapters.check_free(fields["name"])
+        self.adapters.check_serves(fields)
         if fields["engine"] == "vllm":
             await self._vllm_setup.launch()
         await self._check_devices(fields)

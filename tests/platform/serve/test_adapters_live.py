@@ -110,6 +110,12 @@ def test_adapters_on_a_base_at_zero(
     # A base with adapters on it is not removed from under them.
     r = httpx.delete(f"{p.url}/admin/v1/deployments/base", headers=H, timeout=HTTP_READ)
     assert r.status_code == 409 and "a1, a2" in r.json()["error"]["message"], r.text
+    # Nor redeployed on vLLM without max_adapters, which would serve none of them.
+    body = {"name": "base", "model": str(tiny_model_dir), "engine": "vllm"}
+    r = httpx.post(f"{p.url}/admin/v1/deployments", json=body, headers=H, timeout=HTTP_READ)
+    assert r.status_code == 409 and r.json()["error"]["code"] == "base_in_use", r.text
+    assert "a1, a2" in r.json()["error"]["message"] and "--max-adapters" in r.json()["error"]["message"]
+    assert p.deployments()["base"]["revision"] == 1
     assert instance["state"] == "READY"
 
     # Restarted on its data dir: the adapters come back with their bases, a1 at its revision 2.
@@ -163,4 +169,3 @@ def test_adapters_through_a_gateway_of_its_own(tiny_model_dir: Path, adapter_dir
 
 def cost_rows(p) -> dict[str, dict]:
     return {row["deployment"]: row for row in json.loads(p.cli("cost", "--json").stdout)}
-
