@@ -13,7 +13,8 @@ from prometheus_client import CollectorRegistry
 
 from stoker.api.cost import parse_since
 from stoker.control.arrival_log import ArrivalLog, load_arrivals
-from stoker.control.cost import CostMeter, Ledger, share_adapters, summarize
+from stoker.control.cost import CostMeter, Ledger
+from stoker.control.cost_rows import share_adapters, summarize
 from stoker.control.prices import PriceError, PriceTable, load_prices
 from stoker.errors import APIError
 from tests.conftest import STOKER
