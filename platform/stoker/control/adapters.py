@@ -155,12 +155,16 @@ class AdapterDeployments:
 
         def loaded(engine_name: str, seconds: float) -> None:
             counted(engine_name, seconds)
-            name, _, revision = engine_name.partition("@")
-            a = self._by_name.get(name)
-            if a is not None:
-                self._p.cost.adapter_loaded(name, int(revision) if revision else a.primary, seconds)
+            self.loaded(engine_name, seconds)
 
         activator.on_adapter_load = loaded
+
+    def loaded(self, engine_name: str, seconds: float) -> None:
+        """One load of an adapter (by the engine's name for it: `a1`, the primary, or `a1@3`) on
+        an instance of its base, here or on a gateway of its own: priced to the adapter."""
+        name, _, revision = engine_name.partition("@")
+        if (a := self._by_name.get(name)) is not None:
+            self._p.cost.adapter_loaded(name, int(revision) if revision else a.primary, seconds)
 
     def restore(self, spec: DeploymentSpec, latest: DeploymentSpec) -> None:
         """One revision that served, brought back at start (its base restored before it)."""

@@ -12,7 +12,8 @@ the answers are the gateways': each one's `GatewayMeter` reads an answer's token
 process meter does (`MeterTap`, a `limits.UsageTap`) and hands `[wall, tokens_in, tokens_out,
 status]` to the answering revision's next report; the controller counts it (`CostMeter.record`),
 so `stoker_tokens_total`, `stoker_cost_usd_total` and the arrival log have one writer, the
-controller. The busy-second integral's n (requests between arrival and the end of their answers)
+controller. An adapter's answer goes with a unit of its base, its name and revision after the
+four (its base's instances served it); its loads go as `[engine name, seconds]` (`RemoteSource.loads`). The busy-second integral's n (requests between arrival and the end of their answers)
 is each live gateway's reported held + in flight, summed: stepwise at the report interval (1 s by
 default) rather than at every change.
 
@@ -71,20 +72,30 @@ class GatewayMeter:
         self._clock = clock
 
     def tap(self, send: Callable, name: str, prompt_estimate: int) -> MeterTap | None:
-        if getattr(self._plane.get(name), "units", None) is None:
-            # a cascade route (neither deployment's request), or an adapter (its base's instances
-            # serve it; its share of their cost is not metered yet), as in one process
-            return None
+        d = self._plane.get(name)
+        if getattr(d, "units", None) is None and getattr(d, "revisions", None) is None:
+            return None  # a cascade route (neither deployment's request), as in one process
         return MeterTap(send, name, prompt_estimate, self._clock())
 
     def done(self, tap: MeterTap, scope: Mapping[str, Any]) -> None:
         revision = scope.get("stoker.revision")
         d = self._plane.get(tap.deployment)
-        unit = d.units.get(revision) if d is not None and isinstance(revision, int) else None
+        if not isinstance(revision, int) or d is None:
+            return  # refused before a revision took it
+        usage = [round(tap.wall, 3), *(tap.tokens() or (0, 0)), tap.status or 499]
+        if getattr(d, "units", None) is None:  # an adapter: reported with a unit of its base
+            spec = d.revisions.get(revision)
+            base = self._plane.get(spec.base) if spec is not None else None
+            units = getattr(base, "units", None)
+            if not units:
+                return  # its base is not routed here any more
+            usage += [tap.deployment, revision]
+            unit = units.get(base.spec.revision) or next(iter(units.values()))
+        else:
+            unit = d.units.get(revision)
         if unit is None:
-            return  # refused before a revision took it, or retired meanwhile
-        tokens_in, tokens_out = tap.tokens() or (0, 0)
-        unit.source.usage.append([round(tap.wall, 3), tokens_in, tokens_out, tap.status or 499])
+            return  # retired meanwhile
+        unit.source.usage.append(usage)
 
 
 def changed_samples(registry: Any, sent: dict[tuple[str, Labels], float]) -> list[list]:

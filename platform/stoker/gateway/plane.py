@@ -79,9 +79,9 @@ class RemoteSource:
         self.failures: deque[str] = deque(maxlen=MAX_REPORTED)
         self.unhealthy: deque[list[str]] = deque(maxlen=MAX_REPORTED)
         self.answers: deque[list] = deque(maxlen=MAX_BUFFERED)  # [status, first byte s]: canary checks
-        self.usage: deque[list] = deque(
-            maxlen=MAX_BUFFERED
-        )  # [wall, in, out, status]: cost (`plane_metering`)
+        # [wall, in, out, status] (an adapter's: + [name, revision]): cost (`stoker.gateway.metering`)
+        self.usage: deque[list] = deque(maxlen=MAX_BUFFERED)
+        self.loads: deque[list] = deque(maxlen=MAX_REPORTED)  # [engine name, seconds]: adapters' loads
         self.poked = False
 
     def endpoints(self) -> Sequence[RemoteEndpoint]:
@@ -117,10 +117,11 @@ class RemoteSource:
             "unhealthy": list(self.unhealthy),
             "answers": list(self.answers),
             "usage": list(self.usage),
+            "loads": list(self.loads),
             "poke": self.poked,
         }
         self.arrivals, self.poked = 0, False
-        for buffer in (self.finished, self.failures, self.unhealthy, self.answers, self.usage):
+        for buffer in (self.finished, self.failures, self.unhealthy, self.answers, self.usage, self.loads):
             buffer.clear()
         return news
 
@@ -132,6 +133,7 @@ class RemoteSource:
         self.unhealthy.extendleft(reversed(news["unhealthy"]))
         self.answers.extendleft(reversed(news["answers"]))
         self.usage.extendleft(reversed(news["usage"]))
+        self.loads.extendleft(reversed(news["loads"]))
         self.poked = self.poked or news["poke"]
 
 
@@ -374,6 +376,13 @@ class GatewayPlane:
         )
         health = asyncio.create_task(activator.watch_health(), name=f"health-{spec.name}@{spec.revision}")
         self.adapter_metrics.listen(activator, spec.name)  # the loads of the adapters it serves
+        counted = activator.on_adapter_load
+
+        def loaded(engine_name: str, seconds: float) -> None:  # and the controller prices them
+            counted(engine_name, seconds)
+            source.loads.append([engine_name, round(seconds, 6)])
+
+        activator.on_adapter_load = loaded
         return RemoteUnit(spec, activator, source, health)
 
     # -- reports ----------------------------------------------------------------------------------------

@@ -177,8 +177,12 @@ def build_controller(
                 unit.demand.report(gateway, report, now)
                 for status, ttft_s in report["answers"]:  # for the canary check; counted there
                     d.stats.record(int(revision), status, ttft_s, count=False)
-                for wall, tokens_in, tokens_out, status in report["usage"]:  # `stoker.gateway.metering`
-                    platform.cost.record(name, int(revision), wall, tokens_in, tokens_out, status)
+                for wall, tokens_in, tokens_out, status, *adapter in report["usage"]:  # `.gateway.metering`
+                    by, rev = adapter if adapter else (name, int(revision))
+                    if not adapter or platform.adapters.get(by) is not None:
+                        platform.cost.record(by, rev, wall, tokens_in, tokens_out, status)
+                for engine_name, seconds in report["loads"]:
+                    platform.adapters.loaded(engine_name, seconds)
                 busy[name] = busy.get(name, 0) + report["in_flight"] + report["queued"]
         for name, n in busy.items():
             platform.cost.remote_in_flight(name, gateway, n, live)

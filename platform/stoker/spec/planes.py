@@ -104,11 +104,30 @@ def _parse_one(name: object, r: object) -> dict[str, Any]:
         answers.append((item[0], _seconds(item[1], "answers")))
     usage = []
     for item in _list(r, "usage", MAX_REPORT_FINISHED):
-        whole = isinstance(item, list) and len(item) == 4 and item[0] is not None
-        whole = whole and all(isinstance(v, int) and not isinstance(v, bool) for v in item[1:])
-        if not whole or not (0 <= min(item[1:3]) and max(item[1:3]) <= 10_000_000 and 100 <= item[3] <= 599):
-            raise invalid("'usage' holds [wall, tokens_in, tokens_out, status] answers.", "usage")
-        usage.append((_seconds(item[0], "usage"), item[1], item[2], item[3]))
+        whole = isinstance(item, list) and len(item) in (4, 6) and item[0] is not None
+        whole = whole and all(isinstance(v, int) and not isinstance(v, bool) for v in item[1:4])
+        whole = whole and 0 <= min(item[1:3]) and max(item[1:3]) <= 10_000_000 and 100 <= item[3] <= 599
+        adapter = item[4:] if whole else None
+        if adapter:  # an adapter's answer on this unit's instances: its name and revision
+            name, revision = adapter
+            whole = isinstance(name, str) and NAME.fullmatch(name) is not None
+            whole = whole and isinstance(revision, int) and not isinstance(revision, bool) and revision >= 1
+        if not whole:
+            raise invalid(
+                "'usage' holds [wall, tokens_in, tokens_out, status] answers, an adapter's with "
+                "[name, revision] after them.",
+                "usage",
+            )
+        usage.append((_seconds(item[0], "usage"), item[1], item[2], item[3], *adapter))
+    loads = []
+    for item in _list(r, "loads", MAX_REPORT_EVENTS):
+        ok = isinstance(item, list) and len(item) == 2 and isinstance(item[0], str) and item[1] is not None
+        engine_name = item[0] if ok else ""
+        name, _, revision = engine_name.partition("@")
+        ok = ok and NAME.fullmatch(name) is not None and (not revision or revision.isdigit())
+        if not ok:
+            raise invalid("'loads' holds [adapter's engine name, seconds] loads.", "loads")
+        loads.append((engine_name, _seconds(item[1], "loads")))
     poke = r.get("poke", False)
     if not isinstance(poke, bool):
         raise invalid("'poke' must be a boolean.", "poke")
@@ -124,5 +143,6 @@ def _parse_one(name: object, r: object) -> dict[str, Any]:
         "unhealthy": unhealthy,
         "answers": answers,
         "usage": usage,  # answers' tokens for the cost meter (`stoker.gateway.metering`)
+        "loads": loads,  # adapters' loads on this unit's instances, for their cost
         "poke": poke,
     }

@@ -104,6 +104,10 @@ def report(**fields) -> dict:
         [[1.0, 1, 2, 99]],  # not an HTTP status
         [[1.0, 1, 10**8, 200]],
         [[-1.0, 1, 2, 200]],
+        [[1.0, 1, 2, 200, "a1"]],  # an adapter's name without its revision
+        [[1.0, 1, 2, 200, "A B", 1]],  # not a deployment's name
+        [[1.0, 1, 2, 200, "a1", 0]],
+        [[1.0, 1, 2, 200, "a1", True]],
         "[]",
     ],
 )
@@ -114,10 +118,24 @@ def test_bad_usage_is_a_400_naming_it(usage):
 
 
 def test_usage_parses_and_is_optional():
-    _, parsed = parse_report(report(usage=[[1700000000.5, 11, 20, 200]]))
-    assert parsed["chat@1"]["usage"] == [(1700000000.5, 11, 20, 200)]
+    _, parsed = parse_report(report(usage=[[1700000000.5, 11, 20, 200], [1.0, 3, 4, 200, "a1", 2]]))
+    assert parsed["chat@1"]["usage"] == [(1700000000.5, 11, 20, 200), (1.0, 3, 4, 200, "a1", 2)]
     _, older = parse_report(report())  # a gateway from before the meter
-    assert older["chat@1"]["usage"] == []
+    assert older["chat@1"]["usage"] == [] and older["chat@1"]["loads"] == []
+
+
+@pytest.mark.parametrize(
+    "loads", [[["a1"]], [["a1", None]], [["a1@x", 0.1]], [["../a", 0.1]], [[1, 0.1]], "x"]
+)
+def test_bad_adapter_loads_are_a_400_naming_them(loads):
+    with pytest.raises(APIError) as caught:
+        parse_report(report(loads=loads))
+    assert caught.value.param == "loads"
+
+
+def test_adapter_loads_parse():
+    _, parsed = parse_report(report(loads=[["a1", 0.007], ["a1@3", 0.5]]))
+    assert parsed["chat@1"]["loads"] == [("a1", 0.007), ("a1@3", 0.5)]
 
 
 class Clock:

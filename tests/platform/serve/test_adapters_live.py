@@ -162,6 +162,13 @@ def test_adapters_through_a_gateway_of_its_own(tiny_model_dir: Path, adapter_dir
         assert gateway.metric("stoker_adapter_loads_total", deployment="a1", base="base") == 1
         models = {m.id: m for m in client.models.list().data}
         assert models["a1"].model_extra["parent"] == "base"
+        # The controller meters what the gateway answered: a1's request and its load are a1's.
+        controller.wait_for(
+            lambda: cost_rows(controller).get("a1", {}).get("load_seconds", 0) > 0,
+            what="a1's load in the controller's cost",
+        )
+        a1 = cost_rows(controller)["a1"]
+        assert a1["base"] == "base" and a1["requests"] == 1 and a1["tokens_out"] > 0
     finally:
         for p in started:
             p.stop()

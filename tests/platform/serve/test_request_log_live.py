@@ -26,6 +26,7 @@ def platform(tmp_path_factory, tiny_model_dir):
     ).start()
     try:
         p.deploy("tiny", tiny_model_dir, "--max", "1", "--idle-timeout", "600")
+        p.tiny_model_dir = tiny_model_dir  # the base an adapter's test builds for
         yield p
     finally:
         p.stop()
@@ -145,3 +146,20 @@ def test_the_admin_pins_a_revision_a_tenant_cannot(platform):
     made = json.loads(p.cli("keys", "create", "--tenant", "t2", "--deployment", "tiny", "--json").stdout)
     ignored = chat(p, made["key"], headers={"x-stoker-revision": "99"})
     assert ignored.status_code == 200 and ignored.headers["x-stoker-revision"] == served
+
+
+def test_an_adapters_requests_are_recorded_under_its_own_name(platform, tmp_path):
+    from tests.conftest import build_tiny_adapter
+
+    p = platform
+    lora = build_tiny_adapter(p.tiny_model_dir, tmp_path / "lora", seed=3)
+    p.cli("deploy", "tiny-lora", "--adapter", str(lora), "--base", "tiny")
+    before = len(records(p))
+    answer = chat(p, model="tiny-lora")
+    assert answer.status_code == 200, answer.text
+    p.wait_for(lambda: len(records(p)) > before, what="the adapter's record")
+    [record] = [r for r in records(p)[before:] if r["deployment"] == "tiny-lora"]
+    assert record["revision"] == int(answer.headers["x-stoker-revision"]) == 1
+    assert record["status"] == 200 and record["key_id"] == "admin"
+    assert record["completion_tokens"] == answer.json()["usage"]["completion_tokens"]
+    assert "hello there" not in json.dumps(record)
