@@ -44,6 +44,8 @@ def test_cost_history_and_learned_state_survive_a_restart_on_the_same_data_dir(
     p.wait_for(
         lambda: round(_answered(p.admin_get("/admin/v1/history"))) == 3, what="3 answers in the history"
     )
+    # READY seconds are accrued at the pool's next tick (each second), maybe after the answers
+    p.wait_for(lambda: _ready_seconds(p) > 0, what="READY seconds in the cost")
     [before] = json.loads(p.cli("cost", "--json").stdout)
     assert (before["requests"], before["tokens_in"], before["tokens_out"]) == (3, tokens_in, tokens_out)
     assert p.stop() == 0  # SIGTERM: drained, then the shutdown's checkpoint
@@ -74,3 +76,8 @@ def test_cost_history_and_learned_state_survive_a_restart_on_the_same_data_dir(
     lines = [json.loads(x) for x in (home / "arrivals" / "arrivals.jsonl").read_text().splitlines()]
     assert [x["deployment"] for x in lines] == ["tiny"] * 4
     assert [x["out"] for x in lines] == [u["completion_tokens"] for u in usage] + [more["completion_tokens"]]
+
+
+def _ready_seconds(p) -> float:
+    [row] = json.loads(p.cli("cost", "--json").stdout)
+    return row["instance_seconds"].get("READY", 0.0)
