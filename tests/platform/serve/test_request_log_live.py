@@ -152,7 +152,8 @@ def test_an_adapters_requests_are_recorded_under_its_own_name(platform, tmp_path
     from tests.conftest import build_tiny_adapter
 
     p = platform
-    lora = build_tiny_adapter(p.tiny_model_dir, tmp_path / "lora", seed=3)
+    lora = tmp_path / "lora"
+    build_tiny_adapter(p.tiny_model_dir, lora, seed=3)
     p.cli("deploy", "tiny-lora", "--adapter", str(lora), "--base", "tiny")
     before = len(records(p))
     answer = chat(p, model="tiny-lora")
