@@ -150,21 +150,22 @@ class AdapterDeployments:
 
     def listen(self, activator: Any, base: str) -> None:
         """Count and time the loads `base`'s activator makes, and price them to their adapters."""
-        self.metrics.listen(activator, base)
-        counted = activator.on_adapter_load
-
-        def loaded(engine_name: str, seconds: float) -> None:
-            counted(engine_name, seconds)
-            self.loaded(engine_name, seconds)
-
-        activator.on_adapter_load = loaded
+        self.metrics.listen(activator, base, also=self.loaded)
 
     def loaded(self, engine_name: str, seconds: float) -> None:
         """One load of an adapter (by the engine's name for it: `a1`, the primary, or `a1@3`) on
-        an instance of its base, here or on a gateway of its own: priced to the adapter."""
+        an instance of its base, here or on a gateway of its own: priced to the adapter. One of a
+        revision it does not have (a gateway's stale or crafted report) is dropped."""
         name, _, revision = engine_name.partition("@")
         if (a := self._by_name.get(name)) is not None:
-            self._p.cost.adapter_loaded(name, int(revision) if revision else a.primary, seconds)
+            rev = int(revision) if revision else a.primary
+            if self.has_revision(name, rev):
+                self._p.cost.adapter_loaded(name, rev, seconds)
+
+    def has_revision(self, name: str, revision: int) -> bool:
+        """Whether adapter deployment `name` has had `revision` (what its cost may be counted under)."""
+        a = self._by_name.get(name)
+        return a is not None and 1 <= revision <= a.latest.revision
 
     def restore(self, spec: DeploymentSpec, latest: DeploymentSpec) -> None:
         """One revision that served, brought back at start (its base restored before it)."""

@@ -223,12 +223,10 @@ class CostMeter:
         return PoolCostTap(inner, self, spec.name, spec.revision, spec.engine, size, devices)
 
     def _ledger(self, deployment: str, revision: int) -> Ledger:
-        if (deployment, revision) not in self._revisions:
-            self._revisions[(deployment, revision)] = Ledger()
-            self._deployments.setdefault(deployment, Ledger())
+        ledger = self._ledger_only(deployment, revision)
         if deployment not in self._loads:  # restored ledgers have none until their pool is here
             self._loads[deployment] = _Load(self._clock())
-        return self._revisions[(deployment, revision)]
+        return ledger
 
     def _ledger_only(self, deployment: str, revision: int) -> Ledger:
         """An adapter's ledger: it has no pool, so no busy integral of its own."""
@@ -292,9 +290,8 @@ class CostMeter:
         tap.load = on
         return tap
 
-    def done(self, tap: MeterTap, scope: Mapping[str, Any]) -> None:
-        name = tap.deployment
-        on = getattr(tap, "load", name)
+    def done(self, tap: _Metered, scope: Mapping[str, Any]) -> None:
+        name, on = tap.deployment, tap.load
         load = self._loads[on]
         self._settle(on, load)
         load.in_flight -= 1

@@ -40,13 +40,17 @@ class AdapterMetrics:
             registry=registry,
         )
 
-    def listen(self, activator: Any, base: str) -> None:
-        """Count the loads a base's activator makes, by the adapter deployment they were for."""
+    def listen(
+        self, activator: Any, base: str, also: Callable[[str, float], None] = lambda name, seconds: None
+    ) -> None:
+        """Count the loads a base's activator makes, by the adapter deployment they were for, and
+        tell `also` of each (the cost meter's side: priced here, or reported to the controller)."""
 
         def loaded(engine_name: str, seconds: float) -> None:
             name = engine_name.split("@")[0]
             self.loads.labels(name, base).inc()
             self.load_seconds.labels(name).observe(seconds)
+            also(engine_name, seconds)
 
         activator.on_adapter_load = loaded
 

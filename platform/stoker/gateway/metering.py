@@ -13,7 +13,8 @@ process meter does (`MeterTap`, a `limits.UsageTap`) and hands `[wall, tokens_in
 status]` to the answering revision's next report; the controller counts it (`CostMeter.record`),
 so `stoker_tokens_total`, `stoker_cost_usd_total` and the arrival log have one writer, the
 controller. An adapter's answer goes with a unit of its base, its name and revision after the
-four (its base's instances served it); its loads go as `[engine name, seconds]` (`RemoteSource.loads`). The busy-second integral's n (requests between arrival and the end of their answers)
+four (its base's instances served it); its loads go as `[engine name, seconds]`
+(`RemoteSource.loads`). The busy-second integral's n (requests between arrival and the end of their answers)
 is each live gateway's reported held + in flight, summed: stepwise at the report interval (1 s by
 default) rather than at every change.
 

@@ -375,14 +375,10 @@ class GatewayPlane:
             spec.name, source, self.activator_config, self._session, self.metrics, clock=self.clock
         )
         health = asyncio.create_task(activator.watch_health(), name=f"health-{spec.name}@{spec.revision}")
-        self.adapter_metrics.listen(activator, spec.name)  # the loads of the adapters it serves
-        counted = activator.on_adapter_load
-
-        def loaded(engine_name: str, seconds: float) -> None:  # and the controller prices them
-            counted(engine_name, seconds)
-            source.loads.append([engine_name, round(seconds, 6)])
-
-        activator.on_adapter_load = loaded
+        # the loads of the adapters it serves, counted here and reported for the controller to price
+        self.adapter_metrics.listen(
+            activator, spec.name, also=lambda name, seconds: source.loads.append([name, round(seconds, 6)])
+        )
         return RemoteUnit(spec, activator, source, health)
 
     # -- reports ----------------------------------------------------------------------------------------

@@ -179,7 +179,7 @@ def build_controller(
                     d.stats.record(int(revision), status, ttft_s, count=False)
                 for wall, tokens_in, tokens_out, status, *adapter in report["usage"]:  # `.gateway.metering`
                     by, rev = adapter if adapter else (name, int(revision))
-                    if not adapter or platform.adapters.get(by) is not None:
+                    if not adapter or platform.adapters.has_revision(by, rev):  # else stale, or crafted
                         platform.cost.record(by, rev, wall, tokens_in, tokens_out, status)
                 for engine_name, seconds in report["loads"]:
                     platform.adapters.loaded(engine_name, seconds)

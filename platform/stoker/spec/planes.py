@@ -123,8 +123,7 @@ def _parse_one(name: object, r: object) -> dict[str, Any]:
     for item in _list(r, "loads", MAX_REPORT_EVENTS):
         ok = isinstance(item, list) and len(item) == 2 and isinstance(item[0], str) and item[1] is not None
         engine_name = item[0] if ok else ""
-        name, _, revision = engine_name.partition("@")
-        ok = ok and NAME.fullmatch(name) is not None and (not revision or revision.isdigit())
+        ok = ok and (NAME.fullmatch(engine_name) or UNIT.fullmatch(engine_name)) is not None
         if not ok:
             raise invalid("'loads' holds [adapter's engine name, seconds] loads.", "loads")
         loads.append((engine_name, _seconds(item[1], "loads")))

@@ -125,7 +125,17 @@ def test_usage_parses_and_is_optional():
 
 
 @pytest.mark.parametrize(
-    "loads", [[["a1"]], [["a1", None]], [["a1@x", 0.1]], [["../a", 0.1]], [[1, 0.1]], "x"]
+    "loads",
+    [
+        [["a1"]],
+        [["a1", None]],
+        [["a1@x", 0.1]],
+        [["a1@0", 0.1]],
+        [["a1@\u00b2", 0.1]],
+        [["../a", 0.1]],
+        [[1, 0.1]],
+        "x",
+    ],
 )
 def test_bad_adapter_loads_are_a_400_naming_them(loads):
     with pytest.raises(APIError) as caught:
