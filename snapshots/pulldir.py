@@ -92,6 +92,14 @@ class Journal:
         with self._lock:
             write_atomic(self.path, b"".join(p.line() for p in parts))
 
+    def drop(self, path: str) -> list[Part]:
+        """Rewrite the journal without `path`'s records and return what is left, in one step under
+        the lock: an append from another file's worker between the read and the rewrite would be lost."""
+        with self._lock:
+            kept = [p for p in self.load() if p.path != path]
+            write_atomic(self.path, b"".join(p.line() for p in kept))
+        return kept
+
     def remove(self) -> None:
         self.path.unlink(missing_ok=True)
 

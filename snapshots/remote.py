@@ -335,8 +335,7 @@ class _Pull:
 
     def _drop(self, f: _File) -> None:
         """Forget a file's parts, so the next pull fetches it afresh."""
-        self.kept = [p for p in self.journal.load() if p.path != f.entry.path]
-        self.journal.replace(self.kept)
+        self.kept = self.journal.drop(f.entry.path)
 
     async def _fetch_part(self, f: _File, offset: int, length: int, ranged: bool, meter: Meter) -> None:
         url = self.where.url(f.entry.path)

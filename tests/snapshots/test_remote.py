@@ -33,7 +33,7 @@ from botocore.exceptions import ClientError, EndpointConnectionError
 from snapshots import CorruptSnapshot, SnapshotRecord, SnapshotStore, UnsafeFileError, UnsafePathError
 from snapshots.errors import RemoteDenied, RemoteError, RemoteNotFound, RemoteUnavailable
 from snapshots.importer import import_hf_dir
-from snapshots.pulldir import Journal, journal_path, lock_path
+from snapshots.pulldir import Journal, Part, journal_path, lock_path
 from snapshots.remote import RemoteConfig, pull, push, read_manifest
 from snapshots.s3 import S3Uri, is_retryable
 from tests.deadlines import CLI, deadline
@@ -741,3 +741,32 @@ async def test_disk_full_while_pulling_is_one_line_and_leaves_nothing(
     dest = SnapshotStore(tmp_path / "dest" / "snapshots")
     assert dest.list() == []
     assert hidden_leftovers(dest.root) == []
+
+
+def test_dropping_a_files_parts_keeps_every_other_files_appended_meanwhile(tmp_path: Path) -> None:
+    """`Journal.drop` reads and rewrites under the journal's lock: appends from other files'
+    workers while it runs are all kept (a read, then a rewrite outside the lock, lost them)."""
+    import threading
+
+    journal = Journal(tmp_path / "journal")
+    for n in range(3):
+        journal.append(Part("bad.bin", n, 1, "e", "s"))
+    start = threading.Event()
+
+    def append(name: str) -> None:
+        start.wait()
+        for n in range(200):
+            journal.append(Part(name, n, 1, "e", "s"))
+
+    workers = [threading.Thread(target=append, args=(f"f{i}.json",)) for i in range(2)]
+    for w in workers:
+        w.start()
+    start.set()
+    kept = journal.drop("bad.bin")
+    for w in workers:
+        w.join()
+    assert all(p.path != "bad.bin" for p in kept)
+    loaded = journal.load()
+    assert sorted((p.path, p.offset) for p in loaded) == sorted(
+        (f"f{i}.json", n) for i in range(2) for n in range(200)
+    )
