@@ -24,12 +24,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import aiohttp
+from tenacity import AsyncRetrying, retry_if_result, stop_after_delay, wait_exponential
 
 from activator.errors import ActivatorError
 from activator.source import Endpoint
 
 LOAD_PATH = "/v1/load_lora_adapter"
 LOAD_TIMEOUT_S = 120.0  # one adapter's files read and applied; a slow disk, not a wedged engine
+# An engine whose every adapter slot is held by running requests answers 503; those end soon (the
+# one just answered may not have let go of its slot yet), so the load is tried again for this long.
+BUSY_WAIT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -96,7 +100,13 @@ class Adapters:
 
     async def _load(self, endpoint: Endpoint, ref: AdapterRef) -> None:
         started = time.monotonic()
-        status, text = await self._post(endpoint, ref, inplace=False)
+        retrying = AsyncRetrying(
+            retry=retry_if_result(lambda answer: answer[0] == 503),
+            wait=wait_exponential(multiplier=0.05, max=1.0),
+            stop=stop_after_delay(BUSY_WAIT_S),
+            retry_error_callback=lambda state: state.outcome.result(),  # still busy: its 503, below
+        )
+        status, text = await retrying(self._post, endpoint, ref, inplace=False)
         if status == 400 and "already" in text:
             # The engine has this name with bytes this activator did not load there: another
             # gateway's (the same, most likely) or an earlier revision's under the primary's name.
@@ -104,7 +114,7 @@ class Adapters:
             status, text = await self._post(endpoint, ref, inplace=True)
         if status != 200:
             raise AdapterFailed(
-                400 if 400 <= status < 500 else 502,
+                400 if 400 <= status < 500 else 503 if status == 503 else 502,
                 f"instance {endpoint.id} could not load adapter {ref.name!r}: {_reason(text, status)}",
             )
         self._held.setdefault(endpoint.id, {})[ref.name] = ref.snapshot_id
