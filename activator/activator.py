@@ -52,7 +52,7 @@ from typing import Any
 import aiohttp
 
 from activator import affinity, ejection, proxy
-from activator.adapters import AdapterRef, Adapters
+from activator.adapters import AdapterRef, Adapters, Prefetcher
 from activator.affinity import Balance
 from activator.config import ActivatorConfig
 from activator.ejection import HEALTHY, EjectionRules, Health
@@ -162,6 +162,10 @@ class Activator:
         # `on_adapter_load(name, seconds)` hears of each load.
         self.on_adapter_load: Callable[[str, float], None] = lambda name, seconds: None
         self.adapters = Adapters(lambda: self._session, lambda name, s: self.on_adapter_load(name, s))
+        # Adapters loaded ahead of their requests where those would go (`Decision.adapters`).
+        self.prefetcher = Prefetcher(
+            self.adapters, self._routable, lambda: self._slots.outstanding, lambda: self._slots.bound
+        )
 
     # -- what the pool and the scaler see ------------------------------------------------------
 

@@ -13,23 +13,39 @@ since) gets it loaded again and the request once more (`Activator`). vLLM (--ena
 adapter it loaded registered and reads one it evicted back from its directory itself: there the
 404 comes only from an engine that lost it some other way. Each load is timed (`on_load`): the
 adapter's own cold start, the tier its scaler and the simulator know.
+
+An engine that already has the name (400 "already loaded": another gateway loaded it there, or the
+controller ahead of its request, or an earlier revision's bytes under the primary's name) is asked
+for its `/v1/models`: where the name's `root` is this revision's directory (content-addressed: the
+same bytes) it is held as it is; otherwise it is loaded again in place.
+
+`Prefetcher` loads an adapter ahead of its request onto the instance a request for it would go to
+now (its affinity key's, within the load bound): the predictive policy names the adapters whose
+next request it expects (`Decision.adapters`), and the activator's own prefetcher (in one process)
+or the controller's (where gateways hold the activators) loads them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import aiohttp
 from tenacity import AsyncRetrying, retry_if_result, stop_after_delay, wait_exponential
 
+from activator.balancer import pick_by_prefix
 from activator.errors import ActivatorError
 from activator.source import Endpoint
 
+log = logging.getLogger("stoker.activator")
+
 LOAD_PATH = "/v1/load_lora_adapter"
+MODELS_PATH = "/v1/models"
+MAX_MODELS_BYTES = 4 * 1024 * 1024  # an engine's model list: 1024 adapters' cards are ~300 kB
 LOAD_TIMEOUT_S = 120.0  # one adapter's files read and applied; a slow disk, not a wedged engine
 # An engine whose every adapter slot is held by running requests answers 503; those end soon (the
 # one just answered may not have let go of its slot yet), so the load is tried again for this long.
@@ -108,9 +124,12 @@ class Adapters:
         )
         status, text = await retrying(self._post, endpoint, ref, inplace=False)
         if status == 400 and "already" in text:
-            # The engine has this name with bytes this activator did not load there: another
-            # gateway's (the same, most likely) or an earlier revision's under the primary's name.
-            # Loaded again in place, so the instance serves exactly these bytes.
+            # The engine has this name, loaded by another gateway or the controller (these bytes,
+            # most likely), or an earlier revision's under the primary's name: held as it is if its
+            # directory is this revision's, else loaded again in place.
+            if await self._root(endpoint, ref.name) == ref.path:
+                self._held.setdefault(endpoint.id, {})[ref.name] = ref.snapshot_id
+                return
             status, text = await self._post(endpoint, ref, inplace=True)
         if status != 200:
             raise AdapterFailed(
@@ -119,6 +138,24 @@ class Adapters:
             )
         self._held.setdefault(endpoint.id, {})[ref.name] = ref.snapshot_id
         self._on_load(ref.name, time.monotonic() - started)
+
+    async def _root(self, endpoint: Endpoint, name: str) -> str | None:
+        """The directory the engine's `/v1/models` says adapter `name` was loaded from, or None
+        (not listed, or an answer that cannot be read: then it is loaded again, which is safe)."""
+        try:
+            async with self._session().get(
+                endpoint.url + MODELS_PATH,
+                headers=dict(endpoint.auth_headers),
+                timeout=aiohttp.ClientTimeout(total=LOAD_TIMEOUT_S),
+            ) as resp:
+                if resp.status != 200 or (resp.content_length or 0) > MAX_MODELS_BYTES:
+                    return None
+                raw = await resp.content.read(MAX_MODELS_BYTES + 1)
+            cards = json.loads(raw)["data"] if len(raw) <= MAX_MODELS_BYTES else []
+            root = next((c.get("root") for c in cards if isinstance(c, dict) and c.get("id") == name), None)
+            return root if isinstance(root, str) else None
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError, KeyError, TypeError):
+            return None
 
     async def _post(self, endpoint: Endpoint, ref: AdapterRef, *, inplace: bool) -> tuple[int, str]:
         body: dict = {"lora_name": ref.name, "lora_path": ref.path}
@@ -150,3 +187,36 @@ def _reason(text: str, status: int) -> str:
     except (ValueError, AttributeError):
         pass
     return f"{status} {text[:200]}"
+
+
+class Prefetcher:
+    """Adapters loaded ahead of their requests, each onto the instance a request for it would go to
+    now: the first on the ring from its affinity key below the load bound (`pick_by_prefix`, as the
+    activator routes it). `endpoints`, `outstanding` and `bound` are the routing's: the activator's
+    own, or in a controller the pool's READY instances and the gateways' reported load."""
+
+    def __init__(
+        self,
+        adapters: Adapters,
+        endpoints: Callable[[], Sequence[Endpoint]],
+        outstanding: Callable[[], Mapping[str, int]],
+        bound: Callable[[], float],
+    ) -> None:
+        self.adapters = adapters
+        self._endpoints, self._outstanding, self._bound = endpoints, outstanding, bound
+
+    async def prefetch(self, ref: AdapterRef) -> str | None:
+        """Load `ref` where its next request would go: that instance's id, or None when no instance
+        is READY or that one holds it already. A refusal is logged, not raised: the request, when it
+        comes, loads it (or meets the refusal) as it would have."""
+        endpoints = self._endpoints()
+        self.adapters.gone({e.id for e in endpoints})  # what instances gone held: forgotten
+        endpoint = pick_by_prefix(endpoints, self._outstanding(), ref.key, self._bound())
+        if endpoint is None or self.adapters.holds(endpoint.id, ref):
+            return None
+        try:
+            await self.adapters.ensure(endpoint, ref)
+        except AdapterFailed as exc:
+            log.warning("prefetching adapter %s: %s", ref.name, exc)
+            return None
+        return endpoint.id

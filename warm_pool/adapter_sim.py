@@ -12,12 +12,18 @@ serve it, each loading the adapter at its first request there. Here:
 3. The adapter tier: on an instance that does not hold the request's adapter, the request holds its
    slot and waits `InstanceModel.adapter_load_s` before its service begins. A request for an adapter
    whose load is under way there waits for the rest of that load (one load per instance and adapter).
-4. Each instance keeps at most `max_adapters` loaded (the platform's default, 4) and evicts the least
+4. The adapter's forecast: each request's adapter is named to the base's tracker, so the base's
+   predictive policy forecasts each adapter on its own (`warm_pool.policies.adapter_forecast`), and
+   the adapters its decision names are loaded ahead, each onto the least busy READY instance unless
+   one holds it already (at most `max_adapters` a decision); every load is timed to the tracker's
+   adapter tier (`TierTimes.adapter`), as the live pool's are. The live prefetcher picks the instance
+   the adapter's affinity key would: here, as for requests, the bound is not modelled.
+5. Each instance keeps at most `max_adapters` loaded (the platform's default, 4) and evicts the least
    recently used one that no request in flight on it holds, as the CPU engine does; when every loaded
    one is held, it keeps one more until a request ends (the engine would answer 503 `adapters_busy`
    and the activator retry: not modelled). An evicted adapter's next request there pays the load again.
 
-Counted per adapter: requests, rejected, adapter loads, requests that paid a load (waited for one,
+Counted per adapter: requests, rejected, adapter loads (prefetches among them), requests that paid a load (waited for one,
 their own or one under way), slow cold starts (served by an instance of the base that was started,
 not woken, after the request arrived: the fleet simulator's definition) and waits (p50, p99).
 """
@@ -29,6 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from warm_pool import simulate as sim
+from warm_pool.engine_settings import DEFAULT_MAX_ADAPTERS
 from warm_pool.errors import InvalidConfig
 from warm_pool.fleet_sim import (
     ASLEEP_RESIDUAL,
@@ -42,7 +49,7 @@ from warm_pool.policies.base import ScalingConfig, Tier
 from warm_pool.profiles import GPU, InstanceModel
 from warm_pool.trace import TraceRequest
 
-MAX_ADAPTERS = 4  # each instance's LRU of loaded adapters: the base's `--max-adapters` default
+MAX_ADAPTERS = DEFAULT_MAX_ADAPTERS  # each instance's LRU of loaded adapters: `--max-adapters`'s default
 
 
 @dataclass(frozen=True)
@@ -67,6 +74,7 @@ class AdapterRow:
     requests: int
     rejected: int
     adapter_loads: int  # loads of this adapter onto an instance
+    prefetched: int  # of those, made ahead of a request the policy expected
     paid_loads: int  # requests that waited for a load of it
     slow_cold_starts: int
     p50_wait_s: float
@@ -81,12 +89,18 @@ class AdapterReport:
     fleet: FleetReport  # the bases as deployments of a fleet
     adapters: tuple[AdapterRow, ...]
     adapter_loads: int
+    prefetched: int
     paid_loads: int
     adapter_evictions: int  # adapters evicted from an instance's LRU to load another
+    slow_at: tuple[float, ...] = ()  # when each request that paid a slow cold start arrived
 
     def summary(self) -> dict[str, object]:
         out = self.fleet.summary()
-        out |= {"adapter_loads": self.adapter_loads, "paid_loads": self.paid_loads}
+        out |= {
+            "adapter_loads": self.adapter_loads,
+            "prefetched": self.prefetched,
+            "paid_loads": self.paid_loads,
+        }
         out |= {"adapter_evictions": self.adapter_evictions}
         return out | {"adapters": [a.summary() for a in self.adapters]}
 
@@ -94,15 +108,43 @@ class AdapterReport:
 class _Base(_Deployment):
     """A base deployment: a fleet deployment whose requests are tagged with their adapters."""
 
-    def __init__(self, *args, tags: tuple[int, ...], adapters: int, max_adapters: int, **kw) -> None:
+    def __init__(
+        self, *args, tags: tuple[int, ...], names: tuple[str, ...], max_adapters: int, forecast: bool, **kw
+    ) -> None:
         super().__init__(*args, **kw)
-        self.tags, self.max_adapters = tags, max_adapters
+        self.tags, self.names, self.max_adapters, self.forecast = tags, names, max_adapters, forecast
+        self._index = {name: n for n, name in enumerate(names)}
+        adapters = len(names)
         self._loaded: dict[int, OrderedDict[int, float]] = {}  # instance → adapter → loaded at (LRU order)
         self._holding: dict[int, Counter[int]] = {}  # instance → adapter → requests in flight
         self.loads = [0] * adapters
+        self.prefetched = [0] * adapters
         self.paid = [False] * len(self.trace)
         self.wait_of: list[float | None] = [None] * len(self.trace)
         self.evictions = 0
+
+    def _on_arrival(self, i: int) -> None:
+        if self.forecast:
+            self.tracker.adapter_arrived(self._now, self.names[self.tags[i]])
+        super()._on_arrival(i)
+
+    def _decided(self, decision) -> None:
+        """Load the adapters the decision names ahead of their requests (item 4 above)."""
+        ready = [i for i in self._instances.values() if i.state == "ready" and i.leaving is None]
+        for name in decision.adapters[: self.max_adapters] if ready else ():
+            adapter = self._index.get(name)
+            if adapter is None or any(adapter in self._loaded.get(i.id, ()) for i in ready):
+                continue
+            inst = min(ready, key=lambda i: i.busy)
+            self._load(adapter, inst)
+            self.prefetched[adapter] += 1
+
+    def _load(self, adapter: int, inst) -> None:
+        lru = self._loaded.setdefault(inst.id, OrderedDict())
+        self.loads[adapter] += 1
+        lru[adapter] = self._now + self.model.adapter_load_s
+        self.tracker.adapter_loaded(self.model.adapter_load_s, self._now)
+        self._evict(lru, self._holding.setdefault(inst.id, Counter()))
 
     def _free_instance(self, i: int):
         best = None
@@ -120,9 +162,7 @@ class _Base(_Deployment):
         holding[adapter] += 1
         loading = adapter not in lru
         if loading:
-            self.loads[adapter] += 1
-            lru[adapter] = now + self.model.adapter_load_s
-            self._evict(lru, holding)
+            self._load(adapter, inst)
         else:
             lru.move_to_end(adapter)
         delay = max(0.0, lru[adapter] - now)  # its own load, or the rest of one under way
@@ -153,8 +193,8 @@ class _Base(_Deployment):
 
 class _AdapterFleet(FleetSimulation):
     def __init__(self, bases: Sequence[FleetDeployment], tags: dict[str, tuple[int, ...]], **kw) -> None:
-        self._tags, self._adapters = tags, kw.pop("adapters")
-        self._max_adapters = kw.pop("max_adapters")
+        self._tags, self._names = tags, kw.pop("names")
+        self._max_adapters, self._forecast = kw.pop("max_adapters"), kw.pop("forecast")
         super().__init__(bases, **kw)
 
     def _deployment(self, spec: FleetDeployment, scaling: ScalingConfig, **kw) -> _Deployment:
@@ -163,8 +203,9 @@ class _AdapterFleet(FleetSimulation):
             spec,
             scaling,
             tags=self._tags[spec.name],
-            adapters=self._adapters,
+            names=self._names,
             max_adapters=self._max_adapters,
+            forecast=self._forecast,
             **kw,
         )
 
@@ -178,14 +219,21 @@ def simulate_adapters(
     model: InstanceModel = GPU,
     max_adapters: int = MAX_ADAPTERS,
     seed: int = 0,
+    forecast: bool = True,
 ) -> AdapterReport:
-    """Replay every adapter's trace on its base's instances, the bases sharing `devices` devices."""
+    """Replay every adapter's trace on its base's instances, the bases sharing `devices` devices.
+    Without `forecast` the bases' policies see only the sum of their adapters' traffic (no adapter
+    is named to them): the baseline of the adapters' own forecast (bench/adapter_forecast_bench.py)."""
     if max_adapters < 1:
         raise InvalidConfig("max_adapters", f"max_adapters must be ≥ 1, got {max_adapters}")
     names = {b.name for b in bases}
+    seen: set[str] = set()
     for a in adapters:
         if a.base not in names:
             raise InvalidConfig(a.name, f"adapter {a.name}: no base named {a.base!r}")
+        if a.name in seen:
+            raise InvalidConfig(a.name, f"adapter {a.name}: named twice")
+        seen.add(a.name)
     specs, tags = [], {}
     for base in bases:
         # (t, adapter, position): the union in time order, ties in adapter order.
@@ -203,8 +251,9 @@ def simulate_adapters(
     fleet = _AdapterFleet(
         specs,
         tags,
-        adapters=len(adapters),
+        names=tuple(a.name for a in adapters),
         max_adapters=max_adapters,
+        forecast=forecast,
         devices=devices,
         device_memory=device_memory,
         mode="shared",
@@ -230,6 +279,7 @@ def _report(fleet: _AdapterFleet, report: FleetReport, adapters: Sequence[Adapte
                 len(mine),
                 sum(1 for i in mine if base.outcomes[i] == "rejected"),
                 base.loads[n],
+                base.prefetched[n],
                 sum(1 for i in mine if base.paid[i]),
                 slow,
                 sim._percentile(waits, 50),  # type: ignore[arg-type]
@@ -237,10 +287,15 @@ def _report(fleet: _AdapterFleet, report: FleetReport, adapters: Sequence[Adapte
             )
         )
     bases = [d for d in fleet.deployments if isinstance(d, _Base)]
+    slow_at = sorted(
+        b.trace[i].t for b in bases for i, tier in enumerate(b.cold_tiers) if tier not in (None, Tier.WAKE)
+    )
     return AdapterReport(
         report,
         tuple(rows),
         sum(r.adapter_loads for r in rows),
+        sum(r.prefetched for r in rows),
         sum(r.paid_loads for r in rows),
         sum(b.evictions for b in bases),
+        tuple(slow_at),
     )

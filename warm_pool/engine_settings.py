@@ -15,8 +15,10 @@ placement (`warm_pool.backends.kube_pod`).
     enable_prefix_caching,
     enforce_eager
     max_adapters             LoRA adapters an instance holds: the CPU engine's LRU (--max-adapters);
-                             vLLM's --enable-lora --max-loras N --max-lora-rank 64 (None: vLLM
-                             serves no adapters)
+                             vLLM's --enable-lora --max-loras N (None: vLLM serves no adapters)
+    max_adapter_rank         the largest LoRA rank an instance loads: the CPU engine's and vLLM's
+                             --max-lora-rank (None: 64); on a GPU each of vLLM's slots reserves
+                             room for this rank on every layer it adapts
     engine_args              further vLLM arguments, refused where they collide with what Stoker
                              manages (`MANAGED_ARGS`) or with a named setting (`NAMED_ARGS`)
     cpu, memory              a pod's requests (Kubernetes quantities: "4", "500m", "16Gi")
@@ -33,11 +35,17 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-# The largest LoRA rank an instance that hosts adapters loads, on either engine: the CPU engine's
-# --max-lora-rank default, and vLLM's --max-lora-rank where `max_adapters` is set (vLLM's own default,
-# 16, would refuse many published adapters; on a GPU each of the --max-loras slots reserves room for
-# this rank on every layer it adapts). An adapter of a higher rank is refused at deploy.
+# The largest LoRA rank an instance that hosts adapters loads, on either engine, unless the
+# deployment's `max_adapter_rank` says otherwise: the CPU engine's --max-lora-rank default, and vLLM's
+# --max-lora-rank where `max_adapters` is set (vLLM's own default, 16, would refuse many published
+# adapters; on a GPU each of the --max-loras slots reserves room for this rank on every layer it
+# adapts, so a larger one costs KV cache). An adapter of a higher rank is refused at deploy.
 MAX_LORA_RANK = 64
+# The ranks `max_adapter_rank` takes: vLLM's --max-lora-rank choices up to snapshots.adapter.MAX_RANK.
+ADAPTER_RANKS = (8, 16, 32, 64, 128, 256)
+# LoRA adapters an instance keeps loaded where `max_adapters` is not set: the CPU engine's own
+# --max-adapters default (`stoker.engine.core.EngineConfig`); vLLM then serves none.
+DEFAULT_MAX_ADAPTERS = 4
 # vLLM arguments Stoker sets on every vLLM it starts, from the snapshot, the instance or the pool:
 # neither `stoker up --vllm-args` nor a deployment's engine_args may set them.
 MANAGED_ARGS: dict[str, str] = {
@@ -52,7 +60,6 @@ MANAGED_ARGS: dict[str, str] = {
     "--uds": "the engine listens on the instance's port",
     "--tensor-parallel-size": "use 'gpus'",
     "-tp": "use 'gpus'",
-    "--max-lora-rank": f"{MAX_LORA_RANK} with 'max_adapters', the CPU engine's limit too",
 }
 # vLLM arguments a deployment names as settings of their own.
 NAMED_ARGS: dict[str, str] = {
@@ -68,6 +75,7 @@ NAMED_ARGS: dict[str, str] = {
     "--enable-lora": "max_adapters",
     "--no-enable-lora": "max_adapters",
     "--max-loras": "max_adapters",
+    "--max-lora-rank": "max_adapter_rank",
 }
 
 
@@ -95,6 +103,7 @@ class EngineSettings:
     gpu_memory_utilization: float | None = None
     max_num_seqs: int | None = None
     max_adapters: int | None = None  # LoRA adapters at once: the CPU engine's LRU, vLLM's --max-loras
+    max_adapter_rank: int | None = None  # the largest LoRA rank loaded (None: MAX_LORA_RANK)
     enable_prefix_caching: bool | None = None
     enforce_eager: bool = False
     engine_args: tuple[str, ...] = ()
@@ -136,8 +145,13 @@ class EngineSettings:
             # with --enable-lora): --max-loras of them in one batch, and as many kept in host memory
             # (vLLM's --max-cpu-loras default); one more is read from its directory again when asked.
             args += ["--enable-lora", "--max-loras", str(self.max_adapters)]
-            args += ["--max-lora-rank", str(MAX_LORA_RANK)]
+            args += ["--max-lora-rank", str(self.adapter_rank)]
         return (*args, *self.engine_args)
+
+    @property
+    def adapter_rank(self) -> int:
+        """The largest LoRA rank an instance loads."""
+        return MAX_LORA_RANK if self.max_adapter_rank is None else self.max_adapter_rank
 
     def pod_resources(self) -> dict[str, str]:
         """A pod's requests of CPU and memory (limits are the cluster's policy)."""

@@ -196,6 +196,8 @@ class InstanceOps:
             extra += ("--dtype", engine.dtype)
         if engine.max_adapters is not None:
             extra += ("--max-adapters", str(engine.max_adapters))
+        if engine.max_adapter_rank is not None:
+            extra += ("--max-lora-rank", str(engine.max_adapter_rank))
         return cpu_engine_spec(
             snapshot_dir,
             inst.port,

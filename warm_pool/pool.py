@@ -30,7 +30,9 @@ tick (`_tick`), seven stages in this order, as the simulator does (`warm_pool.si
    go to sleep (`POST /sleep?level=1`) while fewer sleep than asked, or are drained and stopped;
    sleeping instances beyond what is asked are stopped.
 7. apply (`warm_pool.lifecycle`, through the backend, `warm_pool.backends`): the plan's actions as
-   tasks; a snapshot the policy wants warm is read into the page cache in the background.
+   tasks; a snapshot the policy wants warm is read into the page cache in the background; the
+   LoRA adapters it expects a request for (`Decision.adapters`) go to `on_adapters`, which loads
+   them onto a READY instance ahead of that request (`stoker.control.adapters`).
 
 The recycle stage comes after the grant (and not before it) because retiring the old instance
 waits for what the fleet granted: the fleet is asked for the old instance too while its
@@ -133,6 +135,9 @@ class Pool:
             poke=self.poke,
         )
         self.last_decision: Decision | None = None
+        # The LoRA adapters the policy expects a request for soon (`Decision.adapters`), handed each
+        # tick there is a READY instance to load them on: set by the platform, which knows them.
+        self.on_adapters: Callable[[tuple[str, ...]], None] = lambda names: None
         self._page = PageTier(spec.deployment, spec.snapshot)  # the snapshot in the page cache
         # The observe stage (`warm_pool.observe`): the load, the census, the READY engines' own queue
         # and KV-cache figures (read in the background, each engine at most every 5 s of this pool's
@@ -181,6 +186,16 @@ class Pool:
     def request_arrived(self) -> None:
         self._tracker.arrived(self._clock())
         self._metrics.arrived(self.spec.deployment)
+
+    def adapter_arrived(self, adapter: str) -> None:
+        """A request for LoRA adapter deployment `adapter`, served on this deployment's instances
+        (counted as an arrival by `request_arrived`, through the activator): for the adapter's own
+        forecast (`warm_pool.policies.adapter_forecast`)."""
+        self._tracker.adapter_arrived(self._clock(), adapter)
+
+    def adapter_loaded(self, seconds: float) -> None:
+        """An adapter was loaded onto one of the instances in `seconds`: the adapter tier."""
+        self._tracker.adapter_loaded(seconds, self._clock())
 
     def request_finished(self, service_s: float | None, cold_on: str | None) -> None:
         self._tracker.finished(self._clock(), service_s)
@@ -399,6 +414,8 @@ class Pool:
                     life.retire(ident, self.spec.grace_period_s if grace else 0.0)
         if self.spec.snapshot.snapshot_id in decision.warm:
             self._page.warm_in_background(now)
+        if decision.adapters and self.lifecycle.endpoints():
+            self.on_adapters(decision.adapters)
         self.lifecycle.account(now)
 
     # ---- the fleet's FleetMember ----------------------------------------------------------------------

@@ -51,6 +51,8 @@ class InstanceModel:
             raise InvalidConfig("warm_runtimes", "need warm_runtimes ≥ 0 and runtime_refill_s ≥ 0")
         if self.concurrency < 1 or self.max_queue < 0:
             raise InvalidConfig("concurrency", "need concurrency ≥ 1 and max_queue ≥ 0")
+        if not (math.isfinite(self.startup.adapter) and self.startup.adapter >= 0):
+            raise InvalidConfig("adapter", f"the adapter tier must be ≥ 0 s, got {self.startup.adapter}")
         if not (math.isfinite(self.adapter_load_s) and self.adapter_load_s >= 0):
             raise InvalidConfig("adapter_load_s", f"adapter_load_s must be ≥ 0 s, got {self.adapter_load_s}")
         if not 0 <= self.jitter <= 2:
@@ -70,7 +72,9 @@ GPU = InstanceModel()
 # A start through a warm runtime (bench/runtime_bench.py, one loaded run): 3.1 s to READY against
 # 26.4 s for a fresh process beside it, 0.12 of it: 0.9 s against the 7.7 s above.
 CPU = InstanceModel(
-    startup=TierTimes(wake=0.35, page_cache=7.7, disk=8.4, object_storage=11.5, runtime=0.9),
+    startup=TierTimes(
+        wake=0.35, page_cache=7.7, disk=8.4, object_storage=11.5, runtime=0.9, adapter=CPU_ADAPTER_LOAD_S
+    ),
     prefill_tps=290.0,
     decode_tps=3.1,
     concurrency=8,

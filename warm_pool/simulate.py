@@ -60,7 +60,7 @@ from warm_pool import plan
 from warm_pool.census import Census, Member
 from warm_pool.errors import InvalidConfig
 from warm_pool.policies import BoundPolicy
-from warm_pool.policies.base import ScalingConfig, Tier
+from warm_pool.policies.base import Decision, ScalingConfig, Tier
 from warm_pool.policies.rules import RuledState
 from warm_pool.profiles import GPU, InstanceModel
 from warm_pool.trace import TraceRequest
@@ -399,6 +399,7 @@ class Simulation:
             self._state, self._restart = self._restart.carry(self._state), None
         decision, self._state = self.policy.decide(observation, self._state, now)
         self._apply(decision.ready, decision.sleeping, bool(decision.warm))
+        self._decided(decision)
         if not poked:
             after = self._counts()
             forecast = decision.forecast if decision.forecast is not None else math.nan
@@ -407,6 +408,10 @@ class Simulation:
                  after["waking"], after["sleeping"])
             )  # fmt: skip
             self._tick_arrivals = 0
+
+    def _decided(self, decision: Decision) -> None:
+        """After a decision is applied: nothing here (a subclass's hook: `warm_pool.adapter_sim`
+        loads the adapters it names ahead of their requests)."""
 
     def _apply(self, want_ready: int, want_sleeping: int, warm: bool) -> None:
         """Carry out `warm_pool.plan`'s actions, as the pool does, in virtual time."""

@@ -11,6 +11,11 @@ live one. It is told about events as they happen and builds an `Observation` whe
   moment nothing was outstanding to the next arrival) and the learned latency per request.
 - `started(tier, seconds)`: an instance became READY after `seconds` from `tier`; the per-tier
   start-up times fed to the policy are a running average of these, seeded with priors.
+- `adapter_arrived(now, name)`: the request that arrived is for LoRA adapter deployment `name`,
+  served on this one; the observation names each adapter heard from since the previous one, with its first and last
+  arrival (`Observation.adapter_arrivals`, for `policies.adapter_forecast`).
+- `adapter_loaded(seconds)`: an adapter was loaded onto an instance in `seconds`: the adapter tier
+  (`TierTimes.adapter`), a running average as the start-up tiers are.
 
 Every buffer is bounded (seconds not yet observed, idle gaps not yet observed), and time is only
 ever the `now` each call is handed: no clock reads.
@@ -32,6 +37,9 @@ from warm_pool.policies.base import Observation, SecondSample, Tier, TierTimes
 LATENCY_ALPHA = 0.01
 # Start-up: starts are rare (a few an hour), so each new one counts for 30 % once three are in.
 STARTUP_ALPHA = 0.3
+# Adapter loads are counted over the last minute (`Observation.adapter_loads`): how fast the
+# instances' adapter LRUs turn over, which says whether a load ahead would last until its request.
+ADAPTER_LOAD_WINDOW_S = 60.0
 
 
 class ObservationTracker:
@@ -41,8 +49,9 @@ class ObservationTracker:
         *,
         max_pending_seconds: int = 3600,
         max_pending_gaps: int = 256,
+        max_pending_adapters: int = 1024,
     ) -> None:
-        if max_pending_seconds < 1 or max_pending_gaps < 1:
+        if max_pending_seconds < 1 or max_pending_gaps < 1 or max_pending_adapters < 1:
             raise InvalidConfig("tracker", "the tracker's buffers must hold at least one entry")
         self._startup = priors or TierTimes()
         self._starts: dict[Tier, int] = dict.fromkeys(Tier, 0)
@@ -58,6 +67,12 @@ class ObservationTracker:
         self._mark = 0.0  # how far into it `_area` is integrated
         self._area = 0.0  # ∫ outstanding dt over [bucket, mark)
         self._bucket_arrivals = 0
+        # Adapters heard from since the previous observation: name -> (first, last) arrival.
+        self._adapters: dict[str, tuple[float, float]] = {}
+        self._max_adapters = max_pending_adapters
+        self._adapter_loads = 0
+        self._load_times: deque[float] = deque(maxlen=4096)
+        self.dropped_adapters = 0  # adapter arrivals not named, past `max_pending_adapters` in one call
 
     # ---- events --------------------------------------------------------------------------------------
 
@@ -101,6 +116,28 @@ class ObservationTracker:
         old = self._startup.of(tier)
         self._startup = replace(self._startup, **{tier.value: old + alpha * (seconds - old)})
 
+    def adapter_arrived(self, now: float, adapter: str) -> None:
+        """The request that `arrived` at `now` is for LoRA adapter deployment `adapter` (counted
+        there: this only names it)."""
+        seen = self._adapters.get(adapter)
+        if seen is not None:
+            self._adapters[adapter] = (seen[0], max(seen[1], now))
+        elif len(self._adapters) < self._max_adapters:
+            self._adapters[adapter] = (now, now)
+        else:
+            self.dropped_adapters += 1
+
+    def adapter_loaded(self, seconds: float, now: float | None = None) -> None:
+        """A LoRA adapter was loaded onto an instance in `seconds` (the adapter tier), at `now`."""
+        if now is not None:
+            self._load_times.append(now)
+        if not (math.isfinite(seconds) and seconds >= 0):
+            return
+        self._adapter_loads += 1
+        alpha = max(1.0 / self._adapter_loads, STARTUP_ALPHA)
+        old = self._startup.adapter
+        self._startup = replace(self._startup, adapter=old + alpha * (seconds - old))
+
     # ---- reading ---------------------------------------------------------------------------------------
 
     @property
@@ -141,8 +178,12 @@ class ObservationTracker:
         (`warm_pool.engine_signals.engine_totals`), passed through."""
         self._advance(now)
         seconds, gaps, arrivals = tuple(self._pending), tuple(self._gaps), self._arrivals
+        adapters = tuple((name, first, last) for name, (first, last) in self._adapters.items())
+        while self._load_times and self._load_times[0] < now - ADAPTER_LOAD_WINDOW_S:
+            self._load_times.popleft()
         self._pending.clear()
         self._gaps.clear()
+        self._adapters.clear()
         self._arrivals = 0
         return Observation(
             in_flight=in_flight,
@@ -163,6 +204,8 @@ class ObservationTracker:
             can_sleep=can_sleep,
             engine_waiting=max(0, engine_waiting),
             kv_cache_usage=kv_cache_usage,
+            adapter_arrivals=adapters,
+            adapter_loads=len(self._load_times),
         )
 
     # ---- per-second samples --------------------------------------------------------------------------

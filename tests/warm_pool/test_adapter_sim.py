@@ -101,3 +101,24 @@ def test_an_adapter_on_a_base_that_is_not_there_is_refused():
         )
     with pytest.raises(InvalidConfig, match="max_adapters"):
         run({"a": short(0)}, max_adapters=0)
+
+
+def test_a_scheduled_adapter_meets_a_warm_base_once_its_forecast_has_learned_it():
+    """A job every 600 s on a base that nothing else calls (the GPU profile: fresh starts of
+    20-28 s, wakes of 1 s): with each adapter named to the base's tracker, its requests after the
+    learning phase (six periods) find the base READY and the adapter loaded ahead; forecasting
+    only the sum, the base is stopped between them and each one pays a fresh start."""
+    from warm_pool.profiles import GPU
+
+    job = short(*(600.0 * k for k in range(1, 16)))
+    sides = {}
+    for forecast in (False, True):
+        report = simulate_adapters(
+            [Adapter("job", "base", job)], [Base("base", 24 * GB)], devices=1, device_memory=80 * GB,
+            model=GPU, forecast=forecast,
+        )  # fmt: skip
+        late = [t for t in report.slow_at if t > 6 * 600.0]
+        sides[forecast] = (len(late), report.prefetched, report.paid_loads)
+    assert sides[False] == (9, 0, 15)  # requests 7..15: each a fresh start and a load
+    late, prefetched, paid = sides[True]
+    assert late == 0 and prefetched >= 9 and paid <= 15 - 9

@@ -94,3 +94,12 @@ async def test_in_a_pod_vllm_is_the_images_and_the_pod_decides_its_build(source)
     args = " ".join(spec.args)
     assert "--gpus 2 --dtype bfloat16" in args and "--max-model-len 8192" in args
     assert args.endswith("-- --enforce-eager --seed=1") and "CUDA_VISIBLE_DEVICES" not in spec.env
+
+
+async def test_stokers_engine_takes_its_adapter_settings_as_its_own_flags(source):
+    settings = EngineSettings(max_adapters=2, max_adapter_rank=128)
+    spec = await ops_for(source, "cpu", settings, GpuInventory([]))._spec(instance(3), source.path)
+    args = " ".join(spec.argv)
+    assert "--max-adapters 2" in args and "--max-lora-rank 128" in args
+    plain = await ops_for(source, "cpu", EngineSettings(), GpuInventory([]))._spec(instance(4), source.path)
+    assert "--max-lora-rank" not in plain.argv  # the engine's own default: 64

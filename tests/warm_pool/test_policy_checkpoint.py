@@ -14,6 +14,7 @@ import pytest
 
 from tests.warm_pool.policy_script import obs, second
 from warm_pool.policies import POLICIES, make_policy
+from warm_pool.policies.adapter_forecast import AdapterTrack
 from warm_pool.policies.base import ScalingConfig, SecondSample
 from warm_pool.policies.checkpoint import decode, encode, fits
 from warm_pool.policies.forecast import DayProfile, Forecast
@@ -121,7 +122,9 @@ def test_every_state_field_is_known_to_the_codec():
         "samples",
         "held",
         "queued",
+        "adapters",
     ]
+    assert [f.name for f in fields(AdapterTrack)] == ["last", "gaps", "window", "per_hit", "named"]
     assert [f.name for f in fields(KpaState)] == ["samples", "panic_since", "panic_peak", "zero_since"]
     assert [f.name for f in fields(KeepaliveState)] == ["peaks"]
     assert [f.name for f in fields(HistogramState)] == ["histogram", "peaks"]

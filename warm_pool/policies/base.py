@@ -81,6 +81,11 @@ class TierTimes:
     disk: float = 28.0
     object_storage: float = 60.0
     runtime: float = None  # type: ignore[assignment]  # None given: the page-cache figure
+    # The adapter tier: a LoRA adapter loaded onto a READY instance of its base (an adapter
+    # deployment's own cold start, `activator.adapters`). Not a way to a new READY instance, so not a
+    # `Tier`; the predictive policy's lead for loading a forecast adapter ahead of its request.
+    # 0.25 s: vLLM's load of a rank-16 adapter on an 8B model is about 0.1-0.5 s (a planning figure).
+    adapter: float = 0.25
 
     def __post_init__(self) -> None:
         if self.runtime is None:
@@ -121,19 +126,26 @@ class Observation:
     can_sleep: bool = True  # False: the engine has no sleep mode (vLLM's CPU build); never WAKE
     engine_waiting: int = 0  # requests waiting inside the READY instances' engines, summed
     kv_cache_usage: float | None = None  # their KV caches' mean fill, 0..1; None: none reports one
+    # Requests for each LoRA adapter served on this deployment since the previous observation:
+    # (adapter deployment, first arrival, last arrival), oldest first (`policies.adapter_forecast`).
+    adapter_arrivals: tuple[tuple[str, float, float], ...] = ()
+    adapter_loads: int = 0  # adapters loaded onto this deployment's instances in the last minute
 
 
 @dataclass(frozen=True)
 class Decision:
     """What a policy wants: `ready` READY (or coming up), `sleeping` SLEEPING, `warm` snapshots
-    read into the page cache ahead of a start. `forecast` is the arrival rate (requests/s) the
-    policy planned for, when it forecasts; it is there for plots and logs."""
+    read into the page cache ahead of a start, `adapters` the LoRA adapter deployments whose next
+    request it expects soon, to be loaded onto a READY instance before it arrives (the adapter's own
+    pre-warm). `forecast` is the arrival rate (requests/s) the policy planned for, when it
+    forecasts; it is there for plots and logs."""
 
     ready: int
     sleeping: int = 0
     warm: tuple[str, ...] = ()
     reason: str = ""
     forecast: float | None = None
+    adapters: tuple[str, ...] = ()
 
     @property
     def desired(self) -> int:

@@ -17,17 +17,22 @@ time-of-day profile (`forecast.DayProfile`): its slots are minutes of the clock'
 turn by the whole slots nearest the change of origin (within half a slot, 30 s, of the wall time),
 and the slot being counted keeps its alignment.
 
-Not kept: NaN has no JSON spelling, so a profile slot no day has filled yet is `null`.
+Not kept: NaN has no JSON spelling, so a profile slot no day has filled yet is `null`. Each
+adapter's window and cost are not written: they follow from its histogram and are computed again.
+A predictive state written before adapters were tracked (no `adapters` field) reads as one that
+tracks none.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import Any
 
 from warm_pool.policies import POLICIES
+from warm_pool.policies.adapter_forecast import AdapterTrack
 from warm_pool.policies.base import SecondSample
 from warm_pool.policies.forecast import DayProfile, Forecast, ForecastConfig, Holt
 from warm_pool.policies.histogram import HistogramState
@@ -39,6 +44,7 @@ from warm_pool.policies.reactive import PolicyState
 from warm_pool.policies.rules import RuledState
 
 MAX_ITEMS = 10_000  # the longest sequence any state holds: 1440 profile slots, ≤ 3600 kpa seconds
+_NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")  # an adapter deployment's name (`stoker.spec.deployment`)
 
 
 # ---- out ---------------------------------------------------------------------------------------------
@@ -103,6 +109,7 @@ def _predictive_out(s: PredictiveState, w: _Out) -> dict[str, Any]:
         "samples": w.seconds(s.samples),
         "held": w.pairs(s.held),
         "queued": None if s.queued is None else [s.queued[0] + w.to_wall, s.queued[1]],
+        "adapters": [[name, w.t(t.last), _histogram_out(t.gaps), t.named] for name, t in s.adapters],
     }
 
 
@@ -147,7 +154,10 @@ def decode(name: str, doc: object, to_wall: float) -> RuledState:
     r = _In(name, to_wall)
     body = r.obj(doc, "", ("rules", "inner"))
     rules = r.obj(body["rules"], "rules", ("last_ready", "last_up", "last_down"))
-    inner = _DECODERS[name](r, r.obj(body["inner"], "inner", _KEYS[name]))
+    raw = body["inner"]
+    if name == "predictive" and isinstance(raw, dict) and "adapters" not in raw:
+        raw = {**raw, "adapters": []}  # written before adapters were tracked
+    inner = _DECODERS[name](r, r.obj(raw, "inner", _KEYS[name]))
     return RuledState(
         inner=inner,
         last_ready=r.count(rules["last_ready"], "rules.last_ready"),
@@ -164,7 +174,12 @@ def fits(name: str, state: RuledState, config: Any) -> bool:
         return False
     if isinstance(inner, PredictiveState):
         rates, counts = inner.forecast.profile.rates, inner.histogram.counts
-        return len(rates) in (0, config.forecast.slots) and len(counts) in (0, config.histogram.bins)
+        gaps = (len(t.gaps.counts) in (0, config.adapters.histogram.bins) for _, t in inner.adapters)
+        return (
+            len(rates) in (0, config.forecast.slots)
+            and len(counts) in (0, config.histogram.bins)
+            and all(gaps)
+        )
     if isinstance(inner, HistogramState):
         return len(inner.histogram.counts) in (0, config.histogram.bins)
     return True
@@ -284,6 +299,21 @@ _PROFILE_KEYS = ("slot_s", "day_s", "rates", "first", "slot_start", "count")
 def _predictive_in(r: _In, d: dict[str, Any]) -> PredictiveState:
     config = POLICIES["predictive"].config()
     holt = r.obj(d["holt"], "inner.holt", ("level", "trend", "seen"))
+    adapters, tracked = [], r.list(d["adapters"], "inner.adapters")
+    if len(tracked) > config.adapters.max_tracked:
+        raise r.fail("inner.adapters", f"{len(tracked)} adapters, more than {config.adapters.max_tracked}")
+    bins = config.adapters.histogram
+    for i, item in enumerate(tracked):
+        name, last, gaps, named = r.list(item, f"inner.adapters[{i}]", 4)
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
+            raise r.fail(f"inner.adapters[{i}][0]", f"want an adapter deployment's name, got {name!r:.40}")
+        if not isinstance(named, bool):
+            raise r.fail(f"inner.adapters[{i}][3]", f"want true or false, got {named!r:.40}")
+        gaps = r.histogram(gaps, f"inner.adapters[{i}][2]", bins.bins)
+        track = AdapterTrack.of(r.time(last, f"inner.adapters[{i}][1]"), gaps, bins)
+        adapters.append((name, replace(track, named=named)))
+    if len({name for name, _ in adapters}) != len(adapters):
+        raise r.fail("inner.adapters", "an adapter is named twice")
     queued = d["queued"]
     if queued is not None:
         when, n = r.list(queued, "inner.queued", 2)
@@ -302,6 +332,7 @@ def _predictive_in(r: _In, d: dict[str, Any]) -> PredictiveState:
         samples=r.seconds(d["samples"], "inner.samples"),
         held=r.pairs(d["held"], "inner.held", r.number),
         queued=queued,
+        adapters=tuple(adapters),
     )
 
 
@@ -343,7 +374,7 @@ _DECODERS: dict[str, Callable[[_In, dict[str, Any]], Any]] = {
 }
 # Each state's fields, as written: a field added to a state without its codec fails the tests.
 _KEYS: dict[str, tuple[str, ...]] = {
-    "predictive": ("holt", "profile", "histogram", "readies", "samples", "held", "queued"),
+    "predictive": ("holt", "profile", "histogram", "readies", "samples", "held", "queued", "adapters"),
     "kpa": tuple(f.name for f in fields(KpaState)),
     "keepalive": tuple(f.name for f in fields(KeepaliveState)),
     "histogram": tuple(f.name for f in fields(HistogramState)),

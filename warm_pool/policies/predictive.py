@@ -87,17 +87,28 @@ Each call:
    - stopped between arrivals the policy still asks for the page cache to be warmed: the fastest
      tier an engine without sleep has.
 
+7. LoRA adapters served on this deployment (`adapter_forecast.py`): each adapter's own gaps, from
+   one of its requests to its next, in a histogram of its own, since the base's sees them only in
+   the sum. An adapter whose next request is due (its window, less the lead: the adapter load, the
+   adapter tier `TierTimes.adapter`, plus `margin_s`, and the base's start or wake from its tier
+   when nothing is READY), and where holding the base up over its window costs no more than
+   `stable_window_s` of READY per hit (as in step 3), keeps a base that would otherwise be asleep
+   or stopped READY for it, and is named in the decision's `adapters` (soonest expected first), to
+   be loaded onto a READY instance before its request arrives: once a gap, at the first call
+   with an instance READY.
+
 State is bounded: Holt's two numbers, the 1440-slot profile, the histogram's bins, a running
-peak of at most max + 1 entries, and the stable window's per-second samples and held seconds (61
-each at most).
+peak of at most max + 1 entries, the stable window's per-second samples and held seconds (61
+each at most), and at most `adapters.max_tracked` (256) adapters of 360 bins each.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from warm_pool.errors import InvalidConfig
+from warm_pool.policies.adapter_forecast import AdapterForecastConfig, Tracks, add_arrivals, due
 from warm_pool.policies.base import TARGET_CONCURRENCY, Decision, Observation, SecondSample, Tier
 from warm_pool.policies.forecast import Forecast, ForecastConfig
 from warm_pool.policies.idle_histogram import HistogramConfig, IdleHistogram
@@ -122,6 +133,7 @@ class PredictiveConfig:
     ready_share: float = READY_SHARE  # of sleep_keepalive_s, the most an idle instance stays READY
     forecast: ForecastConfig = field(default_factory=ForecastConfig)
     histogram: HistogramConfig = field(default_factory=lambda: HistogramConfig(tail_pct=90.0))
+    adapters: AdapterForecastConfig = field(default_factory=AdapterForecastConfig)  # step 7
 
     def __post_init__(self) -> None:
         if not 0 < self.target_utilization <= 1:
@@ -148,6 +160,7 @@ class PredictiveState:
     samples: tuple[SecondSample, ...] = ()  # the stable window's seconds
     held: tuple[tuple[float, float], ...] = ()  # (second's start, request-seconds held in it), the same
     queued: tuple[float, int] | None = None  # (when, requests held) at the previous call
+    adapters: Tracks = ()  # each LoRA adapter's own arrivals on this base (step 7)
 
 
 def predictive(
@@ -156,6 +169,7 @@ def predictive(
     o, c = observation, config
     fc = state.forecast.update(tuple((s.start, s.arrivals) for s in o.seconds), c.forecast)
     hist = state.histogram.add(o.idle_gaps, c.histogram)
+    adapters = add_arrivals(state.adapters, o.adapter_arrivals, c.adapters)
 
     horizon = o.startup.of(o.start_tier)
     rate = fc.rate(now, horizon, c.forecast)
@@ -191,6 +205,23 @@ def predictive(
         else:
             ready, parked, reason = _last_instance_without_sleep(o, hist, idle_for, c)
 
+    # Step 7: the adapters whose next request is due: loaded ahead, and the base READY for them.
+    lead = o.startup.adapter + c.adapters.margin_s + (0.0 if o.ready else o.startup.of(o.start_tier))
+    # Those worth it (the READY budget per hit), soonest expected first: a stable order, so that the
+    # same few are loaded ahead at each call, and none evicts another from an instance's LRU.
+    coming = sorted(
+        ((n, t) for n, t in due(adapters, now, lead) if t.per_hit <= c.stable_window_s),
+        key=lambda item: (item[1].last + item[1].window[0], item[0]),  # type: ignore[index]
+    )
+    if ready == 0 and coming:
+        name, track = coming[0]
+        ready, parked = 1, False
+        expected = track.last + track.window[0] - now  # type: ignore[index]
+        reason = (
+            f"adapter {name}: its next request expected from {expected:+.0f}s "
+            f"({track.per_hit:.0f}s READY per hit): pre-warmed"
+        )
+
     readies = push_peak(state.readies, now, min(max(ready, present), c.max), c.sleep_keepalive_s)
     recent = peak(readies, now, c.sleep_keepalive_s)
     stopping = ready == 0 and not parked
@@ -200,9 +231,15 @@ def predictive(
     slow_start = o.start_tier in (Tier.DISK, Tier.OBJECT_STORAGE)
     if o.snapshot_id and not stopping and o.sleeping == 0 and slow_start:
         warm = (o.snapshot_id,)
-    decision = Decision(ready, sleeping, warm, reason, forecast=rate)
+    # Named once a gap, when an instance is READY to load them on and their LRUs turn over slowly
+    # enough for a load ahead to last until its request (`adapter_forecast.py`).
+    churn = o.adapter_loads > o.ready * c.adapters.churn_loads
+    ahead = tuple(n for n, t in coming if not t.named) if o.ready and not churn else ()
+    if ahead:
+        adapters = tuple((n, replace(t, named=True) if n in ahead else t) for n, t in adapters)
+    decision = Decision(ready, sleeping, warm, reason, forecast=rate, adapters=ahead)
     queued = (now, o.queued) if state.queued is None or now >= state.queued[0] else state.queued
-    return decision, PredictiveState(fc, hist, readies, samples, held, queued)
+    return decision, PredictiveState(fc, hist, readies, samples, held, queued, adapters)
 
 
 def _push_held(

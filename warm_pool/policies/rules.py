@@ -149,7 +149,7 @@ def ruled(
     sleeping = min(wanted_sleeping, c.max - ready)
     last_up = now if ready > prev else state.last_up
     last_down = now if ready < prev else state.last_down
-    out = Decision(ready, sleeping, decision.warm, reason, decision.forecast)
+    out = Decision(ready, sleeping, decision.warm, reason, decision.forecast, decision.adapters)
     return out, RuledState(inner, ready, last_up, last_down)
 
 

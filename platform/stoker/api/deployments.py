@@ -55,6 +55,7 @@ def admin_routes(
                 "sleeping": decision.sleeping,
                 "reason": decision.reason,
                 "forecast": decision.forecast,
+                "adapters": list(decision.adapters),  # adapters handed to be loaded ahead
             }
         failure = d.pool.last_failure
         counts: dict[str, int] = {}

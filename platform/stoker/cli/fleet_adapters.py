@@ -37,6 +37,7 @@ ROWS = (
     ("slow_cold_starts_per_1k", "slow cold starts per 1k requests", "{:.1f}"),
     ("p99_wait_s", "p99 wait s", "{:.2f}"),
     ("adapter_loads", "adapter loads", "{}"),
+    ("prefetched", "of them loaded ahead", "{}"),
     ("paid_loads", "requests that waited for a load", "{}"),
 )
 
@@ -77,8 +78,8 @@ def cmd_adapters(args: argparse.Namespace) -> int:
     except PoolError as exc:
         raise CLIError(str(exc)) from None
     sides = {
-        "merged": _side(merged, 0, 0),
-        "adapters": _side(on_bases.fleet, on_bases.adapter_loads, on_bases.paid_loads),
+        "merged": _side(merged, 0, 0, 0),
+        "adapters": _side(on_bases.fleet, on_bases.adapter_loads, on_bases.prefetched, on_bases.paid_loads),
     }
     out = {
         "adapters": n,
@@ -113,7 +114,7 @@ def _base(name: str, deps: list):
     return Base(name, awake, max(d.asleep_bytes for d in deps), policies[0])
 
 
-def _side(report, loads: int, paid: int) -> dict[str, object]:
+def _side(report, loads: int, prefetched: int, paid: int) -> dict[str, object]:
     return {
         "requests": report.requests,
         "rejected": report.rejected,
@@ -124,6 +125,7 @@ def _side(report, loads: int, paid: int) -> dict[str, object]:
         "slow_cold_starts_per_1k": round(report.slow_cold_starts / report.requests * 1000, 2),
         "p99_wait_s": round(report.p99_wait_s, 4),
         "adapter_loads": loads,
+        "prefetched": prefetched,
         "paid_loads": paid,
     }
 

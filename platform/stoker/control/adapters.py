@@ -8,12 +8,17 @@
 
 An adapter deployment has no pool: nothing of its own starts, sleeps or scales. At zero it is its
 base at zero: a request is held like any request while the base starts, then the adapter loads.
+Its arrivals are named to its base's pool, whose predictive policy forecasts each adapter on its
+own (`warm_pool.policies.adapter_forecast`): the adapters it expects a request for soon are loaded
+ahead onto the instance that request would go to (`prefetch`), and the base is kept READY for one
+where that is worth it. Each load the base's instances make times the pool's adapter tier.
 The engine knows the primary revision by the deployment's name (so answers say `"model": "a1"`)
 and another revision as `a1@N`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Callable
@@ -22,14 +27,15 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from activator.adapters import AdapterRef
+from activator.adapters import AdapterRef, Adapters, Prefetcher
+from activator.affinity import Balance
 from stoker.control.models import resolve_model
 from stoker.errors import APIError, invalid
 from stoker.gateway.adapters import AdapterMetrics, adapter_ref, serve_on_base
 from stoker.gateway.revisions import RevisionStats, pick_revision
 from stoker.spec.deployment import DeploymentSpec
 from stoker.spec.traffic import parse_traffic
-from warm_pool.engine_settings import MAX_LORA_RANK
+from warm_pool.engine_settings import ADAPTER_RANKS, DEFAULT_MAX_ADAPTERS, MAX_LORA_RANK
 
 
 def engine_name(spec: DeploymentSpec, primary: int) -> str:
@@ -112,6 +118,7 @@ class AdapterDeployments:
         self._p = platform
         self._by_name: dict[str, AdapterDeployment] = {}
         self.metrics = AdapterMetrics(registry)
+        self._prefetching: dict[tuple[int, str], asyncio.Future] = {}  # (prefetcher, adapter): under way
 
     def get(self, name: str) -> AdapterDeployment | None:
         return self._by_name.get(name)
@@ -148,9 +155,61 @@ class AdapterDeployments:
         self._p.cost.adapter(latest.name, latest.base)
         return a
 
-    def listen(self, activator: Any, base: str) -> None:
-        """Count and time the loads `base`'s activator makes, and price them to their adapters."""
-        self.metrics.listen(activator, base, also=self.loaded)
+    def listen(self, activator: Any, base: str, pool: Any) -> None:
+        """Count and time the loads `base`'s activator makes, price them to their adapters, and
+        let the revision's `pool` learn its adapter tier from them; the adapters its policy expects
+        are loaded ahead by the activator's prefetcher."""
+
+        def loaded(engine_name: str, seconds: float) -> None:
+            self.loaded(engine_name, seconds)
+            pool.adapter_loaded(seconds)
+
+        self.metrics.listen(activator, base, also=loaded)
+        self.attach(pool, base, activator.prefetcher)
+
+    def listen_remote(
+        self, pool: Any, base: str, load: Callable[[], Any], session: Callable[[], Any]
+    ) -> None:
+        """In a controller (gateways hold the activators, and report their loads: `loaded`): the
+        adapters `pool`'s policy expects are loaded ahead by the controller itself, onto the pool's
+        READY instances by the gateways' reported `load` (a `Load`); a gateway whose request then
+        finds the adapter there sees it listed with its directory and does not load it again."""
+
+        def loaded(engine_name: str, seconds: float) -> None:
+            self.loaded(engine_name, seconds)
+            pool.adapter_loaded(seconds)
+
+        adapters = Adapters(session, self.metrics.counter(base, loaded))
+        prefetcher = Prefetcher(adapters, pool.endpoints, lambda: load().outstanding, lambda: Balance.bound)
+        self.attach(pool, base, prefetcher)
+
+    def attach(self, pool: Any, base: str, prefetcher: Prefetcher) -> None:
+        """The adapters `pool`'s policy expects a request for (`Decision.adapters`), loaded ahead
+        by `prefetcher`: the activator's in one process, the controller's where gateways serve."""
+        pool.on_adapters = lambda names: self.prefetch(base, prefetcher, names)
+
+    def prefetch(self, base: str, prefetcher: Prefetcher, names: tuple[str, ...]) -> None:
+        """Load each of `names` (adapter deployments on `base`; others are ignored) where its next
+        request would go, in the background: at most one load under way per adapter and prefetcher,
+        and no more adapters than an instance of the base keeps (`max_adapters`), so that a
+        prefetch never evicts another one it made."""
+        d = self._p.base(base)
+        if d is None:
+            return
+        room = d.spec.engine_settings.max_adapters or DEFAULT_MAX_ADAPTERS
+        for name in names[:room]:
+            a = self._by_name.get(name)
+            k = (id(prefetcher), name)
+            if a is None or a.spec.base != base or k in self._prefetching:
+                continue
+            task = asyncio.ensure_future(prefetcher.prefetch(a.ref(a.primary)))
+            self._prefetching[k] = task
+            task.add_done_callback(lambda t, k=k: self._prefetched(k, t))
+
+    def _prefetched(self, k: tuple[int, str], task: asyncio.Future) -> None:
+        self._prefetching.pop(k, None)
+        if not task.cancelled() and task.exception() is None and task.result() is not None:
+            self.metrics.prefetches.labels(k[1]).inc()
 
     def loaded(self, engine_name: str, seconds: float) -> None:
         """One load of an adapter (by the engine's name for it: `a1`, the primary, or `a1@3`) on
@@ -195,7 +254,10 @@ class AdapterDeployments:
 
     def check_serves(self, fields: dict[str, Any]) -> None:
         """A new revision of a base that could not serve the adapters running on it (vLLM without
-        `max_adapters`): 409 naming them, before anything changes."""
+        `max_adapters`, or a `max_adapter_rank` below one's rank): 409 naming them, before anything
+        changes."""
+        from snapshots.adapter import adapter_info
+
         serves = fields["engine"] != "vllm" or fields.get("max_adapters") is not None
         if not serves and (on := self.on(fields["name"])):
             raise APIError(
@@ -203,6 +265,21 @@ class AdapterDeployments:
                 f"Adapter deployment(s) {', '.join(on)} run on {fields['name']!r}, and this revision would "
                 "serve none: deploy it with --max-adapters N, or remove them first.",
                 param="max_adapters",
+                code="base_in_use",
+            )
+        rank = fields.get("max_adapter_rank") or MAX_LORA_RANK
+        ranks = {
+            n: adapter_info(self._p.store.path_of(self._by_name[n].spec.snapshot_id)).rank
+            for n in self.on(fields["name"])
+        }
+        if over := sorted(n for n, r in ranks.items() if r > rank):
+            raise APIError(
+                409,
+                f"Adapter deployment(s) {', '.join(f'{n} (rank {ranks[n]})' for n in over)} run on "
+                f"{fields['name']!r}, whose new revision would load ranks up to {rank} only: deploy it with "
+                f"--max-adapter-rank {next(r for r in ADAPTER_RANKS if r >= max(ranks[n] for n in over))}, or remove "
+                "them first.",
+                param="max_adapter_rank",
                 code="base_in_use",
             )
 
@@ -264,11 +341,14 @@ class AdapterDeployments:
             raise APIError(
                 400, f"'adapter': {fields['model']!r} is no LoRA adapter: {exc}", param="adapter"
             ) from None
-        if info.rank > MAX_LORA_RANK:
+        rank = base.spec.engine_settings.adapter_rank
+        if info.rank > rank:
+            larger = next((r for r in ADAPTER_RANKS if r >= info.rank), None)
+            fix = f" (deploy {base.name!r} again with --max-adapter-rank {larger})" if larger else ""
             raise APIError(
                 400,
-                f"'adapter' {fields['model']!r} has rank {info.rank}; instances load LoRA adapters of "
-                f"rank {MAX_LORA_RANK} at most.",
+                f"'adapter' {fields['model']!r} has rank {info.rank}; the instances of {base.name!r} load "
+                f"LoRA adapters of rank {rank} at most{fix}.",
                 param="adapter",
                 code="adapter_rank",
             )

@@ -109,6 +109,8 @@ class GatewayLoad:
             pool.report_failure(ident)
         for ident, reason in body["unhealthy"]:
             pool.report_unhealthy(ident, reason)
+        for name in body["adapters"]:
+            pool.adapter_arrived(name)
         if body["poke"]:
             pool.poke()
 

@@ -36,6 +36,10 @@ class Unit:
     health: asyncio.Task | None
     demand: GatewayLoad | None = None
 
+    def adapter_arrived(self, name: str) -> None:
+        """A request for adapter deployment `name` on this revision's instances: its pool's."""
+        self.pool.adapter_arrived(name)
+
     @property
     def ready(self) -> int:
         return len(self.pool.endpoints())

@@ -418,6 +418,7 @@ class Platform:
             demand = GatewayLoad(pool.name, self.routes, self._clock)
             demand.pool = pool
             pool.attach(demand)
+            self.adapters.listen_remote(pool, spec.name, demand.load, lambda: self._session)
             unit = Unit(spec, pool, None, loop, None, demand)
         else:
             activator = Activator(
@@ -429,7 +430,7 @@ class Platform:
                 clock=self._clock,
             )
             self.rollout.configure(activator, spec)
-            self.adapters.listen(activator, spec.name)  # the loads of the adapters it serves
+            self.adapters.listen(activator, spec.name, pool)  # the adapters it serves
             pool.attach(activator)
             health = asyncio.create_task(activator.watch_health(), name=f"health-{pool.name}")
             unit = Unit(spec, pool, activator, loop, health)

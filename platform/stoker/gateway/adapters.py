@@ -39,12 +39,22 @@ class AdapterMetrics:
             buckets=LOAD_BUCKETS,
             registry=registry,
         )
+        self.prefetches = Counter(
+            "stoker_adapter_prefetches",
+            "LoRA adapter loads made ahead of a request the scaler expected (the adapter's pre-warm)",
+            ["deployment"],
+            registry=registry,
+        )
 
     def listen(
         self, activator: Any, base: str, also: Callable[[str, float], None] = lambda name, seconds: None
     ) -> None:
         """Count the loads a base's activator makes, by the adapter deployment they were for, and
         tell `also` of each (the cost meter's side: priced here, or reported to the controller)."""
+        activator.on_adapter_load = self.counter(base, also)
+
+    def counter(self, base: str, also: Callable[[str, float], None]) -> Callable[[str, float], None]:
+        """What hears of each load on `base`'s instances (by the engine's name for the adapter)."""
 
         def loaded(engine_name: str, seconds: float) -> None:
             name = engine_name.split("@")[0]
@@ -52,7 +62,7 @@ class AdapterMetrics:
             self.load_seconds.labels(name).observe(seconds)
             also(engine_name, seconds)
 
-        activator.on_adapter_load = loaded
+        return loaded
 
 
 def adapter_ref(engine_name: str, path: str, snapshot_id: str) -> AdapterRef:
@@ -81,6 +91,7 @@ async def serve_on_base(
         raise APIError(
             503, f"The base {base.name!r} of {name!r} is served by the gateways.", code="base_elsewhere"
         )
+    unit.adapter_arrived(name)  # for the adapter's own forecast on its base's pool
     return await answer_on(
         unit.activator, revision, stats, clock, scope, receive, send, body, parsed, stream, owner, adapter=ref
     )

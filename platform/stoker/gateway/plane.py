@@ -82,6 +82,8 @@ class RemoteSource:
         # [wall, in, out, status] (an adapter's: + [name, revision]): cost (`stoker.gateway.metering`)
         self.usage: deque[list] = deque(maxlen=MAX_BUFFERED)
         self.loads: deque[list] = deque(maxlen=MAX_REPORTED)  # [engine name, seconds]: adapters' loads
+        # Adapter deployments requests arrived for, each once (their forecast: `Pool.adapter_arrived`).
+        self.adapters: dict[str, None] = {}
         self.poked = False
 
     def endpoints(self) -> Sequence[RemoteEndpoint]:
@@ -105,6 +107,10 @@ class RemoteSource:
     def request_arrived(self) -> None:
         self.arrivals += 1
 
+    def adapter_arrived(self, name: str) -> None:
+        if name in self.adapters or len(self.adapters) < MAX_REPORTED:
+            self.adapters[name] = None
+
     def request_finished(self, service_s: float | None, cold_on: str | None) -> None:
         self.finished.append([service_s, cold_on])
 
@@ -118,9 +124,10 @@ class RemoteSource:
             "answers": list(self.answers),
             "usage": list(self.usage),
             "loads": list(self.loads),
+            "adapters": list(self.adapters),
             "poke": self.poked,
         }
-        self.arrivals, self.poked = 0, False
+        self.arrivals, self.poked, self.adapters = 0, False, {}
         for buffer in (self.finished, self.failures, self.unhealthy, self.answers, self.usage, self.loads):
             buffer.clear()
         return news
@@ -134,6 +141,8 @@ class RemoteSource:
         self.answers.extendleft(reversed(news["answers"]))
         self.usage.extendleft(reversed(news["usage"]))
         self.loads.extendleft(reversed(news["loads"]))
+        for name in news["adapters"]:
+            self.adapter_arrived(name)
         self.poked = self.poked or news["poke"]
 
 
@@ -145,6 +154,10 @@ class RemoteUnit:
     activator: Activator
     source: RemoteSource
     health: asyncio.Task
+
+    def adapter_arrived(self, name: str) -> None:
+        """A request for adapter deployment `name` on this revision's instances: reported."""
+        self.source.adapter_arrived(name)
 
 
 @dataclass

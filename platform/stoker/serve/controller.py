@@ -183,6 +183,7 @@ def build_controller(
                         platform.cost.record(by, rev, wall, tokens_in, tokens_out, status)
                 for engine_name, seconds in report["loads"]:
                     platform.adapters.loaded(engine_name, seconds)
+                    unit.pool.adapter_loaded(seconds)  # the adapter tier, learned from every load
                 busy[name] = busy.get(name, 0) + report["in_flight"] + report["queued"]
         for name, n in busy.items():
             platform.cost.remote_in_flight(name, gateway, n, live)

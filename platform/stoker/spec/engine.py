@@ -5,7 +5,7 @@ default, the engines it applies to and its help, written once. The deploy body v
 
 A setting left out or null is the default. A setting that does not apply to the deployment's
 engine is refused, naming the engines it applies to: Stoker's engine takes `gpus` 0 or 1 (1: it
-runs on CUDA), `dtype`, `max_model_len` and `max_adapters`; vLLM takes every one. The pod settings (`cpu`,
+runs on CUDA), `dtype`, `max_model_len`, `max_adapters` and `max_adapter_rank`; vLLM takes every one. The pod settings (`cpu`,
 `memory`, `node_selector`, `tolerations`) are the Kubernetes backend's, for either engine; a local
 backend runs processes and does not use them.
 """
@@ -19,7 +19,7 @@ from jsonschema import Draft202012Validator
 from jsonschema.exceptions import best_match
 
 from stoker.errors import invalid
-from warm_pool.engine_settings import EngineSettings, arg_collision
+from warm_pool.engine_settings import ADAPTER_RANKS, EngineSettings, arg_collision
 
 ENGINES = ("cpu", "vllm")
 # vLLM's --dtype choices; Stoker's engine takes the three it computes in.
@@ -82,7 +82,13 @@ SETTINGS: dict[str, Setting] = {
         {"type": "integer", "minimum": 1, "maximum": 1024},
         "an integer in 1..1024",
         "LoRA adapters each instance keeps loaded, the least recently used evicted; vLLM's --enable-lora "
-        "--max-loras N --max-lora-rank 64, without which it serves none (default: Stoker's engine 4, vLLM none)",
+        "--max-loras N, without which it serves none (default: Stoker's engine 4, vLLM none)",
+    ),
+    "max_adapter_rank": Setting(
+        {"enum": list(ADAPTER_RANKS)},
+        f"one of {', '.join(map(str, ADAPTER_RANKS))}",
+        "the largest LoRA rank an instance loads: the CPU engine's and vLLM's --max-lora-rank; on a GPU "
+        "each adapter slot reserves room for it (default: 64)",
     ),
     "enable_prefix_caching": Setting(
         {"type": "boolean"}, "true or false", "vLLM's prefix caching (default: vLLM's)", ("vllm",)

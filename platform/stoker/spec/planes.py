@@ -127,6 +127,9 @@ def _parse_one(name: object, r: object) -> dict[str, Any]:
         if not ok:
             raise invalid("'loads' holds [adapter's engine name, seconds] loads.", "loads")
         loads.append((engine_name, _seconds(item[1], "loads")))
+    adapters = _list(r, "adapters", MAX_REPORT_EVENTS)
+    if not all(isinstance(n, str) and NAME.fullmatch(n) for n in adapters):
+        raise invalid("'adapters' holds the names of adapter deployments requests arrived for.", "adapters")
     poke = r.get("poke", False)
     if not isinstance(poke, bool):
         raise invalid("'poke' must be a boolean.", "poke")
@@ -143,5 +146,6 @@ def _parse_one(name: object, r: object) -> dict[str, Any]:
         "answers": answers,
         "usage": usage,  # answers' tokens for the cost meter (`stoker.gateway.metering`)
         "loads": loads,  # adapters' loads on this unit's instances, for their cost
+        "adapters": list(dict.fromkeys(adapters)),  # adapter deployments requests arrived for
         "poke": poke,
     }

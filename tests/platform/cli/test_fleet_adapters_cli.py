@@ -29,6 +29,7 @@ SIDE_KEYS = {
     "slow_cold_starts_per_1k",
     "p99_wait_s",
     "adapter_loads",
+    "prefetched",
     "paid_loads",
 }
 

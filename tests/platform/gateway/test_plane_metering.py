@@ -194,3 +194,26 @@ def test_a_gateway_sends_the_series_that_changed_since_its_last_delivered_report
     sent = {(name, tuple(sorted(labels.items()))): v for name, labels, v in first}
     held.labels("chat").set(0)
     assert changed_samples(registry, sent) == [["stoker_queue_length", {"deployment": "chat"}, 0.0]]
+
+
+@pytest.mark.parametrize("adapters", [["A B"], ["a1@2"], [1], ["x" * 64], "a1", ["a"] * 1001])
+def test_bad_adapter_arrivals_are_a_400_naming_them(adapters):
+    with pytest.raises(APIError) as caught:
+        parse_report(report(adapters=adapters))
+    assert caught.value.param == "adapters"
+
+
+def test_adapter_arrivals_parse_each_name_once_and_a_gateway_keeps_them_until_they_get_through():
+    from stoker.gateway.plane import RemoteSource
+
+    _, parsed = parse_report(report(adapters=["a1", "a2", "a1"]))
+    assert parsed["chat@1"]["adapters"] == ["a1", "a2"]
+    assert parse_report(report())[1]["chat@1"]["adapters"] == []  # a gateway from before
+    source = RemoteSource(lambda: None)
+    for name in ("a1", "a2", "a1"):
+        source.adapter_arrived(name)
+    news = source.take()
+    assert news["adapters"] == ["a1", "a2"] and source.take()["adapters"] == []
+    source.adapter_arrived("a3")
+    source.give_back(news)  # that report failed: its names go into the next one
+    assert sorted(source.take()["adapters"]) == ["a1", "a2", "a3"]

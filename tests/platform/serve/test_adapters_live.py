@@ -107,6 +107,28 @@ def test_adapters_on_a_base_at_zero(
     assert r.status_code == 400 and r.json()["error"]["code"] == "adapter_base_mismatch", r.text
     assert "'wide'" in r.json()["error"]["message"]
 
+    # A rank above the base's largest (64 by default) is refused, naming the setting that takes it;
+    # a base deployed with it serves the adapter, and keeps it: a new revision that would not is 409.
+    build_tiny_adapter(tiny_model_dir, tmp_path / "r128", seed=3, rank=128)
+    r = httpx.post(
+        f"{p.url}/admin/v1/deployments",
+        json={"name": "a4", "adapter": str(tmp_path / "r128"), "base": "base"},
+        headers=H,
+        timeout=HTTP_READ,
+    )
+    assert r.status_code == 400 and r.json()["error"]["code"] == "adapter_rank", r.text
+    assert (
+        "rank 128" in r.json()["error"]["message"]
+        and "--max-adapter-rank 128" in r.json()["error"]["message"]
+    )
+    p.deploy("big", tiny_model_dir, "--max", "1", "--max-adapter-rank", "128")
+    p.cli("deploy", "a4", "--adapter", str(tmp_path / "r128"), "--base", "big")
+    assert greedy(client, "a4") not in (first, second)  # the CPU engine took --max-lora-rank 128
+    body = {"name": "big", "model": str(tiny_model_dir), "max": 1, "max_adapter_rank": 64}
+    r = httpx.post(f"{p.url}/admin/v1/deployments", json=body, headers=H, timeout=HTTP_READ)
+    assert r.status_code == 409 and r.json()["error"]["param"] == "max_adapter_rank", r.text
+    assert "a4 (rank 128)" in r.json()["error"]["message"]
+
     # A base with adapters on it is not removed from under them.
     r = httpx.delete(f"{p.url}/admin/v1/deployments/base", headers=H, timeout=HTTP_READ)
     assert r.status_code == 409 and "a1, a2" in r.json()["error"]["message"], r.text

@@ -96,7 +96,7 @@ def test_a_bad_value_is_a_400_naming_the_field_the_value_and_what_it_must_be(fie
         ("--enable-lora", "use the 'max_adapters' setting"),
         ("--no-enable-lora", "use the 'max_adapters' setting"),
         ("--max-loras=8", "use the 'max_adapters' setting"),
-        ("--max-lora-rank=128", "Stoker sets it (64 with 'max_adapters'"),
+        ("--max-lora-rank=128", "use the 'max_adapter_rank' setting"),
         ("some/model", "a positional argument"),
     ],
 )
@@ -171,3 +171,14 @@ def test_max_adapters_on_vllm_is_its_run_time_lora():
         "--enforce-eager", "--enable-lora", "--max-loras", "3", "--max-lora-rank", "64", "--seed=7",
     )  # fmt: skip
     assert "--enable-lora" not in EngineSettings().vllm_args()
+
+
+def test_max_adapter_rank_is_both_engines_largest_lora_rank():
+    assert validate(body(max_adapters=2, max_adapter_rank=128))["max_adapter_rank"] == 128
+    assert validate({**body(max_adapter_rank=16), "engine": "cpu"})["max_adapter_rank"] == 16
+    args = EngineSettings(max_adapters=2, max_adapter_rank=256).vllm_args()
+    assert args[args.index("--max-lora-rank") + 1] == "256"
+    assert EngineSettings().adapter_rank == 64 and EngineSettings(max_adapter_rank=8).adapter_rank == 8
+    for bad in (100, 512, 0, "64", True):  # vLLM's ranks up to what an adapter snapshot may hold
+        error = refused(body(max_adapter_rank=bad))
+        assert error.param == "max_adapter_rank" and "one of 8, 16, 32, 64, 128, 256" in error.message
