@@ -15,7 +15,7 @@ from stoker.api.cost import cost_paths
 from stoker.api.dashboard import dashboard_paths
 from stoker.api.logs import DEFAULT_TAIL
 from stoker.api.revisions import revision_paths
-from stoker.engine.protocol import MAX_STOP_SEQUENCES
+from stoker.engine.protocol import MAX_N, MAX_STOP_SEQUENCES
 from stoker.gateway.drift import drift_paths
 from stoker.spec.deployment import NAME, deploy_schema
 from stoker.spec.routes import route_schema
@@ -57,7 +57,7 @@ _SAMPLING = {
         ]
     },
     "seed": {"type": "integer"},
-    "n": {"type": "integer", "const": 1},
+    "n": {"type": "integer", "minimum": 1, "maximum": MAX_N},
     "user": {"type": "string"},
 }
 

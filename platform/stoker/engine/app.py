@@ -24,6 +24,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from stoker.engine.choices import merged, start_choices
 from stoker.engine.core import Engine
 from stoker.engine.generation import Generation
 from stoker.engine.protocol import Kind, ensure_served, parse_request
@@ -95,41 +96,42 @@ class CompletionsEndpoint:
             engine.check_serving()
             ids = engine.prompt_ids(req)
             max_new = engine.budget(len(ids), req.params)
-            generation = await engine.start(ids, req.params, max_new, adapter)
+            generations = await start_choices(engine, req.n, ids, req.params, max_new, adapter)
         except APIError as exc:
             await error_response(exc)(scope, receive, send)
             return
         except ClientGone:
             return
         text_of = engine.token_text if req.params.logprobs is not None else None
-        shape = ResponseShape(self.kind, _response_id(self.kind, generation.request_id), req.model, text_of)
-        async with generation:
+        first = generations[0]
+        shape = ResponseShape(self.kind, _response_id(self.kind, first.request_id), req.model, text_of)
+        async with contextlib.AsyncExitStack() as held:
+            for generation in generations:
+                await held.enter_async_context(generation)
             if req.stream:
-                work = self._stream(generation, shape, req.include_usage, send)
+                work = self._stream(generations, shape, req.include_usage, send)
             else:
-                work = self._whole(generation, shape, scope, receive, send)
+                work = self._whole(generations, shape, scope, receive, send)
             await cancel_on_disconnect(receive, work)
 
-    async def _whole(self, generation: Generation, shape: ResponseShape, scope, receive, send) -> None:
-        parts, records = [], []
+    async def _whole(self, generations: list[Generation], shape: ResponseShape, scope, receive, send) -> None:
+        parts: list[list[str]] = [[] for _ in generations]
+        records: list[list] = [[] for _ in generations]
         try:
-            async for delta in generation:
-                parts.append(delta.text)
-                records += delta.logprobs
+            async for index, delta in merged(generations):
+                parts[index].append(delta.text)
+                records[index] += delta.logprobs
         except Exception as exc:
-            await error_response(_as_api_error(exc, generation))(scope, receive, send)
+            await error_response(_as_api_error(exc, generations[0]))(scope, receive, send)
             return
-        body = shape.whole(
-            "".join(parts),
-            generation.finish_reason,
-            generation.prompt_tokens,
-            generation.completion_tokens,
-            records,
-        )
-        await JSONResponse(body)(scope, receive, send)
+        choices = [
+            ("".join(p), g.finish_reason, r) for p, g, r in zip(parts, generations, records, strict=True)
+        ]
+        prompt, completion = _tokens(generations)
+        await JSONResponse(shape.whole(choices, prompt, completion))(scope, receive, send)
 
     async def _stream(
-        self, generation: Generation, shape: ResponseShape, include_usage: bool, send: Send
+        self, generations: list[Generation], shape: ResponseShape, include_usage: bool, send: Send
     ) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
 
@@ -138,26 +140,32 @@ class CompletionsEndpoint:
             await send({"type": "http.response.body", "body": body, "more_body": True})
 
         # vLLM 0.32 sends the role (content "") when the first token exists, then that token's chunk:
-        # here both go in one write, so no client sees the role before there is a token.
-        role = [shape.role_chunk()] if shape.kind == "chat" else []
+        # here both go in one write, so no client sees the role before there is a token. Each
+        # choice has its own role chunk, with its index, before its first token's.
+        roles = set(range(len(generations))) if shape.kind == "chat" else set()
         try:
-            async for delta in generation:
-                events = [*role]
-                role = []
+            async for index, delta in merged(generations):
+                events = [shape.role_chunk(index)] if index in roles else []
+                roles.discard(index)
                 if delta.text or delta.logprobs:
-                    events.append(shape.chunk(delta.text, records=delta.logprobs))
+                    events.append(shape.chunk(delta.text, records=delta.logprobs, index=index))
                 if delta.finish_reason:
-                    events.append(shape.chunk("", delta.finish_reason))
+                    events.append(shape.chunk("", delta.finish_reason, index=index))
                 if events:
                     await emit(*events)
             if include_usage:
-                await emit(shape.usage_chunk(generation.prompt_tokens, generation.completion_tokens))
+                await emit(shape.usage_chunk(*_tokens(generations)))
         except Exception as exc:  # after the first byte an error can only travel as an event
-            error = _as_api_error(exc, generation)
-            log.warning("stream %s ended by an error: %s", generation.request_id, error.message)
+            error = _as_api_error(exc, generations[0])
+            log.warning("stream %s ended by an error: %s", generations[0].request_id, error.message)
             await emit(error.body())
         await emit("[DONE]")
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def _tokens(generations: list[Generation]) -> tuple[int, int]:
+    """(prompt tokens, completion tokens) of a request: its one prompt, all of its choices."""
+    return generations[0].prompt_tokens, sum(g.completion_tokens for g in generations)
 
 
 def _as_api_error(exc: Exception, generation: Generation) -> APIError:

@@ -125,6 +125,7 @@ class Engine:
         self._asleep: weights.SleepPlan | None = None  # how the weights left the device, while asleep
         self._eos: set[int] = set()
         self._slots = asyncio.Semaphore(config.max_num_seqs)
+        self.choices_admission = asyncio.Lock()  # one request of n > 1 takes its n slots at a time
         self._running = 0
         self._waiting = 0
         self._kv_used = 0  # KV blocks the running requests' tokens fill (`vllm:kv_cache_usage_perc`)

@@ -75,6 +75,7 @@ class Generation:
         self._manager_done = False  # the manager finished the request itself (EOS or token budget)
         self._closed = False
         self._draw: draw_mod.RequestDraw | None = None
+        self.n_param = 1  # the request's `n`, for vLLM's histogram of it; 0 on its later choices
         if draw_mod.needs_draw(params):
             self._draw = draw_mod.RequestDraw(
                 params,
@@ -185,6 +186,7 @@ class Generation:
             generation_tokens=self.completion_tokens,
             max_tokens=self._params.max_tokens,
             max_new_tokens=self._max_new,
+            n=self.n_param,
         )
 
     async def _next_output(self):

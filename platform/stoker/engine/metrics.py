@@ -235,6 +235,7 @@ class EngineMetrics:
         generation_tokens: int,
         max_tokens: int | None,
         max_new_tokens: int,
+        n: int = 1,
     ) -> None:
         """One request ended (`reason`: one of `FINISH_REASONS`), as vLLM records a finished request.
 
@@ -254,7 +255,8 @@ class EngineMetrics:
         self._inference.observe(last - admitted)
         # vLLM: the decode time over the tokens after the first; 0 for a request of one token or none
         self._tpot.observe((last - first) / (generation_tokens - 1) if generation_tokens > 1 else 0.0)
-        self._n.observe(1)  # n > 1 is refused by this engine
+        if n:  # a request's `n`, once: by its first choice (the others pass 0)
+            self._n.observe(n)
         if self._prompt_len is not None:
             self._prompt_len.observe(prompt_tokens)
             self._generation_len.observe(generation_tokens)

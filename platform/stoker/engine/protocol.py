@@ -18,8 +18,9 @@ ranges OpenAI (or vLLM, for its extensions) enforces:
 | vLLM's `min_tokens` | 0..max_tokens | EOS suppressed (and stop strings ignored) until reached |
 | vLLM's `repetition_penalty` | > 0 | divides (or multiplies) logits of tokens seen in prompt or output |
 | vLLM's `ignore_eos` | bool | generate to max_tokens |
+| `n` | 1..`MAX_N` (16), at most the engine's `--max-num-seqs` | n sequences in the batch, each its own slot; a `seed` s gives sequence i the seed s + i |
 
-Refused (400 naming the field): `n` > 1, `best_of` > 1, `echo`, `suffix`, tools and functions
+Refused (400 naming the field): `best_of` other than 1, `echo`, `suffix`, tools and functions
 (`tools`, `tool_choice` even without tools, `parallel_tool_calls`, `functions`, `function_call`),
 `audio` and `modalities` other than text, `prediction`, `web_search_options`, `reasoning_effort`,
 `verbosity`, `moderation`, `store: true`, `service_tier` other than auto/default, and the vLLM
@@ -47,6 +48,7 @@ MAX_STOP_SEQUENCES = 4
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
 MAX_TOP_LOGPROBS = 20  # chat's `top_logprobs`, as OpenAI allows
 MAX_COMPLETION_LOGPROBS = 5  # the legacy completions' `logprobs`, as OpenAI allows
+MAX_N = 16  # choices a request may ask for: each one holds a slot of the engine's batch
 ROLES = frozenset({"system", "user", "assistant", "developer", "tool"})
 SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for json_schema.name
 
@@ -124,6 +126,7 @@ class GenerationRequest:
     params: SamplingParams
     stream: bool
     include_usage: bool
+    n: int = 1  # choices: n sequences from the one prompt
 
 
 def parse_request(kind: Kind, body: dict, defaults: Mapping[str, float] | None = None) -> GenerationRequest:
@@ -165,7 +168,15 @@ def parse_request(kind: Kind, body: dict, defaults: Mapping[str, float] | None =
         logprobs=_chat_logprobs(body) if kind == "chat" else _completion_logprobs(body),
         response_format=_response_format(body.get("response_format")),
     )
-    return GenerationRequest(kind, model, messages, prompt, params, stream, include_usage)
+    return GenerationRequest(kind, model, messages, prompt, params, stream, include_usage, _n(body.get("n")))
+
+
+def _n(value: Any) -> int:
+    if value is None:
+        return 1
+    if type(value) is not int or not 1 <= value <= MAX_N:
+        raise invalid(f"'n' must be an integer from 1 to {MAX_N}, got {value!r}.", param="n")
+    return value
 
 
 def _messages(value: Any) -> tuple[dict, ...]:
@@ -223,9 +234,6 @@ def _prompt(value: Any) -> str | tuple[int, ...]:
 
 
 def _refuse_unsupported(body: dict) -> None:
-    n = body.get("n", 1)
-    if n is not None and (type(n) is not int or n != 1):
-        raise invalid(f"'n' must be 1 on this engine, got {n!r}.", param="n")
     if body.get("best_of") not in (None, 1):
         raise invalid("'best_of' must be 1 on this engine.", param="best_of")
     # `tools` comes before `tool_choice`: a request with both is refused for `tools`, the real obstacle.

@@ -49,27 +49,29 @@ class ResponseShape:
 
     def whole(
         self,
-        text: str,
-        finish_reason: str,
+        choices: Sequence[tuple[str, str, Sequence[TokenLogprob]]],
         prompt_tokens: int,
         completion_tokens: int,
-        records: Sequence[TokenLogprob] = (),
     ) -> dict:
-        logprobs = self._logprobs(records, whole=True)
-        if self.kind == "chat":
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": logprobs,
-                "finish_reason": finish_reason,
-            }
-        else:
-            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-        return self._envelope(self.object, [choice], usage=usage(prompt_tokens, completion_tokens))
+        """The answer whole: one choice per (text, finish reason, logprob records), indexed in order;
+        the prompt's tokens counted once, every choice's completion tokens together."""
+        out = []
+        for index, (text, finish_reason, records) in enumerate(choices):
+            logprobs = self._logprobs(records, whole=True)
+            if self.kind == "chat":
+                message = {"role": "assistant", "content": text}
+                out.append(
+                    {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+                )
+            else:
+                out.append(
+                    {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+                )
+        return self._envelope(self.object, out, usage=usage(prompt_tokens, completion_tokens))
 
-    def role_chunk(self) -> dict:
+    def role_chunk(self, index: int = 0) -> dict:
         choice = {
-            "index": 0,
+            "index": index,
             "delta": {"role": "assistant", "content": ""},
             "logprobs": None,
             "finish_reason": None,
@@ -77,16 +79,20 @@ class ResponseShape:
         return self._envelope("chat.completion.chunk", [choice])
 
     def chunk(
-        self, text: str, finish_reason: str | None = None, records: Sequence[TokenLogprob] = ()
+        self,
+        text: str,
+        finish_reason: str | None = None,
+        records: Sequence[TokenLogprob] = (),
+        index: int = 0,
     ) -> dict:
         logprobs = self._logprobs(records)
         if self.kind == "chat":
             delta: dict[str, Any] = {"content": text}
             if finish_reason is not None and not text:
                 delta = {}
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             return self._envelope("chat.completion.chunk", [choice])
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         return self._envelope("text_completion", [choice])
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:

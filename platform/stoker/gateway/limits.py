@@ -32,6 +32,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter
 
+from stoker.engine.protocol import MAX_N
 from stoker.errors import APIError
 from stoker.spec.keys import NO_LIMITS, Limits, is_integer
 
@@ -235,7 +236,9 @@ def estimate_tokens(body: dict[str, Any], size: int) -> tuple[int, int]:
     most = body.get("max_completion_tokens", body.get("max_tokens"))
     if not is_integer(most) or most < 0:
         most = DEFAULT_MAX_TOKENS  # a bad value is the engine's to refuse; its answer settles this
-    return size // 4 + 1, most
+    n = body.get("n")
+    choices = n if is_integer(n) and 1 <= n <= MAX_N else 1  # each of n choices may take as many
+    return size // 4 + 1, most * choices
 
 
 # `"usage": {...}` in a completion or in a stream's last event: flat, numbers only in the fields read.

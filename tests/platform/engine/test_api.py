@@ -174,7 +174,11 @@ BAD = [
     ("completion", {"model": "tiny", "prompt": "x", "top_p": 0}, 400, "top_p"),
     ("completion", {"model": "tiny", "prompt": "x", "stop": 7}, 400, "stop"),
     ("completion", {"model": "tiny", "prompt": "x", "seed": 1.5}, 400, "seed"),
-    ("completion", {"model": "tiny", "prompt": "x", "n": 2}, 400, "n"),
+    ("completion", {"model": "tiny", "prompt": "x", "n": 0}, 400, "n"),
+    ("completion", {"model": "tiny", "prompt": "x", "n": 17}, 400, "n"),
+    ("completion", {"model": "tiny", "prompt": "x", "n": "2"}, 400, "n"),
+    ("completion", {"model": "tiny", "prompt": "x", "n": 9}, 400, "n"),  # more than its 8 slots
+    ("completion", {"model": "tiny", "prompt": "x", "best_of": 2}, 400, "best_of"),
     ("completion", {"model": "tiny", "prompt": "x", "stream": "yes"}, 400, "stream"),
     ("completion", {"model": "tiny", "prompt": [1, 10**9]}, 400, "prompt"),
     ("completion", {"model": "other", "prompt": "x"}, 404, "model"),

@@ -124,6 +124,9 @@ def test_platform_defaults_apply_where_a_key_sets_none_and_forget_resets():
         ({}, 0, (1, DEFAULT_MAX_TOKENS)),
         ({"max_tokens": "lots"}, 4, (2, DEFAULT_MAX_TOKENS)),
         ({"max_tokens": -3}, 4, (2, DEFAULT_MAX_TOKENS)),
+        ({"max_tokens": 50, "n": 3}, 400, (101, 150)),  # each choice may take max_tokens
+        ({"max_tokens": 50, "n": 99}, 400, (101, 50)),  # out of range: the engine's 400 settles it
+        ({"max_tokens": 50, "n": True}, 400, (101, 50)),
     ],
 )
 def test_estimates(body, size, expected):
