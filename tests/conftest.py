@@ -157,6 +157,48 @@ def build_tiny_model(
 LORA_TARGETS = ("q_proj", "v_proj", "o_proj", "up_proj", "down_proj")
 
 
+def build_tiny_encoder(out: Path, *, seed: int = 0, pooling: str = "cls", matryoshka: bool = False) -> Path:
+    """Write a tiny random BERT encoder (safetensors, a WordPiece tokenizer) to `out`, with
+    sentence-transformers' pooling config (`1_Pooling/config.json`): an embedding model."""
+    import json
+
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import BertConfig, BertModel, PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    tok.train_from_iterator(CORPUS * 20, trainers.WordPieceTrainer(vocab_size=400, special_tokens=specials))
+    from tokenizers.processors import TemplateProcessing
+
+    tok.post_processor = TemplateProcessing(
+        single="[CLS] $A [SEP]",
+        special_tokens=[("[CLS]", tok.token_to_id("[CLS]")), ("[SEP]", tok.token_to_id("[SEP]"))],
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]",
+        mask_token="[MASK]",
+    )  # fmt: skip
+    config = BertConfig(
+        vocab_size=len(fast), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=128, pad_token_id=fast.pad_token_id,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = BertModel(config)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    fast.save_pretrained(out)
+    if matryoshka:
+        data = json.loads((out / "config.json").read_text())
+        (out / "config.json").write_text(json.dumps({**data, "matryoshka_dimensions": [32, 16, 8]}))
+    names = {"cls": "cls_token", "mean": "mean_tokens", "last": "lasttoken"}
+    modes = {f"pooling_mode_{name}": key == pooling for key, name in names.items()}
+    (out / "1_Pooling").mkdir(exist_ok=True)
+    (out / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 32, **modes}))
+    return out
+
+
 def build_tiny_adapter(
     base: Path,
     out: Path,

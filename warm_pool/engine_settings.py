@@ -16,6 +16,8 @@ placement (`warm_pool.backends.kube_pod`).
     enforce_eager
     max_adapters             LoRA adapters an instance holds: the CPU engine's LRU (--max-adapters);
                              vLLM's --enable-lora --max-loras N (None: vLLM serves no adapters)
+    task                     what an instance serves: "generate" (text) or "embed" (/v1/embeddings
+                             only: the CPU engine's --task embed, vLLM's --runner pooling)
     max_adapter_rank         the largest LoRA rank an instance loads: the CPU engine's and vLLM's
                              --max-lora-rank (None: 64); on a GPU each of vLLM's slots reserves
                              room for this rank on every layer it adapts
@@ -76,6 +78,8 @@ NAMED_ARGS: dict[str, str] = {
     "--no-enable-lora": "max_adapters",
     "--max-loras": "max_adapters",
     "--max-lora-rank": "max_adapter_rank",
+    "--runner": "task",
+    "--task": "task",
 }
 
 
@@ -104,6 +108,7 @@ class EngineSettings:
     max_num_seqs: int | None = None
     max_adapters: int | None = None  # LoRA adapters at once: the CPU engine's LRU, vLLM's --max-loras
     max_adapter_rank: int | None = None  # the largest LoRA rank loaded (None: MAX_LORA_RANK)
+    task: str = "generate"  # or "embed": embeddings only
     enable_prefix_caching: bool | None = None
     enforce_eager: bool = False
     engine_args: tuple[str, ...] = ()
@@ -128,6 +133,8 @@ class EngineSettings:
         """The named settings as vLLM arguments (dtype and context length are the launch's: they
         default from the snapshot), then `engine_args`."""
         args: list[str] = []
+        if self.task == "embed":
+            args += ["--runner", "pooling"]  # vLLM's pooling runner: /v1/embeddings
         if self.quantization is not None:
             args += ["--quantization", self.quantization]
         if self.gpu_memory_utilization is not None:

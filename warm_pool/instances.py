@@ -198,6 +198,8 @@ class InstanceOps:
             extra += ("--max-adapters", str(engine.max_adapters))
         if engine.max_adapter_rank is not None:
             extra += ("--max-lora-rank", str(engine.max_adapter_rank))
+        if engine.task != "generate":
+            extra += ("--task", engine.task)
         return cpu_engine_spec(
             snapshot_dir,
             inst.port,

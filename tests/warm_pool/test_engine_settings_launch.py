@@ -103,3 +103,8 @@ async def test_stokers_engine_takes_its_adapter_settings_as_its_own_flags(source
     assert "--max-adapters 2" in args and "--max-lora-rank 128" in args
     plain = await ops_for(source, "cpu", EngineSettings(), GpuInventory([]))._spec(instance(4), source.path)
     assert "--max-lora-rank" not in plain.argv  # the engine's own default: 64
+    assert "--task" not in plain.argv
+    embed = await ops_for(source, "cpu", EngineSettings(task="embed"), GpuInventory([]))._spec(
+        instance(5), source.path
+    )
+    assert "--task embed" in " ".join(embed.argv)

@@ -15,6 +15,7 @@ from stoker.api.cost import cost_paths
 from stoker.api.dashboard import dashboard_paths
 from stoker.api.logs import DEFAULT_TAIL
 from stoker.api.revisions import revision_paths
+from stoker.engine.embed import FORMATS, MAX_INPUTS
 from stoker.engine.protocol import MAX_N, MAX_STOP_SEQUENCES
 from stoker.gateway.drift import drift_paths
 from stoker.spec.deployment import NAME, deploy_schema
@@ -132,6 +133,71 @@ _COMPLETION_RESPONSE = {
 }
 
 
+_EMBEDDING_INPUT = {
+    "oneOf": [
+        {"type": "string", "minLength": 1},
+        {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": MAX_INPUTS},
+        {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+        {
+            "type": "array",
+            "items": {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+            "minItems": 1,
+            "maxItems": MAX_INPUTS,
+        },
+    ]
+}
+_EMBEDDING_REQUEST = {
+    "type": "object",
+    "required": ["model", "input"],
+    "properties": {
+        "model": _TEXT,
+        "input": _EMBEDDING_INPUT,
+        "encoding_format": {"enum": list(FORMATS)},
+        "dimensions": {"type": "integer", "minimum": 1},
+        "user": {"type": "string"},
+    },
+}
+_EMBEDDING_RESPONSE = {
+    "type": "object",
+    "required": ["object", "data", "model", "usage"],
+    "properties": {
+        "object": {"const": "list"},
+        "data": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["object", "index", "embedding"],
+                "properties": {
+                    "object": {"const": "embedding"},
+                    "index": {"type": "integer"},
+                    "embedding": {
+                        "oneOf": [
+                            {"type": "array", "items": {"type": "number"}},
+                            {"type": "string", "description": "base64 of little-endian float32"},
+                        ]
+                    },
+                },
+            },
+        },
+        "model": {"type": "string"},
+        "usage": _USAGE,
+    },
+}
+
+
+def _embeddings() -> dict[str, Any]:
+    return {
+        "post": {
+            "summary": "Embeddings from the deployment named by `model` (deployed with `task: embed`)",
+            "requestBody": {"required": True, **_json(_EMBEDDING_REQUEST)},
+            "responses": {
+                "200": {"description": "one embedding per input, in order", **_json(_EMBEDDING_RESPONSE)},
+                **_errors(400, 401, 404, 413, 429, 500, 502, 503),
+            },
+        }
+    }
+
+
 def deploy_request() -> dict[str, Any]:
     """The deploy body's schema: `stoker.spec.deployment.deploy_schema`, written there once."""
     return deploy_schema()
@@ -187,6 +253,7 @@ def openapi_schema() -> dict[str, Any]:
             "/v1/completions": _generation(
                 "Text completion from the deployment named by `model`", _COMPLETION_REQUEST
             ),
+            "/v1/embeddings": _embeddings(),
             "/v1/models": {
                 "get": {
                     "summary": "The deployments, as OpenAI's model list",

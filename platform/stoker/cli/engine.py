@@ -64,6 +64,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--max-lora-rank", type=_positive_int, default=64, help="largest LoRA rank loaded")
     p.add_argument(
+        "--task",
+        choices=["generate", "embed"],
+        default="generate",
+        help="what it serves: text generation, or /v1/embeddings only (default generate)",
+    )
+    p.add_argument(
         "--max-body-bytes",
         type=_positive_int,
         default=1 << 20,
@@ -124,6 +130,7 @@ def run(args: argparse.Namespace) -> int:
             kv_cache_tokens=args.kv_cache_tokens,
             max_adapters=args.max_adapters,
             max_lora_rank=args.max_lora_rank,
+            task=args.task,
         )
     except ValueError as exc:
         raise CLIError(str(exc)) from None

@@ -22,6 +22,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, metavar="TOKENS", help=h["max_model_len"])
     g.add_argument("--gpu-memory-utilization", type=float, metavar="SHARE", help=h["gpu_memory_utilization"])
     g.add_argument("--max-num-seqs", type=int, metavar="N", help=h["max_num_seqs"])
+    g.add_argument("--task", choices=["generate", "embed"], help=h["task"])
     g.add_argument("--max-adapters", type=int, metavar="N", help=h["max_adapters"])
     g.add_argument("--max-adapter-rank", type=int, metavar="RANK", help=h["max_adapter_rank"])
     g.add_argument(

@@ -259,11 +259,13 @@ class AdapterDeployments:
         from snapshots.adapter import adapter_info
 
         serves = fields["engine"] != "vllm" or fields.get("max_adapters") is not None
+        serves = serves and fields.get("task", "generate") == "generate"
         if not serves and (on := self.on(fields["name"])):
             raise APIError(
                 409,
                 f"Adapter deployment(s) {', '.join(on)} run on {fields['name']!r}, and this revision would "
-                "serve none: deploy it with --max-adapters N, or remove them first.",
+                "serve none (an embedding one, or vLLM without --max-adapters N): remove them first, or "
+                "deploy it with --task generate and --max-adapters N.",
                 param="max_adapters",
                 code="base_in_use",
             )
@@ -326,6 +328,14 @@ class AdapterDeployments:
         an adapter made for another base model."""
         from snapshots.adapter import adapter_info, base_mismatch
 
+        if base.spec.engine_settings.task != "generate":
+            raise APIError(
+                400,
+                f"'base': {base.name!r} is an embedding deployment (task {base.spec.engine_settings.task}); "
+                "LoRA adapters run on a base that generates.",
+                param="base",
+                code="adapter_engine",
+            )
         if base.spec.engine == "vllm" and base.spec.engine_settings.max_adapters is None:
             raise APIError(
                 400,

@@ -42,6 +42,8 @@ async def resolve_model(store: SnapshotStore, model: str, param: str = "model") 
         record = await asyncio.to_thread(import_local, store, model)
     except SnapshotError as exc:
         raise invalid(str(exc), param) from None
+    except OSError as exc:  # a name the filesystem cannot even look up (too long, a NUL byte's kin)
+        raise invalid(f"'{param}' is no path this machine can read: {exc.strerror or exc}.", param) from None
     if record is None:
         raise invalid(
             f"Model {model!r} is neither a snapshot in the store, an s3:// snapshot, a local model "

@@ -24,6 +24,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from stoker.engine import embed
 from stoker.engine.choices import merged, start_choices
 from stoker.engine.core import Engine
 from stoker.engine.generation import Generation
@@ -90,6 +91,8 @@ class CompletionsEndpoint:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         engine = self.engine
         try:
+            if engine.embedder is not None:
+                raise embed.not_generative(engine)
             body = parse_json_object(await read_body(receive, scope, self.max_body_bytes))
             req = parse_request(self.kind, body, engine.sampling_defaults)
             adapter = _resolve(engine, req.model)
@@ -161,6 +164,49 @@ class CompletionsEndpoint:
             await emit(error.body())
         await emit("[DONE]")
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+class EmbeddingsEndpoint:
+    """`POST /v1/embeddings` (`stoker.engine.embed`), as a pure ASGI app: a refusal before any
+    header, the forward cancelled (it ends with its batch) when the client leaves."""
+
+    def __init__(self, engine: Engine, max_body_bytes: int) -> None:
+        self.engine, self.max_body_bytes = engine, max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        engine = self.engine
+        try:
+            if engine.embedder is None:
+                engine.check_serving()  # loading: 503; then, a generating engine: 400
+                raise embed.not_embedding(engine)
+            body = parse_json_object(await read_body(receive, scope, self.max_body_bytes))
+            req = embed.parse_embedding_request(body)
+            ensure_served(req.model, engine.config.served_model_name)
+            engine.check_serving()
+            batch = engine.embedder.token_ids(req)
+        except APIError as exc:
+            await error_response(exc)(scope, receive, send)
+            return
+        except ClientGone:
+            return
+
+        async def work() -> None:
+            arrival = engine.clock()
+            try:
+                vectors = await engine.embedder.embed(batch, req.dimensions)
+            except APIError as exc:
+                await error_response(exc)(scope, receive, send)
+                return
+            tokens = sum(len(ids) for ids in batch)
+            engine.metrics.prompt_tokens.inc(tokens)
+            engine.metrics.request_done(
+                "stop", arrival=arrival, admitted=arrival, first_token=None, last_token=None,
+                now=engine.clock(), prompt_tokens=tokens, generation_tokens=0, max_tokens=None,
+                max_new_tokens=0,
+            )  # fmt: skip
+            await JSONResponse(embed.answer(req, vectors, tokens))(scope, receive, send)
+
+        await cancel_on_disconnect(receive, work())
 
 
 def _tokens(generations: list[Generation]) -> tuple[int, int]:
@@ -251,6 +297,8 @@ def build_app(
         return error_response(APIError(404, message, param="model", code="model_not_found"))
 
     async def lora_body(request: Request) -> dict:
+        if engine.embedder is not None:
+            raise embed.not_generative(engine)
         if engine.adapters is None:
             raise APIError(
                 503, f"The engine is {engine.state}.", type=UNAVAILABLE, code=f"engine_{engine.state}"
@@ -318,11 +366,14 @@ def build_app(
     async def server_info(request: Request) -> Response:
         # What the pool asks every engine at READY (vLLM answers the same route with its config):
         # the sleep levels this engine serves, so the policy only plans tiers that exist.
-        return JSONResponse({"engine": "stoker", "sleep_levels": list(SLEEP_LEVELS)})
+        # An embedding engine has none (`stoker.engine.embed`): its pool stops and starts it.
+        levels = [] if engine.config.task == "embed" else list(SLEEP_LEVELS)
+        return JSONResponse({"engine": "stoker", "sleep_levels": levels, "task": engine.config.task})
 
     routes = [
         Route("/v1/chat/completions", CompletionsEndpoint(engine, "chat", max_body_bytes), methods=["POST"]),
         Route("/v1/completions", CompletionsEndpoint(engine, "completion", max_body_bytes), methods=["POST"]),
+        Route("/v1/embeddings", EmbeddingsEndpoint(engine, max_body_bytes), methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/load_lora_adapter", load_lora_adapter, methods=["POST"]),
         Route("/v1/unload_lora_adapter", unload_lora_adapter, methods=["POST"]),

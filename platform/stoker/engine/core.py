@@ -52,6 +52,7 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from snapshots import pagecache
 from stoker.engine import adapters as adapters_mod
 from stoker.engine import draw as draw_mod
+from stoker.engine import embed as embed_mod
 from stoker.engine import pages, weights
 from stoker.engine.adapters import Adapter, Adapters
 from stoker.engine.generation import PAGE_SIZE, Generation
@@ -85,10 +86,13 @@ class EngineConfig:
     stall_timeout_s: float = 300.0
     max_adapters: int = 4  # LoRA adapters loaded at once (an LRU); 0: none served
     max_lora_rank: int = 64
+    task: str = "generate"  # or "embed": /v1/embeddings only (`stoker.engine.embed`)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.task not in embed_mod.TASKS:
+            raise ValueError(f"task must be one of {list(embed_mod.TASKS)}, got {self.task!r}")
         if self.device not in weights.DEVICES:
             raise ValueError(f"device must be one of {list(weights.DEVICES)}, got {self.device!r}")
         for name in ("max_num_seqs", "max_prefill_tokens", "max_lora_rank"):
@@ -118,6 +122,7 @@ class Engine:
         self._model = None
         self._tokenizer = None
         self._manager = None
+        self.embedder: embed_mod.Embedder | None = None  # an embedding engine's model
         self.adapters: Adapters | None = None  # once the model is loaded
         self._draws = draw_mod.Draws()
         self._grammars: Grammars | None = None
@@ -140,6 +145,8 @@ class Engine:
         """Load tokenizer and weights, start the batching manager and warm it up (blocking)."""
         cfg = self.config
         t0 = self.clock()
+        if cfg.task == "embed":  # its model, for /v1/embeddings only
+            return embed_mod.load_into(self, DTYPES[cfg.dtype])
         self._tokenizer = AutoTokenizer.from_pretrained(cfg.snapshot_dir)
         self._model, self.weights_source = weights.load_model(cfg.snapshot_dir, DTYPES[cfg.dtype], cfg.device)
         t1 = self.clock()
@@ -404,6 +411,8 @@ class Engine:
             if self.state == "sleeping":
                 return
             self.check_serving()
+            if self.embedder is not None:  # its /server_info says so: the pool never asks
+                raise invalid("An embedding engine has no sleep mode.", param="level")
             self.state = "sleeping"  # new requests are refused from here on
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(drain_timeout_s):

@@ -54,8 +54,13 @@ def api_error(exc: ActivatorError) -> APIError:
     return APIError(exc.status, str(exc), type=exc.type, code=exc.code, headers=headers)
 
 
+EMBEDDINGS = "/v1/embeddings"
+
+
 class InferenceEndpoint:
-    """`POST /v1/chat/completions` and `POST /v1/completions`, routed by the body's `model`, through
+    """`POST /v1/chat/completions`, `POST /v1/completions` and `POST /v1/embeddings` (a deployment
+    with `--task embed`: its engine refuses the others, and a generating one this), routed by the
+    body's `model`, through
     the request taps (`stoker.gateway.taps`, in their documented order: cost, request log, limits)
     to the deployment's revision and its activator."""
 
@@ -78,7 +83,8 @@ class InferenceEndpoint:
             parsed, name, stream = _route_fields(body)
             deployment = self.platform.get(name)
             principal = principal_of(scope)
-            if deployment is None and self.cascades is not None:
+            embeddings = scope["path"] == EMBEDDINGS
+            if deployment is None and self.cascades is not None and not embeddings:
                 # A cascade route: None unless the caller may call both its deployments too.
                 deployment = self.cascades.lookup(name, principal.may_call)
             # Not the caller's: the same 404 as a deployment that does not exist (no existence leak).
@@ -86,9 +92,8 @@ class InferenceEndpoint:
                 raise APIError(
                     404, f"The model `{name}` does not exist.", param="model", code="model_not_found"
                 )
-            request = TappedRequest(
-                name, deployment, principal, parsed, stream, estimate_tokens(parsed, len(body))
-            )
+            estimate = estimate_tokens(parsed, len(body), embeddings=embeddings)
+            request = TappedRequest(name, deployment, principal, parsed, stream, estimate)
             for tap in self.taps:  # a tap's 429 is answered through the taps started before it
                 send, finish = tap.start(send, request)
                 if finish is not None:
@@ -170,6 +175,7 @@ def data_routes(
     return [
         Route("/v1/chat/completions", inference, methods=["POST"]),
         Route("/v1/completions", inference, methods=["POST"]),
+        Route(EMBEDDINGS, inference, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{model:path}", model, methods=["GET"]),
     ]

@@ -230,9 +230,12 @@ def duration(seconds: float) -> str:
     return f"{int(minutes)}m{rest:.0f}s"
 
 
-def estimate_tokens(body: dict[str, Any], size: int) -> tuple[int, int]:
+def estimate_tokens(body: dict[str, Any], size: int, *, embeddings: bool = False) -> tuple[int, int]:
     """(prompt tokens, completion tokens at most) for a request body of `size` bytes: about four
-    bytes a token for the prompt (the JSON around it counts too: an overestimate, settled later)."""
+    bytes a token for the prompt (the JSON around it counts too: an overestimate, settled later);
+    an embeddings request completes none."""
+    if embeddings:
+        return size // 4 + 1, 0
     most = body.get("max_completion_tokens", body.get("max_tokens"))
     if not is_integer(most) or most < 0:
         most = DEFAULT_MAX_TOKENS  # a bad value is the engine's to refuse; its answer settles this

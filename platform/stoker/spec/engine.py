@@ -5,7 +5,7 @@ default, the engines it applies to and its help, written once. The deploy body v
 
 A setting left out or null is the default. A setting that does not apply to the deployment's
 engine is refused, naming the engines it applies to: Stoker's engine takes `gpus` 0 or 1 (1: it
-runs on CUDA), `dtype`, `max_model_len`, `max_adapters` and `max_adapter_rank`; vLLM takes every one. The pod settings (`cpu`,
+runs on CUDA), `dtype`, `max_model_len`, `task`, `max_adapters` and `max_adapter_rank`; vLLM takes every one. The pod settings (`cpu`,
 `memory`, `node_selector`, `tolerations`) are the Kubernetes backend's, for either engine; a local
 backend runs processes and does not use them.
 """
@@ -83,6 +83,12 @@ SETTINGS: dict[str, Setting] = {
         "an integer in 1..1024",
         "LoRA adapters each instance keeps loaded, the least recently used evicted; vLLM's --enable-lora "
         "--max-loras N, without which it serves none (default: Stoker's engine 4, vLLM none)",
+    ),
+    "task": Setting(
+        {"enum": ["generate", "embed"]},
+        "generate or embed",
+        "what an instance serves: generate (chat and completions) or embed (/v1/embeddings only; "
+        "vLLM's --runner pooling) (default: generate)",
     ),
     "max_adapter_rank": Setting(
         {"enum": list(ADAPTER_RANKS)},

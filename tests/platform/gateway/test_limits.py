@@ -133,6 +133,10 @@ def test_estimates(body, size, expected):
     assert estimate_tokens(body, size) == expected
 
 
+def test_an_embeddings_request_is_estimated_to_complete_nothing():
+    assert estimate_tokens({"input": "x" * 396, "max_tokens": 50}, 400, embeddings=True) == (101, 0)
+
+
 @pytest.mark.parametrize(
     "seconds, text", [(0.0201, "21ms"), (0.999, "999ms"), (1.5, "1.5s"), (59, "59s"), (360, "6m0s")]
 )

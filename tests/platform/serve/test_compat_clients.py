@@ -1,9 +1,11 @@
 """Clients nobody here wrote, against a real `stoker up` serving the tiny model on the CPU engine: the
-official `openai` client, LiteLLM and LangChain's `ChatOpenAI` (all three in the dev extra), and
-`promtool check metrics` on what the gateway exports (where `make test` could fetch promtool).
+official `openai` client, LiteLLM and LangChain's `ChatOpenAI` and `OpenAIEmbeddings` (all in the
+dev extra), and `promtool check metrics` on what the gateway exports (where `make test` could fetch
+promtool).
 
-Each client does what its users do: plain and streamed chat, a completion, structured output into
-a pydantic model, logprobs, and the errors it maps to its own exception classes. The model is random
+Each client does what its users do: plain and streamed chat, a completion, n choices, structured
+output into a pydantic model, logprobs, embeddings from an embedding deployment (`--task embed`, a
+tiny BERT encoder), and the errors it maps to its own exception classes. The model is random
 weights, so the checks are on shapes and contracts, never on what the text says.
 """
 
@@ -19,7 +21,7 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from tests.conftest import promtool
+from tests.conftest import build_tiny_encoder, promtool
 from tests.deadlines import CLI, ENGINE_START
 from tests.platform.gateway.test_keys import ADMIN
 
@@ -50,6 +52,11 @@ def platform(tmp_path_factory, tiny_model_dir):
         )
         made = p.cli("keys", "create", "--tenant", "compat", "--deployment", "tiny", "--json").stdout
         p.tenant_key = json.loads(made)["key"]
+        encoder = build_tiny_encoder(tmp_path_factory.mktemp("encoder") / "tiny-bert")
+        p.deploy("emb", encoder, "--task", "embed", "--max", "1", "--idle-timeout", "10m")
+        made = p.cli("keys", "create", "--tenant", "search", "--deployment", "emb", "--json").stdout
+        p.embed_key = json.loads(made)["key"]
+        p.tiny_model_dir = tiny_model_dir
         yield p
     finally:
         p.stop()
@@ -70,6 +77,14 @@ def test_openai_client(platform):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens >= 1
     text = client.completions.create(model="tiny", prompt="Hello", max_tokens=4, logprobs=2)
+    three = client.chat.completions.create(
+        model="tiny", messages=QUESTION, max_tokens=4, n=3, temperature=1.0
+    )
+    assert [c.index for c in three.choices] == [
+        0,
+        1,
+        2,
+    ] and three.usage.prompt_tokens == chat.usage.prompt_tokens
     assert len(text.choices[0].logprobs.tokens) == text.usage.completion_tokens
 
     with_logprobs = client.chat.completions.create(
@@ -126,6 +141,55 @@ def test_langchain_chat_openai(platform):
         temperature=0, max_retries=0,
     ).with_structured_output(City, method="json_schema")  # fmt: skip
     assert isinstance(structured.invoke("Name a city."), City)
+
+
+def test_embeddings_from_the_openai_client_litellm_and_langchain(platform):
+    import litellm
+    from langchain_openai import OpenAIEmbeddings
+
+    texts = ["the quick brown fox", "hello there"]
+    client = openai.OpenAI(base_url=f"{platform.url}/v1", api_key=platform.embed_key, max_retries=0)
+    got = client.embeddings.create(model="emb", input=texts)  # held while "emb" starts from zero
+    assert [d.index for d in got.data] == [0, 1] and len(got.data[0].embedding) == 32
+    assert got.usage.prompt_tokens > 0
+    common = {"api_base": f"{platform.url}/v1", "api_key": platform.embed_key}
+    answer = litellm.embedding(model="openai/emb", input=texts, **common)
+    assert len(answer.data) == 2 and answer.data[0]["embedding"] == pytest.approx(
+        got.data[0].embedding, abs=1e-5
+    )
+    lc = OpenAIEmbeddings(
+        model="emb", base_url=f"{platform.url}/v1", api_key=platform.embed_key, max_retries=0,
+        check_embedding_ctx_length=False,  # it would tokenize with tiktoken's files: sends the text instead
+    )  # fmt: skip
+    assert lc.embed_query(texts[0]) == pytest.approx(got.data[0].embedding, abs=1e-5)
+    assert len(lc.embed_documents(texts)) == 2
+    # The key is for "emb" only, and "emb" generates nothing: each refused as OpenAI refuses.
+    with pytest.raises(openai.NotFoundError):
+        client.embeddings.create(model="tiny", input="x")
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model="emb", messages=QUESTION)
+    assert bad.value.body["code"] == "model_not_generative"
+    # LoRA adapters need a base that generates.
+    from tests.conftest import build_tiny_adapter
+
+    lora = platform.home.parent / "lora"
+    build_tiny_adapter(platform.tiny_model_dir, lora, seed=1)
+    r = httpx.post(
+        f"{platform.url}/admin/v1/deployments",
+        json={"name": "a1", "adapter": str(lora), "base": "emb"},
+        headers={"authorization": f"Bearer {ADMIN}"},
+        timeout=CLI,
+    )
+    assert r.status_code == 400 and r.json()["error"]["code"] == "adapter_engine", r.text
+    long = httpx.post(  # a path the filesystem cannot look up: a 400 naming it, not a 500
+        f"{platform.url}/admin/v1/deployments",
+        json={"name": "a2", "model": "x" * 5000},
+        headers={"authorization": f"Bearer {ADMIN}"},
+        timeout=CLI,
+    )
+    assert long.status_code == 400 and long.json()["error"]["param"] == "model", long.text
+    rows = {r["deployment"]: r for r in json.loads(platform.cli("cost", "--json").stdout)}
+    assert rows["emb"]["requests"] >= 4 and rows["emb"]["tokens_in"] > 0 and rows["emb"]["tokens_out"] == 0
 
 
 @pytest.mark.skipif(

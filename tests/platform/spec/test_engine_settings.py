@@ -97,6 +97,8 @@ def test_a_bad_value_is_a_400_naming_the_field_the_value_and_what_it_must_be(fie
         ("--no-enable-lora", "use the 'max_adapters' setting"),
         ("--max-loras=8", "use the 'max_adapters' setting"),
         ("--max-lora-rank=128", "use the 'max_adapter_rank' setting"),
+        ("--runner=pooling", "use the 'task' setting"),
+        ("--task", "use the 'task' setting"),
         ("some/model", "a positional argument"),
     ],
 )
@@ -182,3 +184,12 @@ def test_max_adapter_rank_is_both_engines_largest_lora_rank():
     for bad in (100, 512, 0, "64", True):  # vLLM's ranks up to what an adapter snapshot may hold
         error = refused(body(max_adapter_rank=bad))
         assert error.param == "max_adapter_rank" and "one of 8, 16, 32, 64, 128, 256" in error.message
+
+
+def test_task_embed_is_vllms_pooling_runner_on_either_engine():
+    assert validate(body(task="embed"))["task"] == "embed"
+    assert validate({**body(task="embed"), "engine": "cpu"})["task"] == "embed"
+    assert EngineSettings(task="embed").vllm_args()[:2] == ("--runner", "pooling")
+    assert "--runner" not in EngineSettings().vllm_args()
+    error = refused(body(task="classify"))
+    assert error.param == "task" and "generate or embed" in error.message
