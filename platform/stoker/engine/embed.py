@@ -14,8 +14,9 @@
 
 Bounds: at most `MAX_INPUTS` (2048, OpenAI's) inputs, each at least one token and at most the
 model's context (`--max-model-len`, else the model's, at most 4096): a longer one is a 400
-naming it (`context_length_exceeded`), never cut short. One forward runs at a time; up to
-`max_waiting` requests wait for it, each at most `queue_timeout_s`, then 503 as for generation.
+naming it (`context_length_exceeded`), never cut short. A request is admitted as a generation is
+(one of `max_num_seqs` slots; up to `max_waiting` more wait, each at most `queue_timeout_s`, then
+503), and one admitted forward runs at a time.
 An embedding engine generates nothing and loads no adapters: those routes answer 400
 (`model_not_generative`), and the chat and completion routes of a generating engine answer
 `/v1/embeddings` the same way (`model_not_embedding`). It has no sleep levels
@@ -34,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from stoker.errors import APIError, invalid, unavailable
+from stoker.errors import APIError, invalid
 
 if TYPE_CHECKING:
     import torch
@@ -153,7 +154,6 @@ class Embedder:
         pad = tokenizer.pad_token_id
         self._pad = pad if pad is not None else 0
         self._lock = asyncio.Lock()
-        self._waiting = 0
 
     @classmethod
     def load(cls, engine: Engine, dtype: torch.dtype) -> Embedder:
@@ -211,26 +211,13 @@ class Embedder:
                     param="dimensions",
                 )
         engine = self._engine
-        if self._lock.locked() and self._waiting >= engine.config.max_waiting:
-            engine.metrics.rejected("queue_full")
-            raise unavailable("The engine's wait queue is full; retry shortly.", code="queue_full")
-        self._waiting += 1
+        await engine._admit()  # a slot, or 503 queue_full / queue_timeout, as a generation's
         try:
-            async with asyncio.timeout(engine.config.queue_timeout_s):
-                await self._lock.acquire()
-        except TimeoutError:
-            engine.metrics.rejected("queue_timeout")
-            raise unavailable(
-                f"The engine did not get to this request within {engine.config.queue_timeout_s:g} s.",
-                code="queue_timeout",
-            ) from None
+            async with self._lock:  # one forward at a time: the CPU's cores are one batch's
+                engine.check_serving()
+                vectors = await asyncio.to_thread(self._forward, batch)
         finally:
-            self._waiting -= 1
-        try:
-            engine.check_serving()
-            vectors = await asyncio.to_thread(self._forward, batch)
-        finally:
-            self._lock.release()
+            engine._release()
         if dimensions is not None and dimensions < vectors.shape[1]:
             vectors = _normalised(vectors[:, :dimensions])
         return vectors

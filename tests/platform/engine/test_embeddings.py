@@ -24,24 +24,23 @@ def encoder_dir(tmp_path_factory) -> Path:
     return build_tiny_encoder(tmp_path_factory.mktemp("enc") / "tiny-bert", matryoshka=True)
 
 
-@pytest.fixture(scope="module")
-def encoder(encoder_dir: Path, tmp_path_factory, stoker_env):
-    e = launch_engine(encoder_dir, tmp_path_factory.mktemp("enc-logs"), "--task", "embed", env=stoker_env)
+def embedding_engine(snapshot: Path, logs: Path, env: dict):
+    e = launch_engine(snapshot, logs, "--task", "embed", env=env)
     try:
         e.wait_ready()
         yield e
     finally:
         e.stop()
+
+
+@pytest.fixture(scope="module")
+def encoder(encoder_dir: Path, tmp_path_factory, stoker_env):
+    yield from embedding_engine(encoder_dir, tmp_path_factory.mktemp("enc-logs"), stoker_env)
 
 
 @pytest.fixture(scope="module")
 def decoder(tiny_snapshot: Path, tmp_path_factory, stoker_env):
-    e = launch_engine(tiny_snapshot, tmp_path_factory.mktemp("dec-logs"), "--task", "embed", env=stoker_env)
-    try:
-        e.wait_ready()
-        yield e
-    finally:
-        e.stop()
+    yield from embedding_engine(tiny_snapshot, tmp_path_factory.mktemp("dec-logs"), stoker_env)
 
 
 def direct(model_dir: Path, texts: list[str], pooling: str) -> np.ndarray:
