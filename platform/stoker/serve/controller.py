@@ -174,6 +174,10 @@ def build_controller(
             d = platform.get(name)
             unit = d.units.get(int(revision)) if d is not None else None
             if unit is not None and unit.demand is not None:  # one gone meanwhile: its news is moot
+                # Only this base's adapters are forecast on its pool: a crafted or stale name would
+                # take the place of a real one among the adapters its policy tracks.
+                served = set(platform.adapters.on(name))
+                report["adapters"] = [a for a in report["adapters"] if a in served]
                 unit.demand.report(gateway, report, now)
                 for status, ttft_s in report["answers"]:  # for the canary check; counted there
                     d.stats.record(int(revision), status, ttft_s, count=False)
