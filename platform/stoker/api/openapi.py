@@ -17,6 +17,7 @@ from stoker.api.logs import DEFAULT_TAIL
 from stoker.api.revisions import revision_paths
 from stoker.engine.embed import FORMATS, MAX_INPUTS
 from stoker.engine.protocol import MAX_N, MAX_STOP_SEQUENCES
+from stoker.engine.tools import MAX_DESCRIPTION, MAX_TOOLS
 from stoker.gateway.drift import drift_paths
 from stoker.spec.deployment import NAME, deploy_schema
 from stoker.spec.routes import route_schema
@@ -77,6 +78,41 @@ _CONTENT = {
     ]
 }
 
+_NAME = {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}
+_TOOL = {
+    "type": "object",
+    "required": ["type", "function"],
+    "properties": {
+        "type": {"const": "function"},
+        "function": {
+            "type": "object",
+            "required": ["name"],
+            "properties": {
+                "name": _NAME,
+                "description": {"type": "string", "maxLength": MAX_DESCRIPTION},
+                "parameters": {"type": "object", "description": "a JSON Schema of an object"},
+                "strict": {"type": "boolean"},
+            },
+        },
+    },
+}
+_TOOL_CALL = {
+    "type": "object",
+    "required": ["function"],
+    "properties": {
+        "id": {"type": "string"},
+        "type": {"const": "function"},
+        "function": {
+            "type": "object",
+            "required": ["name", "arguments"],
+            "properties": {
+                "name": {"type": "string"},
+                "arguments": {"type": "string", "description": "JSON"},
+            },
+        },
+    },
+}
+
 _CHAT_REQUEST = {
     "type": "object",
     "required": ["model", "messages"],
@@ -87,10 +123,31 @@ _CHAT_REQUEST = {
             "minItems": 1,
             "items": {
                 "type": "object",
-                "required": ["role", "content"],
-                "properties": {"role": {"enum": ["system", "user", "assistant"]}, "content": _CONTENT},
+                "required": ["role"],
+                "properties": {
+                    "role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
+                    "content": {"oneOf": [*_CONTENT["oneOf"], {"type": "null"}]},
+                    "name": {"type": "string"},
+                    "tool_calls": {"type": "array", "items": _TOOL_CALL},  # assistant messages
+                    "tool_call_id": {"type": "string"},  # tool messages: the call answered
+                },
             },
         },
+        "tools": {"type": "array", "minItems": 1, "maxItems": MAX_TOOLS, "items": _TOOL},
+        "tool_choice": {
+            "oneOf": [
+                {"enum": ["none", "auto", "required"]},
+                {
+                    "type": "object",
+                    "required": ["type", "function"],
+                    "properties": {
+                        "type": {"const": "function"},
+                        "function": {"type": "object", "required": ["name"], "properties": {"name": _NAME}},
+                    },
+                },
+            ]
+        },
+        "parallel_tool_calls": {"type": "boolean"},
         **_SAMPLING,
     },
 }

@@ -30,6 +30,7 @@ from stoker.engine.core import Engine
 from stoker.engine.generation import Generation
 from stoker.engine.protocol import Kind, ensure_served, parse_request
 from stoker.engine.responses import ResponseShape, sse
+from stoker.engine.tools import CallReader
 from stoker.errors import UNAVAILABLE, APIError, error_response, invalid
 from stoker.http import (
     BearerAuth,
@@ -108,16 +109,20 @@ class CompletionsEndpoint:
         text_of = engine.token_text if req.params.logprobs is not None else None
         first = generations[0]
         shape = ResponseShape(self.kind, _response_id(self.kind, first.request_id), req.model, text_of)
+        spec = req.tools if req.tools is not None and req.tools.constrained else None
+        readers = [CallReader(spec) if spec is not None else None for _ in generations]
         async with contextlib.AsyncExitStack() as held:
             for generation in generations:
                 await held.enter_async_context(generation)
             if req.stream:
-                work = self._stream(generations, shape, req.include_usage, send)
+                work = self._stream(generations, shape, req.include_usage, readers, send)
             else:
-                work = self._whole(generations, shape, scope, receive, send)
+                work = self._whole(generations, shape, readers, scope, receive, send)
             await cancel_on_disconnect(receive, work)
 
-    async def _whole(self, generations: list[Generation], shape: ResponseShape, scope, receive, send) -> None:
+    async def _whole(
+        self, generations: list[Generation], shape: ResponseShape, readers: list, scope, receive, send
+    ) -> None:
         parts: list[list[str]] = [[] for _ in generations]
         records: list[list] = [[] for _ in generations]
         try:
@@ -127,14 +132,24 @@ class CompletionsEndpoint:
         except Exception as exc:
             await error_response(_as_api_error(exc, generations[0]))(scope, receive, send)
             return
-        choices = [
-            ("".join(p), g.finish_reason, r) for p, g, r in zip(parts, generations, records, strict=True)
-        ]
+        choices = []
+        for text, generation, recs, reader in zip(parts, generations, records, readers, strict=True):
+            text, calls = "".join(text), None
+            if reader is not None:
+                reader.feed(text)
+                reader.close()
+                text, calls = "".join(reader.content), reader.calls
+            choices.append((text, _finish(generation.finish_reason, reader), recs, calls))
         prompt, completion = _tokens(generations)
         await JSONResponse(shape.whole(choices, prompt, completion))(scope, receive, send)
 
     async def _stream(
-        self, generations: list[Generation], shape: ResponseShape, include_usage: bool, send: Send
+        self,
+        generations: list[Generation],
+        shape: ResponseShape,
+        include_usage: bool,
+        readers: list,
+        send: Send,
     ) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
 
@@ -150,10 +165,16 @@ class CompletionsEndpoint:
             async for index, delta in merged(generations):
                 events = [shape.role_chunk(index)] if index in roles else []
                 roles.discard(index)
-                if delta.text or delta.logprobs:
+                reader = readers[index]
+                if reader is not None:  # with tools: content and calls as the reader finds them
+                    read = reader.feed(delta.text) + (reader.close() if delta.finish_reason else [])
+                    events += shape.event_chunks(read, delta.logprobs, index)
+                    if not read and delta.logprobs:  # text held back: its tokens' logprobs go now
+                        events.append(shape.chunk("", records=delta.logprobs, index=index))
+                elif delta.text or delta.logprobs:
                     events.append(shape.chunk(delta.text, records=delta.logprobs, index=index))
                 if delta.finish_reason:
-                    events.append(shape.chunk("", delta.finish_reason, index=index))
+                    events.append(shape.chunk("", _finish(delta.finish_reason, reader), index=index))
                 if events:
                     await emit(*events)
             if include_usage:
@@ -207,6 +228,11 @@ class EmbeddingsEndpoint:
             await JSONResponse(embed.answer(req, vectors, tokens))(scope, receive, send)
 
         await cancel_on_disconnect(receive, work())
+
+
+def _finish(reason: str | None, reader: CallReader | None) -> str | None:
+    """An answer that ended by itself after its calls ends for them: `tool_calls`, as OpenAI says."""
+    return "tool_calls" if reason == "stop" and reader is not None and reader.calls else reason
 
 
 def _tokens(generations: list[Generation]) -> tuple[int, int]:

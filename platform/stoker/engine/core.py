@@ -45,6 +45,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import jinja2
 import torch
 from transformers import AutoTokenizer, GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
@@ -53,7 +54,7 @@ from snapshots import pagecache
 from stoker.engine import adapters as adapters_mod
 from stoker.engine import draw as draw_mod
 from stoker.engine import embed as embed_mod
-from stoker.engine import pages, weights
+from stoker.engine import pages, tools, weights
 from stoker.engine.adapters import Adapter, Adapters
 from stoker.engine.generation import PAGE_SIZE, Generation
 from stoker.engine.metrics import EngineMetrics, blocks
@@ -249,10 +250,7 @@ class Engine:
         """The prompt's token ids, at least one, each in the vocabulary: transformers' generation
         loop dies on an empty prompt (a zero-length forward) and takes every request with it."""
         if req.messages is not None:
-            ids = self._tokenizer.apply_chat_template(
-                list(req.messages), add_generation_prompt=True, tokenize=True, return_dict=False
-            )
-            ids, param = list(ids["input_ids"] if hasattr(ids, "keys") else ids), "messages"
+            ids, param = self._chat_prompt(req), "messages"
         elif isinstance(req.prompt, tuple):
             ids, param = list(req.prompt), "prompt"
         else:  # as vLLM: special tokens added, so a tokenizer with a BOS serves "" as [BOS]
@@ -267,6 +265,23 @@ class Engine:
         if max(ids) >= vocab:
             raise invalid(f"'{param}' has a token id outside the vocabulary (size {vocab}).", param=param)
         return ids
+
+    def _chat_prompt(self, req: GenerationRequest) -> list[int]:
+        """The chat template applied; a template that fails on this conversation (a role or a
+        message order it does not take) is a 400, as vLLM answers it."""
+        template = getattr(self._tokenizer, "chat_template", None)
+        with_tools = isinstance(template, str) and "tools" in template
+        messages = tools.template_messages(req.messages, req.tools, with_tools)
+        extra = {"tools": req.tools.for_template()} if req.tools is not None and with_tools else {}
+        try:
+            ids = self._tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, return_dict=False, **extra
+            )
+        except jinja2.TemplateError as exc:
+            raise invalid(
+                f"The model's chat template refused these messages: {str(exc)[:300]}", param="messages"
+            ) from None
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     def budget(self, prompt_tokens: int, params: SamplingParams) -> int:
         """How many tokens this request may generate; refuses requests that cannot fit the context,

@@ -19,9 +19,10 @@ ranges OpenAI (or vLLM, for its extensions) enforces:
 | vLLM's `repetition_penalty` | > 0 | divides (or multiplies) logits of tokens seen in prompt or output |
 | vLLM's `ignore_eos` | bool | generate to max_tokens |
 | `n` | 1..`MAX_N` (16), at most the engine's `--max-num-seqs` | n sequences in the batch, each its own slot; a `seed` s gives sequence i the seed s + i |
+| `tools`, `tool_choice`, `parallel_tool_calls` (chat) | OpenAI's | the prompt's tools and a grammar of calls (`tools.py`) |
 
-Refused (400 naming the field): `best_of` other than 1, `echo`, `suffix`, tools and functions
-(`tools`, `tool_choice` even without tools, `parallel_tool_calls`, `functions`, `function_call`),
+Refused (400 naming the field): `best_of` other than 1, `echo`, `suffix`, the deprecated
+`functions` and `function_call` (`tools` replaces them), tools on completions,
 `audio` and `modalities` other than text, `prediction`, `web_search_options`, `reasoning_effort`,
 `verbosity`, `moderation`, `store: true`, `service_tier` other than auto/default, and the vLLM
 sampling extensions this engine does not implement (`min_p`, `stop_token_ids`, `bad_words`,
@@ -41,6 +42,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from stoker.engine import tools
+from stoker.engine.tools import ToolSpec
 from stoker.errors import APIError, invalid
 
 Kind = Literal["chat", "completion"]
@@ -57,10 +60,8 @@ SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for json_schem
 REFUSED: dict[str, tuple[Any, ...]] = {
     "echo": (False,),
     "suffix": ("",),
-    "tools": (),
     "functions": (),
     "function_call": (),
-    "parallel_tool_calls": (),
     "audio": (),
     "prediction": (),
     "web_search_options": (),
@@ -89,10 +90,11 @@ REFUSED: dict[str, tuple[Any, ...]] = {
 
 @dataclass(frozen=True)
 class ResponseFormat:
-    """A structured-output constraint: `json_object` (any JSON object) or `json_schema`."""
+    """A structured-output constraint: `json_object` (any JSON object), `json_schema`, or
+    `tool_calls` (the grammar of an answer with tools, `tools.ToolSpec.grammar`)."""
 
-    kind: Literal["json_object", "json_schema"]
-    schema: str  # the JSON Schema, serialised: an immutable value a frozen request can hold
+    kind: Literal["json_object", "json_schema", "tool_calls"]
+    source: str  # the JSON Schema or the Lark grammar, serialised: immutable, as a frozen request holds
 
 
 @dataclass(frozen=True)
@@ -127,6 +129,7 @@ class GenerationRequest:
     stream: bool
     include_usage: bool
     n: int = 1  # choices: n sequences from the one prompt
+    tools: ToolSpec | None = None  # chat only: the tools the prompt offers and how calls are read
 
 
 def parse_request(kind: Kind, body: dict, defaults: Mapping[str, float] | None = None) -> GenerationRequest:
@@ -136,12 +139,16 @@ def parse_request(kind: Kind, body: dict, defaults: Mapping[str, float] | None =
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise invalid("'model' is required and must be a non-empty string.", param="model")
-    messages = prompt = None
+    messages = prompt = spec = None
+    _refuse_unsupported(body)
     if kind == "chat":
         messages = _messages(body.get("messages"))
+        spec = tools.parse_tools(body)
     else:
         prompt = _prompt(body.get("prompt"))
-    _refuse_unsupported(body)
+        for name in ("tools", "tool_choice", "parallel_tool_calls"):
+            if body.get(name) is not None:
+                raise invalid(f"'{name}' is a chat parameter: completions take no tools.", param=name)
     stream = _bool(body, "stream", False)
     options = body.get("stream_options")
     include_usage = False
@@ -166,9 +173,18 @@ def parse_request(kind: Kind, body: dict, defaults: Mapping[str, float] | None =
         min_tokens=_min_tokens(body, max_tokens),
         top_k=_top_k(body.get("top_k")),
         logprobs=_chat_logprobs(body) if kind == "chat" else _completion_logprobs(body),
-        response_format=_response_format(body.get("response_format")),
+        response_format=_constraint(_response_format(body.get("response_format")), spec),
     )
-    return GenerationRequest(kind, model, messages, prompt, params, stream, include_usage, _n(body.get("n")))
+    n = _n(body.get("n"))
+    return GenerationRequest(kind, model, messages, prompt, params, stream, include_usage, n, spec)
+
+
+def _constraint(fmt: ResponseFormat | None, spec: ToolSpec | None) -> ResponseFormat | None:
+    """The grammar an answer follows: its tools' (with the response format for its text, where it
+    may write text), or its response format alone."""
+    if spec is None or not spec.constrained:
+        return fmt
+    return ResponseFormat("tool_calls", spec.grammar(fmt.source if fmt is not None else None))
 
 
 def _n(value: Any) -> int:
@@ -194,8 +210,38 @@ def _messages(value: Any) -> tuple[dict, ...]:
             raise invalid(
                 f"'{where}.role' must be one of {sorted(ROLES)}, got {role!r}.", param=f"{where}.role"
             )
-        out.append({"role": role, "content": _content(msg.get("content"), f"{where}.content")})
+        out.append(_message(msg, role, where))
     return tuple(out)
+
+
+def _message(msg: dict, role: str, where: str) -> dict:
+    """One message as the chat template gets it: its role and text, an assistant's past tool calls
+    (its content may then be empty), a tool result's `tool_call_id`, a participant's `name`."""
+    out: dict[str, Any] = {"role": role}
+    calls = msg.get("tool_calls")
+    if calls is not None and role != "assistant":
+        raise invalid(
+            f"'{where}.tool_calls' is only allowed on an assistant message.", param=f"{where}.tool_calls"
+        )
+    if calls is not None:
+        out["tool_calls"] = tools.assistant_calls(calls, f"{where}.tool_calls")
+    content = msg.get("content")
+    out["content"] = "" if content is None and calls else _content(content, f"{where}.content")
+    if role == "tool":
+        call_id = msg.get("tool_call_id")
+        if not isinstance(call_id, str) or not call_id:
+            raise invalid(
+                f"'{where}.tool_call_id' is required on a tool message.", param=f"{where}.tool_call_id"
+            )
+        out["tool_call_id"] = call_id
+    name = msg.get("name")
+    if name is not None:
+        if not isinstance(name, str) or not tools.NAME.fullmatch(name):
+            raise invalid(
+                f"'{where}.name' must be 1 to 64 letters, digits, '_' or '-'.", param=f"{where}.name"
+            )
+        out["name"] = name
+    return out
 
 
 def _content(value: Any, where: str) -> str:
@@ -236,16 +282,10 @@ def _prompt(value: Any) -> str | tuple[int, ...]:
 def _refuse_unsupported(body: dict) -> None:
     if body.get("best_of") not in (None, 1):
         raise invalid("'best_of' must be 1 on this engine.", param="best_of")
-    # `tools` comes before `tool_choice`: a request with both is refused for `tools`, the real obstacle.
     for name, allowed in REFUSED.items():
         value = body.get(name)
         if value is not None and not any(_same(value, ok) for ok in allowed):
             raise invalid(f"'{name}' is not supported by this engine.", param=name)
-    if body.get("tool_choice") is not None:
-        raise invalid(
-            "'tool_choice' is only allowed when 'tools' are specified, and this engine supports no tools.",
-            param="tool_choice",
-        )
     modalities = body.get("modalities")
     if modalities is not None and modalities != ["text"]:
         raise invalid("'modalities' must be [\"text\"] on this engine.", param="modalities")

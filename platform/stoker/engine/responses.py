@@ -15,6 +15,7 @@ from typing import Any
 
 from stoker.engine.logprobs import LegacyLogprobs, TokenLogprob, chat_content
 from stoker.engine.protocol import Kind
+from stoker.engine.tools import Arguments, CallStart, Content, Event
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -49,17 +50,20 @@ class ResponseShape:
 
     def whole(
         self,
-        choices: Sequence[tuple[str, str, Sequence[TokenLogprob]]],
+        choices: Sequence[tuple[str, str, Sequence[TokenLogprob], list[dict] | None]],
         prompt_tokens: int,
         completion_tokens: int,
     ) -> dict:
-        """The answer whole: one choice per (text, finish reason, logprob records), indexed in order;
-        the prompt's tokens counted once, every choice's completion tokens together."""
+        """The answer whole: one choice per (text, finish reason, logprob records, tool calls or
+        None), indexed in order; the prompt's tokens counted once, every choice's completion tokens
+        together. A chat answer with calls has `tool_calls` and its text (or null) as content."""
         out = []
-        for index, (text, finish_reason, records) in enumerate(choices):
+        for index, (text, finish_reason, records, calls) in enumerate(choices):
             logprobs = self._logprobs(records, whole=True)
             if self.kind == "chat":
-                message = {"role": "assistant", "content": text}
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+                if calls:
+                    message = {"role": "assistant", "content": text or None, "tool_calls": calls}
                 out.append(
                     {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
                 )
@@ -94,6 +98,28 @@ class ResponseShape:
             return self._envelope("chat.completion.chunk", [choice])
         choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         return self._envelope("text_completion", [choice])
+
+    def event_chunks(
+        self, events: Sequence[Event], records: Sequence[TokenLogprob], index: int
+    ) -> list[dict]:
+        """A chat stream's chunks for what a `tools.CallReader` read: content as content, a call's
+        start with its id, type and name, its arguments as they come (OpenAI's tool-call deltas).
+        The tokens' logprobs go with the first chunk."""
+        out = []
+        for event in events:
+            if isinstance(event, Content):
+                delta: dict[str, Any] = {"content": event.text}
+            elif isinstance(event, CallStart):
+                function = {"name": event.name, "arguments": ""}
+                call = {"index": event.index, "id": event.id, "type": "function", "function": function}
+                delta = {"tool_calls": [call]}
+            else:
+                assert isinstance(event, Arguments)
+                delta = {"tool_calls": [{"index": event.index, "function": {"arguments": event.text}}]}
+            logprobs = self._logprobs(records) if not out else None
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}
+            out.append(self._envelope("chat.completion.chunk", [choice]))
+        return out
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"

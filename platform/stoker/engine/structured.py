@@ -98,23 +98,36 @@ class Grammars:
             return self._tokenizer
 
     def compile(self, fmt: ResponseFormat) -> Matcher:
-        """A fresh matcher for one request; raises `APIError` 400 on `response_format` for a schema
-        that is invalid, unsupported or unsatisfiable. Blocking (about a millisecond, more for large
-        schemas; the first call also imports llguidance and builds the tokenizer): call it off
-        the event loop."""
+        """A fresh matcher for one request; raises `APIError` 400 on `response_format` (or `tools`,
+        for a tool's `parameters`) for a schema that is invalid, unsupported or unsatisfiable.
+        Blocking (about a millisecond, more for large schemas; the first call also imports
+        llguidance and builds the tokenizer): call it off the event loop."""
         import llguidance
 
-        try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(json.loads(fmt.schema), defaults=OPTIONS)
-        except ValueError as exc:
-            message = f"'response_format' has an unusable JSON schema: {exc}"
-            raise invalid(message, param="response_format") from None
+        param = "tools" if fmt.kind == "tool_calls" else "response_format"
+        if fmt.kind == "tool_calls":  # the schemas inside are checked when the matcher compiles it
+            grammar = llguidance.LLMatcher.grammar_from_lark(fmt.source)
+        else:
+            try:
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(
+                    json.loads(fmt.source), defaults=OPTIONS
+                )
+            except ValueError as exc:
+                raise invalid(f"'response_format' has an unusable JSON schema: {exc}", param=param) from None
         matcher = llguidance.LLMatcher(self._llg_tokenizer(), grammar, log_level=0, limits=_limits())
         if matcher.is_error():
-            message = matcher.get_error().strip().splitlines()[0][:500]
-            raise invalid(f"'response_format' has a JSON schema this engine cannot enforce: {message}",
-                          param="response_format")  # fmt: skip
+            message = _first_line(matcher.get_error())
+            raise invalid(f"'{param}' has a JSON schema this engine cannot enforce: {message}", param=param)
         return Matcher(matcher, self.vocab_size)
+
+
+def _first_line(error: str) -> str:
+    """llguidance's error without the grammar it quotes: for a tool, the line naming the schema's fault."""
+    lines = [line for line in error.strip().splitlines() if line.strip()]
+    for line in lines:
+        if "JSON schema" in line or "json" in line.lower():
+            return line.strip()[:500]
+    return (lines[0] if lines else "unusable grammar")[:500]
 
 
 class Matcher:

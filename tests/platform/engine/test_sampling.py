@@ -105,7 +105,10 @@ def test_top_k_one_is_greedy(client):
         ({"max_tokens": 3, "extra_body": {"min_tokens": 4}}, "min_tokens"),
         ({"extra_body": {"min_tokens": 5000}}, "min_tokens"),  # more than the context leaves
         ({"tool_choice": "auto"}, "tool_choice"),
-        ({"tool_choice": "none"}, "tool_choice"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]},
+            "tools[0]",
+        ),
     ],
 )
 def test_out_of_range_or_unsupported_is_a_400_naming_the_parameter(client, kw, param):
