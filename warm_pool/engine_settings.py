@@ -21,6 +21,9 @@ placement (`warm_pool.backends.kube_pod`).
     max_adapter_rank         the largest LoRA rank an instance loads: the CPU engine's and vLLM's
                              --max-lora-rank (None: 64); on a GPU each of vLLM's slots reserves
                              room for this rank on every layer it adapts
+    tool_call_parser         vLLM's --enable-auto-tool-choice --tool-call-parser NAME: how it reads
+                             tool calls out of its model's text (None: only required and named
+                             tool_choice, which vLLM serves by structured output)
     engine_args              further vLLM arguments, refused where they collide with what Stoker
                              manages (`MANAGED_ARGS`) or with a named setting (`NAMED_ARGS`)
     cpu, memory              a pod's requests (Kubernetes quantities: "4", "500m", "16Gi")
@@ -80,7 +83,68 @@ NAMED_ARGS: dict[str, str] = {
     "--max-lora-rank": "max_adapter_rank",
     "--runner": "task",
     "--task": "task",
+    "--tool-call-parser": "tool_call_parser",
+    "--enable-auto-tool-choice": "tool_call_parser",
 }
+# vLLM 0.32's tool-call parsers (`vllm serve --tool-call-parser`), as its ToolParserManager lists
+# them; tests/infra pins this against the installed vLLM. A name it does not know would only fail
+# at the instance's start, after the deploy was taken.
+TOOL_CALL_PARSERS = (
+    "apertus",
+    "cohere_command3",
+    "cohere_command4",
+    "deepseek_v3",
+    "deepseek_v31",
+    "deepseek_v32",
+    "deepseek_v4",
+    "deepseek_v41",
+    "dots",
+    "ernie45",
+    "functiongemma",
+    "gemma4",
+    "gigachat3",
+    "glm45",
+    "glm47",
+    "granite",
+    "granite-20b-fc",
+    "granite4",
+    "hermes",
+    "hf",
+    "hunyuan_a13b",
+    "hy_v3",
+    "hy_v4",
+    "inkling",
+    "internlm",
+    "jamba",
+    "k2_horizon",
+    "kimi_k2",
+    "kimi_k3",
+    "lfm2",
+    "ling3",
+    "llama3_json",
+    "llama4_json",
+    "llama4_pythonic",
+    "longcat",
+    "mimo",
+    "minicpm5",
+    "minimax_m2",
+    "minimax_m3",
+    "mistral",
+    "muse_glimmer",
+    "olmo3",
+    "openai",
+    "phi4_mini_json",
+    "plamo3",
+    "poolside_v1",
+    "pythonic",
+    "qwen3_coder",
+    "qwen3_json",
+    "qwen3_xml",
+    "seed_oss",
+    "step3",
+    "step3p5",
+    "xlam",
+)
 
 
 def arg_collision(args: Sequence[str]) -> tuple[str, str] | None:
@@ -111,6 +175,7 @@ class EngineSettings:
     task: str = "generate"  # or "embed": embeddings only
     enable_prefix_caching: bool | None = None
     enforce_eager: bool = False
+    tool_call_parser: str | None = None  # vLLM's --tool-call-parser (with --enable-auto-tool-choice)
     engine_args: tuple[str, ...] = ()
     cpu: str | None = None
     memory: str | None = None
@@ -147,6 +212,8 @@ class EngineSettings:
             )
         if self.enforce_eager:
             args.append("--enforce-eager")
+        if self.tool_call_parser is not None:
+            args += ["--enable-auto-tool-choice", "--tool-call-parser", self.tool_call_parser]
         if self.max_adapters is not None:
             # Adapters loaded at run time (`VLLM_ALLOW_RUNTIME_LORA_UPDATING`, which `vllm_spec` sets
             # with --enable-lora): --max-loras of them in one batch, and as many kept in host memory

@@ -135,3 +135,16 @@ def test_runtime_kind_takes_the_pools_vllm_launches_and_nothing_else(tmp_path):
     # A vLLM that is not a virtualenv's script (no python beside it), or a wrapper with arguments.
     assert runtime_kind(VllmRuntime((str(tmp_path / "vllm"),), "0.32.0+cpu"), 1) is None
     assert runtime_kind(VllmRuntime((str(bin_dir / "vllm"), "--x"), "0.32.0+cpu"), 1) is None
+
+
+@needs_vllm
+def test_the_tool_call_parsers_a_deployment_may_name_are_the_installed_vllms():
+    """`tool_call_parser` is checked at deploy against this list; vLLM's own would only refuse a name
+    when the instance starts."""
+    from warm_pool.engine_settings import TOOL_CALL_PARSERS
+
+    listed = subprocess.run(
+        [str(VLLM_PY), "-c", "from vllm.tool_parsers import ToolParserManager as M; print(*sorted(M.lazy_parsers))"],
+        capture_output=True, text=True, check=True, timeout=120,
+    ).stdout.split()  # fmt: skip
+    assert tuple(listed) == TOOL_CALL_PARSERS

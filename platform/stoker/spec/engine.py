@@ -19,7 +19,7 @@ from jsonschema import Draft202012Validator
 from jsonschema.exceptions import best_match
 
 from stoker.errors import invalid
-from warm_pool.engine_settings import ADAPTER_RANKS, EngineSettings, arg_collision
+from warm_pool.engine_settings import ADAPTER_RANKS, TOOL_CALL_PARSERS, EngineSettings, arg_collision
 
 ENGINES = ("cpu", "vllm")
 # vLLM's --dtype choices; Stoker's engine takes the three it computes in.
@@ -103,6 +103,13 @@ SETTINGS: dict[str, Setting] = {
         {"type": "boolean"},
         "true or false",
         "no CUDA graphs: a shorter start, a slower decode (default: false)",
+        ("vllm",),
+    ),
+    "tool_call_parser": Setting(
+        {"enum": list(TOOL_CALL_PARSERS)},
+        "one of vLLM's tool-call parsers (hermes, llama3_json, mistral, pythonic, ...)",
+        "how vLLM reads tool calls out of the model's text: --enable-auto-tool-choice --tool-call-parser "
+        "NAME, without which vLLM refuses tool_choice auto (default: none)",
         ("vllm",),
     ),
     "engine_args": Setting(

@@ -193,3 +193,17 @@ def test_task_embed_is_vllms_pooling_runner_on_either_engine():
     assert "--runner" not in EngineSettings().vllm_args()
     error = refused(body(task="classify"))
     assert error.param == "task" and "generate or embed" in error.message
+
+
+def test_a_tool_call_parser_turns_on_vllms_auto_tool_choice():
+    assert validate(body(tool_call_parser="hermes"))["tool_call_parser"] == "hermes"
+    assert EngineSettings(tool_call_parser="llama3_json").vllm_args() == (
+        "--enable-auto-tool-choice", "--tool-call-parser", "llama3_json",
+    )  # fmt: skip
+    assert "--enable-auto-tool-choice" not in EngineSettings().vllm_args()
+    error = refused(body(tool_call_parser="herm3s"))  # caught at deploy, not at the instance's start
+    assert error.param == "tool_call_parser" and "tool-call parsers" in error.message
+    error = refused({**body(tool_call_parser="hermes"), "engine": "cpu"})  # it reads its calls itself
+    assert error.param == "tool_call_parser" and "vllm" in error.message
+    for arg in ("--tool-call-parser=hermes", "--enable-auto-tool-choice"):
+        assert arg_collision([arg]) == (arg.split("=")[0], "use the 'tool_call_parser' setting")
