@@ -4,7 +4,8 @@ dev extra), and `promtool check metrics` on what the gateway exports (where `mak
 promtool).
 
 Each client does what its users do: plain and streamed chat, a completion, n choices, structured
-output into a pydantic model, logprobs, embeddings from an embedding deployment (`--task embed`, a
+output into a pydantic model, logprobs, tool calls (the openai client's `tools=`, LangChain's
+`bind_tools`), embeddings from an embedding deployment (`--task embed`, a
 tiny BERT encoder), and the errors it maps to its own exception classes. The model is random
 weights, so the checks are on shapes and contracts, never on what the text says.
 """
@@ -19,7 +20,7 @@ from typing import Literal
 import httpx
 import openai
 import pytest
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 from tests.conftest import build_tiny_encoder, promtool
 from tests.deadlines import CLI, ENGINE_START
@@ -141,6 +142,79 @@ def test_langchain_chat_openai(platform):
         temperature=0, max_retries=0,
     ).with_structured_output(City, method="json_schema")  # fmt: skip
     assert isinstance(structured.invoke("Name a city."), City)
+
+
+class GetWeather(BaseModel):
+    """The weather in a city. No other fields (`additionalProperties: false`, as OpenAI's strict
+    mode asks), or random weights could add keys until `max_tokens`."""
+
+    model_config = ConfigDict(extra="forbid")
+    city: Literal["Paris", "Lyon", "Nice"]
+    celsius: bool
+
+
+WEATHER = {
+    "type": "function",
+    "function": {"name": "GetWeather", "parameters": GetWeather.model_json_schema()},
+}
+
+
+def test_tool_calls_from_the_openai_client_and_langchain(platform):
+    """A call (named or required, so that random weights must make one), its arguments valid against
+    the schema, streamed as deltas that add up, and its result sent back for the next answer."""
+    from langchain_core.messages import AIMessage
+    from langchain_openai import ChatOpenAI
+
+    client = openai.OpenAI(base_url=f"{platform.url}/v1", api_key=platform.tenant_key, max_retries=0)
+    answer = client.chat.completions.create(
+        model="tiny",
+        messages=QUESTION,
+        tools=[WEATHER],
+        tool_choice="required",
+        max_tokens=400,
+        seed=3,
+        parallel_tool_calls=False,
+    )
+    choice = answer.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "GetWeather" and call.id
+    GetWeather.model_validate_json(call.function.arguments)
+
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny", messages=QUESTION, tools=[WEATHER], stream=True, max_tokens=400, seed=3,
+            tool_choice={"type": "function", "function": {"name": "GetWeather"}}, parallel_tool_calls=False,
+        )
+    )  # fmt: skip
+    deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or ()]
+    assert {d.index for d in deltas} == {0} and deltas[0].id and deltas[0].function.name == "GetWeather"
+    GetWeather.model_validate_json("".join(d.function.arguments or "" for d in deltas))
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+    history = [
+        *QUESTION,
+        choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": '{"celsius": 21}'},
+    ]
+    after = client.chat.completions.create(
+        model="tiny", messages=history, tools=[WEATHER], tool_choice="none", max_tokens=8
+    )
+    assert after.choices[0].message.tool_calls is None and after.choices[0].finish_reason in (
+        "stop",
+        "length",
+    )
+
+    llm = ChatOpenAI(
+        model="tiny",
+        base_url=f"{platform.url}/v1",
+        api_key=platform.tenant_key,
+        max_tokens=200,
+        max_retries=0,
+    ).bind_tools([GetWeather], tool_choice="GetWeather")
+    reply = llm.invoke("What is the weather in Paris?")
+    assert isinstance(reply, AIMessage) and reply.tool_calls[0]["name"] == "GetWeather"
+    GetWeather.model_validate(reply.tool_calls[0]["args"])
 
 
 def test_embeddings_from_the_openai_client_litellm_and_langchain(platform):
