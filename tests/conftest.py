@@ -157,9 +157,12 @@ def build_tiny_model(
 LORA_TARGETS = ("q_proj", "v_proj", "o_proj", "up_proj", "down_proj")
 
 
-def build_tiny_encoder(out: Path, *, seed: int = 0, pooling: str = "cls", matryoshka: bool = False) -> Path:
+def build_tiny_encoder(
+    out: Path, *, seed: int = 0, pooling: str = "cls", matryoshka: bool = False, hidden: int = 32
+) -> Path:
     """Write a tiny random BERT encoder (safetensors, a WordPiece tokenizer) to `out`, with
-    sentence-transformers' pooling config (`1_Pooling/config.json`): an embedding model."""
+    sentence-transformers' pooling config (`1_Pooling/config.json`): an embedding model. Two heads
+    of `hidden` / 2 each: vLLM's CPU attention needs 32 (hidden 64)."""
     import json
 
     import torch
@@ -181,8 +184,8 @@ def build_tiny_encoder(out: Path, *, seed: int = 0, pooling: str = "cls", matryo
         mask_token="[MASK]",
     )  # fmt: skip
     config = BertConfig(
-        vocab_size=len(fast), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-        intermediate_size=64, max_position_embeddings=128, pad_token_id=fast.pad_token_id,
+        vocab_size=len(fast), hidden_size=hidden, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=2 * hidden, max_position_embeddings=128, pad_token_id=fast.pad_token_id,
     )  # fmt: skip
     torch.manual_seed(seed)
     model = BertModel(config)
@@ -195,7 +198,7 @@ def build_tiny_encoder(out: Path, *, seed: int = 0, pooling: str = "cls", matryo
     names = {"cls": "cls_token", "mean": "mean_tokens", "last": "lasttoken"}
     modes = {f"pooling_mode_{name}": key == pooling for key, name in names.items()}
     (out / "1_Pooling").mkdir(exist_ok=True)
-    (out / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 32, **modes}))
+    (out / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": hidden, **modes}))
     return out
 
 

@@ -31,7 +31,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import REPO, build_tiny_model
+from tests.conftest import REPO, build_tiny_encoder, build_tiny_model
 from tests.deadlines import HTTP_READ, STOP, VLLM_START, deadline, wait_healthy
 from tests.platform.serve.vllm_adapters import check_adapters_on
 from warm_pool.backends.local import free_port
@@ -192,6 +192,33 @@ def test_a_vllm_start_through_its_warm_runtime(platform_factory, vllm_model_dir)
     assert p.metric("stoker_scaler_desired_instances", deployment="tiny", state="SLEEPING") == 0
     p.cli("rm", "tiny")
     assert not p.engine_pids()
+
+
+@needs_vllm
+def test_vllm_embeddings_through_its_pooling_runner_match_stokers_engine(platform_factory, tmp_path):
+    """`--task embed` on vLLM: its pooling runner (`--runner pooling`) serves `/v1/embeddings`, held
+    at zero like chat, and the vectors are those Stoker's engine computes for the same encoder (whose
+    own are checked against a direct forward pass in tests/platform/engine/test_embeddings.py): the
+    model's CLS pooling, normalised. A chat to it is refused. One more vLLM start, with no compile."""
+    encoder = build_tiny_encoder(tmp_path / "tiny-bert", hidden=64)  # head size 32 for vLLM's CPU attention
+    p = platform_factory("--vllm", str(VLLM), "--vllm-args=--enforce-eager", *VLLM_HOLD)
+    p.deploy("on-vllm", encoder, "--engine", "vllm", "--task", "embed", "--idle-timeout", "600")
+    p.deploy("on-cpu", encoder, "--task", "embed", "--idle-timeout", "600")
+    texts = ["the quick brown fox", "hello there"]
+    got = client(p).embeddings.with_raw_response.create(model="on-vllm", input=texts)
+    assert got.headers["x-stoker-cold-start"] == "true"
+    on_vllm = got.parse()
+    on_cpu = client(p).embeddings.create(model="on-cpu", input=texts)
+    assert on_vllm.usage.prompt_tokens == on_cpu.usage.prompt_tokens > 0
+    for a, b in zip(on_vllm.data, on_cpu.data, strict=True):
+        assert len(a.embedding) == len(b.embedding) == 64
+        assert abs(sum(x * x for x in a.embedding) - 1) < 1e-4  # normalised
+        assert sum(x * y for x, y in zip(a.embedding, b.embedding, strict=True)) > 0.9999
+    with pytest.raises(openai.APIStatusError) as refused:
+        client(p).chat.completions.create(model="on-vllm", messages=[{"role": "user", "content": "hi"}])
+    assert refused.value.status_code in (400, 404)
+    p.cli("rm", "on-vllm")
+    assert len(p.engine_pids()) == 1  # the CPU engine's instance is left; vLLM's stopped
 
 
 def _is_vllm_runtime(proc: Path) -> bool:
