@@ -19,6 +19,7 @@ ranges OpenAI (or vLLM, for its extensions) enforces:
 | vLLM's `repetition_penalty` | > 0 | divides (or multiplies) logits of tokens seen in prompt or output |
 | vLLM's `ignore_eos` | bool | generate to max_tokens |
 | `n` | 1..`MAX_N` (16), at most the engine's `--max-num-seqs` | n sequences in the batch, each its own slot; a `seed` s gives sequence i the seed s + i |
+| vLLM's `priority` | -1000..1000 (`stoker.spec.priority`) | the admission queue serves the lowest first (`admission.py`) |
 
 Refused (400 naming the field): `best_of` other than 1, `echo`, `suffix`, tools and functions
 (`tools`, `tool_choice` even without tools, `parallel_tool_calls`, `functions`, `function_call`),
@@ -42,6 +43,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from stoker.errors import APIError, invalid
+from stoker.spec import priority as priority_spec
 
 Kind = Literal["chat", "completion"]
 MAX_STOP_SEQUENCES = 4
@@ -111,6 +113,7 @@ class SamplingParams:
     top_k: int = 0  # 0: off
     logprobs: int | None = None  # None: no logprobs; N: the chosen token's and the N most likely
     response_format: ResponseFormat | None = None
+    priority: int = 0  # vLLM's: lower is admitted first (`admission.py`)
 
     @property
     def greedy(self) -> bool:
@@ -167,6 +170,7 @@ def parse_request(kind: Kind, body: dict, defaults: Mapping[str, float] | None =
         top_k=_top_k(body.get("top_k")),
         logprobs=_chat_logprobs(body) if kind == "chat" else _completion_logprobs(body),
         response_format=_response_format(body.get("response_format")),
+        priority=priority_spec.of_request(body.get("priority"), None, None),
     )
     return GenerationRequest(kind, model, messages, prompt, params, stream, include_usage, _n(body.get("n")))
 
