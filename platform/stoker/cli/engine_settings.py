@@ -29,6 +29,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, help=h["enable_prefix_caching"]
     )
     g.add_argument("--enforce-eager", action="store_true", default=None, help=h["enforce_eager"])
+    g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], help=h["scheduling_policy"])
     g.add_argument(
         "--engine-arg",
         dest="engine_args",

@@ -385,6 +385,8 @@ class GatewayPlane:
                 ]
                 unit.source.set_endpoints(endpoints)
                 unit.activator.set_balance(Balance(u["balance"], u["affinity_bound"]))
+                # absent from an older controller: then no priority goes upstream, which every engine takes
+                unit.activator.set_engine_priority(bool(u.get("engine_priority", False)))
                 unit.activator.set_unavailable(u["unavailable"])
                 unit.activator.capacity_changed()
             current.traffic = {int(r): p for r, p in d["traffic"].items() if int(r) in current.units}

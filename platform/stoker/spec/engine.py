@@ -19,7 +19,7 @@ from jsonschema import Draft202012Validator
 from jsonschema.exceptions import best_match
 
 from stoker.errors import invalid
-from warm_pool.engine_settings import ADAPTER_RANKS, EngineSettings, arg_collision
+from warm_pool.engine_settings import ADAPTER_RANKS, SCHEDULING_POLICIES, EngineSettings, arg_collision
 
 ENGINES = ("cpu", "vllm")
 # vLLM's --dtype choices; Stoker's engine takes the three it computes in.
@@ -103,6 +103,14 @@ SETTINGS: dict[str, Setting] = {
         {"type": "boolean"},
         "true or false",
         "no CUDA graphs: a shorter start, a slower decode (default: false)",
+        ("vllm",),
+    ),
+    "scheduling_policy": Setting(
+        {"enum": list(SCHEDULING_POLICIES)},
+        "fcfs or priority",
+        "vLLM's --scheduling-policy: fcfs (arrival order) or priority (by a request's `priority`, lower "
+        "first); under fcfs no nonzero priority is forwarded to vLLM and only the hold queue orders by "
+        "it; Stoker's engine always orders by it (default: fcfs)",
         ("vllm",),
     ),
     "engine_args": Setting(

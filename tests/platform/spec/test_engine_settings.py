@@ -193,3 +193,20 @@ def test_task_embed_is_vllms_pooling_runner_on_either_engine():
     assert "--runner" not in EngineSettings().vllm_args()
     error = refused(body(task="classify"))
     assert error.param == "task" and "generate or embed" in error.message
+
+
+def test_scheduling_policy_is_vllms_and_says_which_engines_take_a_priority():
+    assert validate(body(scheduling_policy="priority"))["scheduling_policy"] == "priority"
+    assert EngineSettings(scheduling_policy="priority").vllm_args() == ("--scheduling-policy", "priority")
+    assert "--scheduling-policy" not in EngineSettings().vllm_args()  # vLLM's own default: fcfs
+    error = refused(body(scheduling_policy="lifo"))
+    assert error.param == "scheduling_policy" and "fcfs or priority" in error.message
+    error = refused({**body(scheduling_policy="priority"), "engine": "cpu"})
+    assert error.param == "scheduling_policy" and "of the vllm engine" in error.message
+    error = refused(body(engine_args=["--scheduling-policy=priority"]))
+    assert "use the 'scheduling_policy' setting" in error.message
+    # Stoker's engine always orders its queue by priority; vLLM only under the priority policy.
+    assert EngineSettings().takes_priority("cpu")
+    assert not EngineSettings().takes_priority("vllm")
+    assert not EngineSettings(scheduling_policy="fcfs").takes_priority("vllm")
+    assert EngineSettings(scheduling_policy="priority").takes_priority("vllm")
