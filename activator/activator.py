@@ -6,12 +6,11 @@
              hold (bounded, deadline, poke the pool,     report_failure, then once more on
              SSE keep-alive for streams)                 another instance (held again if none)
 
-Held requests wait on a future that `Slots` resolves, lowest priority number first, and within a
-priority class in arrival order for each owner (API key) and in turns between owners, when
-`capacity_changed()` is called or a request finishes; a full queue refuses a request of a class
-served after the newcomer's, or within its class the newest request of the owner holding the most,
-before it refuses the newcomer. The body goes upstream with the priority its engine takes
-(`set_engine_priority`, `priority.forwarded`).
+Held requests wait on a future that `Slots` resolves, lowest priority first, and within a class in
+arrival order for each owner (API key) and in turns between owners, when `capacity_changed()` is
+called or a request finishes; a full queue refuses a request of a class served after the newcomer's,
+or of its class the newest of the owner holding the most, before it refuses the newcomer. The body
+goes upstream with the priority its engine takes (`set_engine_priority`, `priority.forwarded`).
 A task watches `receive()` the whole time: a client that leaves cancels the work at once, which
 takes it out of the queue or closes the upstream connection; it counts as 499 only when it left
 before the whole answer went out (`proxy.Reply.delivered`). When the source says no instance can
@@ -67,7 +66,7 @@ from activator.errors import (
     Unavailable,
     UpstreamError,
 )
-from activator.metrics import ActivatorMetrics
+from activator.metrics import BANDS, ActivatorMetrics, band
 from activator.slots import Key, Slots, key
 from activator.source import Endpoint, InstanceSource, Load
 
@@ -161,6 +160,7 @@ class Activator:
         self._ttft = metrics.ttft.labels(deployment)
         self._duration = metrics.duration.labels(deployment)
         self._queue_length = metrics.queue_length.labels(deployment)
+        self._queue_bands = {b: metrics.queue_by_priority.labels(deployment, b) for b in BANDS}
         self._queue_wait = metrics.queue_wait.labels(deployment)
         self._cold_first_byte = metrics.cold_start_first_byte.labels(deployment)
         self._ejections = metrics.ejections.labels(deployment)
@@ -198,9 +198,8 @@ class Activator:
         self._slots.bound = balance.bound
 
     def set_engine_priority(self, takes: bool) -> None:
-        """Whether this deployment's engines order their own queue by a body's `priority` (the CPU
-        engine; vLLM with `--scheduling-policy priority`): then each body says its request's, else
-        none goes upstream (vLLM would refuse one but 0). See `priority`."""
+        """Whether its engines take a body's `priority` (the CPU engine; vLLM under the priority
+        policy): then each body says its request's, else none goes upstream (`priority`)."""
         self._engine_priority = takes
 
     def load(self) -> Load:
@@ -363,6 +362,7 @@ class Activator:
         waiter = self._slots.hold(exclude, front, ex.owner, ex.prefix, ex.priority)
         self._source.poke()  # at once: the pool must not wait for its next tick
         self._queue_length.inc()
+        (queue_band := self._queue_bands[band(ex.priority)]).inc()
         held_at = self._clock()
         deadline = held_at + config.hold_deadline_s
         interval = config.keepalive_interval_s
@@ -386,6 +386,7 @@ class Activator:
             if not taken:
                 self._slots.abandon(waiter)
             self._queue_length.dec()
+            queue_band.dec()
             self._queue_wait.observe(self._clock() - held_at)
 
     # -- sick instances leave routing ------------------------------------------------------------

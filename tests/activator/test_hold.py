@@ -270,3 +270,16 @@ async def test_a_full_queue_of_bulk_requests_makes_room_for_an_interactive_one(r
     assert [r.status_code for r in await asyncio.gather(urgent, bulk[0])] == [200, 200]
     assert [r["prompt"] for r in rig.a.requests] == ["app0", "batch0"]
     assert all("priority" not in r for r in rig.a.requests)
+
+
+async def test_held_requests_are_counted_by_priority_band(rig: Rig) -> None:
+    source = MemorySource()
+    activator = rig.activator(source, hold_deadline_s=30)
+    held = [post_as(rig, "app", 0, -3), post_as(rig, "batch", 0, 50), post_as(rig, "batch", 1, 50)]
+    await eventually(lambda: activator.load().queued == 3)
+    bands = {b: rig.sample("stoker_queue_length_by_priority", band=b) for b in ("high", "default", "low")}
+    assert bands == {"high": 1, "default": 0, "low": 2}
+    source.eps.append(Ep("a", rig.a_url))
+    activator.capacity_changed()
+    assert [r.status_code for r in await asyncio.gather(*held)] == [200] * 3
+    assert rig.sample("stoker_queue_length_by_priority", band="low") == 0
