@@ -6,9 +6,11 @@
              hold (bounded, deadline, poke the pool,     report_failure, then once more on
              SSE keep-alive for streams)                 another instance (held again if none)
 
-Held requests wait on a future that `Slots` resolves, in arrival order for each owner (API key) and
-in turns between owners, when `capacity_changed()` is called or a request finishes; a full queue
-refuses the newest request of the owner holding the most before it refuses a newcomer holding fewer.
+Held requests wait on a future that `Slots` resolves, lowest priority first, and within a class in
+arrival order for each owner (API key) and in turns between owners, when `capacity_changed()` is
+called or a request finishes; a full queue refuses a request of a class served after the newcomer's,
+or of its class the newest of the owner holding the most, before it refuses the newcomer. The body
+goes upstream with the priority its engine takes (`set_engine_priority`, `priority.forwarded`).
 A task watches `receive()` the whole time: a client that leaves cancels the work at once, which
 takes it out of the queue or closes the upstream connection; it counts as 499 only when it left
 before the whole answer went out (`proxy.Reply.delivered`). When the source says no instance can
@@ -52,6 +54,7 @@ from typing import Any
 import aiohttp
 
 from activator import affinity, ejection, proxy
+from activator import priority as priority_field
 from activator.adapters import AdapterRef, Adapters, Prefetcher
 from activator.affinity import Balance
 from activator.config import ActivatorConfig
@@ -63,7 +66,7 @@ from activator.errors import (
     Unavailable,
     UpstreamError,
 )
-from activator.metrics import ActivatorMetrics
+from activator.metrics import BANDS, ActivatorMetrics, band
 from activator.slots import Key, Slots, key
 from activator.source import Endpoint, InstanceSource, Load
 
@@ -88,6 +91,7 @@ class _Exchange:
         "owner",
         "path",
         "prefix",
+        "priority",
         "reply",
         "routing",
         "stream",
@@ -104,11 +108,13 @@ class _Exchange:
         owner: str,
         prefix: int | None,
         adapter: AdapterRef | None = None,
+        priority: int = 0,
     ):
         self.adapter = adapter  # the LoRA adapter it asks for, loaded on its instance first (`adapters`)
         self.arrival = now
         self.prefix = prefix  # its prompt prefix's key in prefix mode (`affinity.request_key`), else None
         self.owner = owner  # whose request (the API key): the hold queue is shared fairly by owner
+        self.priority = priority  # its class in the hold queue: lower is served first
         query = scope.get("query_string", b"")
         self.path: str = scope["path"] + (f"?{query.decode('latin-1')}" if query else "")
         self.content_type = next((v for n, v in scope["headers"] if n == b"content-type"), None)
@@ -140,6 +146,7 @@ class Activator:
         self._session = session
         self._clock = clock
         self._balance = Balance()
+        self._engine_priority = False  # whether its instances take a body's `priority`
         self._slots = Slots(self._routable, self._balance.bound)
         self._rules = EjectionRules(config.eject_after, config.eject_base_s, config.eject_max_s)
         self._health: dict[Key, Health] = {}  # instances that failed lately; absent: HEALTHY
@@ -153,6 +160,7 @@ class Activator:
         self._ttft = metrics.ttft.labels(deployment)
         self._duration = metrics.duration.labels(deployment)
         self._queue_length = metrics.queue_length.labels(deployment)
+        self._queue_bands = {b: metrics.queue_by_priority.labels(deployment, b) for b in BANDS}
         self._queue_wait = metrics.queue_wait.labels(deployment)
         self._cold_first_byte = metrics.cold_start_first_byte.labels(deployment)
         self._ejections = metrics.ejections.labels(deployment)
@@ -189,6 +197,11 @@ class Activator:
         self._balance = balance
         self._slots.bound = balance.bound
 
+    def set_engine_priority(self, takes: bool) -> None:
+        """Whether its engines take a body's `priority` (the CPU engine; vLLM under the priority
+        policy): then each body says its request's, else none goes upstream (`priority`)."""
+        self._engine_priority = takes
+
     def load(self) -> Load:
         return Load(
             in_flight=self._slots.in_flight,
@@ -212,9 +225,11 @@ class Activator:
         owner: str = "",
         parsed: Mapping[str, Any] | None = None,
         adapter: AdapterRef | None = None,
+        priority: int = 0,
     ) -> None:
         """Answer one request whose body the gateway has read, on behalf of `owner` (its API key's
-        id; held requests of different owners take turns). `parsed`: the body's JSON, if the caller
+        id; held requests of different owners take turns) at `priority` (its class, checked by the
+        gateway: lower is served first). `parsed`: the body's JSON, if the caller
         has it (prefix mode reads the prompt from it instead of parsing `body` again). `adapter`:
         the LoRA adapter it is for (an adapter deployment's request on its base): the instance is
         picked by the adapter's affinity key and has it loaded before the request goes. Raises an
@@ -227,7 +242,8 @@ class Activator:
             prefix = adapter.key
         else:
             prefix = affinity.request_key(body, balance, parsed) if balance.by_prefix else None
-        ex = _Exchange(scope, send, body, stream, now, owner, prefix, adapter)
+        body = priority_field.forwarded(body, parsed, priority, self._engine_priority)
+        ex = _Exchange(scope, send, body, stream, now, owner, prefix, adapter, priority)
         self._source.request_arrived()  # from here on, request_finished follows in every case
         work = asyncio.ensure_future(self._run(ex))
         watcher = asyncio.ensure_future(_until_disconnect(receive))
@@ -271,7 +287,7 @@ class Activator:
                 # The bound is on requests held at arrival; a retry (at most one per request in
                 # flight, so bounded by the instances' concurrency) is held past it.
                 if self._slots.held >= self._config.max_queued and not self._slots.displace(
-                    ex.owner, self._queue_full
+                    ex.owner, self._queue_full, ex.priority
                 ):
                     self._source.poke()  # demand exists even if this one is refused
                     raise self._queue_full()
@@ -339,13 +355,14 @@ class Activator:
         return QueueFull(self._config.retry_after_s, self._config.max_queued)
 
     async def _hold(self, ex: _Exchange, exclude: tuple[Key, ...], front: bool) -> Endpoint:
-        """Wait for a slot in FIFO order, within `hold_deadline_s`; keep a held stream alive."""
+        """Wait for a slot in queue order (`Slots`), within `hold_deadline_s`; keep a held stream alive."""
         config = self._config
         if self._unavailable is not None:
             raise Unavailable(self._unavailable, config.retry_after_s)
-        waiter = self._slots.hold(exclude, front, ex.owner, ex.prefix)
+        waiter = self._slots.hold(exclude, front, ex.owner, ex.prefix, ex.priority)
         self._source.poke()  # at once: the pool must not wait for its next tick
         self._queue_length.inc()
+        (queue_band := self._queue_bands[band(ex.priority)]).inc()
         held_at = self._clock()
         deadline = held_at + config.hold_deadline_s
         interval = config.keepalive_interval_s
@@ -369,6 +386,7 @@ class Activator:
             if not taken:
                 self._slots.abandon(waiter)
             self._queue_length.dec()
+            queue_band.dec()
             self._queue_wait.observe(self._clock() - held_at)
 
     # -- sick instances leave routing ------------------------------------------------------------

@@ -15,6 +15,14 @@ LATENCY_BUCKETS = (
 )  # fmt: skip
 
 
+BANDS = ("high", "default", "low")
+
+
+def band(priority: int) -> str:
+    """The band of `stoker_queue_length_by_priority` a request of `priority` counts in."""
+    return "high" if priority < 0 else "low" if priority > 0 else "default"
+
+
 class ActivatorMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.requests = Counter(
@@ -41,6 +49,14 @@ class ActivatorMetrics:
             "stoker_queue_length",
             "Requests held now, waiting for an instance.",
             ["deployment"],
+            registry=registry,
+        )
+        # Three bands, not a series per priority (-1000..1000 would be 2,001 of them per deployment).
+        self.queue_by_priority = Gauge(
+            "stoker_queue_length_by_priority",
+            "Requests held now, by priority band: high (priority below 0, served first), default (0), "
+            "low (above 0).",
+            ["deployment", "band"],
             registry=registry,
         )
         self.queue_wait = Histogram(

@@ -4,13 +4,24 @@ All of it is synchronous and runs on the event loop, so a grant (pick an endpoin
 resolve the waiter's future) is atomic; no locks. The activator owns the waiting (deadlines,
 keep-alives, disconnects); this module owns who gets the next free slot.
 
-Held requests belong to an owner (the API key that sent them) and are served by start-time fair
-queueing: each gets a tag one past the later of its owner's last tag and the tag last granted, and
-the smallest tag goes first. One owner alone is served in arrival order; several take turns, one
-request each, however many each has queued. Retries go before everything (they have waited once
-already). When the queue is full, `displace` refuses the newest request of the owner holding the
-most, so that a newcomer from an owner holding fewer still gets its place: no key can fill the
-queue for the others.
+Held requests belong to an owner (the API key that sent them) and a priority class (an integer,
+vLLM's semantics: lower is served first; `stoker.spec.priority`). The queue's order is
+
+    (retry first, priority class, fair tag, arrival)
+
+so a class is served only when every class below it is empty, and within one class owners share by
+start-time fair queueing: each request gets a tag one past the later of its owner's last tag in
+that class and the tag last granted in that class, and the smallest tag goes first. One owner alone
+is served in arrival order; several take turns, one request each, however many each has queued.
+Each class keeps its own tags (`_Class`), so a key's bulk requests do not push back its own
+interactive ones, and a class's state goes when its last request leaves (at most one per request
+held). Retries go before everything (they have waited once already).
+
+When the queue is full, `displace` makes room for a newcomer: first at the expense of the class
+served last, if that is served after the newcomer's (its biggest holder's newest request is
+refused); otherwise within the newcomer's own class, the newest request of the owner holding the
+most there, if it holds at least two more than the newcomer's owner: no key can fill the queue for
+the others of its class, and no lower class can keep out a higher one.
 
 Each request may carry a prefix key (`affinity.request_key`; None in least-outstanding mode, or when
 its body has no prompt to read): with one, its instance is picked by consistent hashing with
@@ -39,25 +50,41 @@ def key(endpoint: Endpoint) -> Key:
 class Waiter:
     """A held request. Its future resolves to the endpoint whose slot it was granted."""
 
-    __slots__ = ("exclude", "future", "order", "owner", "prefix", "tag")
+    __slots__ = ("exclude", "future", "order", "owner", "prefix", "priority", "tag")
 
     def __init__(
         self,
         exclude: Collection[Key],
         owner: str,
         tag: int,
-        order: tuple[int, int, int],
+        order: tuple[int, int, int, int],
         prefix: int | None = None,
+        priority: int = 0,
     ) -> None:
         self.exclude = exclude
         self.prefix = prefix  # its prefix key, or None
         self.owner = owner
+        self.priority = priority  # its class: lower is served first
         self.tag = tag
-        self.order = order  # its place in the queue: (0 for a retry, else 1; tag; sequence)
+        # its place in the queue: (0 for a retry, else 1; priority; tag; sequence)
+        self.order = order
         self.future: asyncio.Future[Endpoint] = asyncio.get_running_loop().create_future()
 
     def __lt__(self, other: Waiter) -> bool:
         return self.order < other.order
+
+
+class _Class:
+    """One priority class's fair queueing: its virtual time (the largest tag granted in it) and,
+    for each owner with requests held in it, its newest tag and how many it holds (retries not
+    counted)."""
+
+    __slots__ = ("granted", "held", "last")
+
+    def __init__(self) -> None:
+        self.granted = 0
+        self.last: dict[str, int] = {}
+        self.held: dict[str, int] = {}
 
 
 class Slots:
@@ -68,9 +95,7 @@ class Slots:
         self.outstanding: dict[str, int] = {}  # endpoint id -> requests granted and not yet released
         self._waiters: list[Waiter] = []  # sorted by `Waiter.order`
         self._turn = 0  # rotates ties in `pick`
-        self._granted_tag = 0  # the largest tag granted so far (the queue's virtual time)
-        self._last_tag: dict[str, int] = {}  # owner -> its newest waiter's tag, while it has any
-        self._held_by: dict[str, int] = {}  # owner -> its waiters (retries not counted)
+        self._classes: dict[int, _Class] = {}  # priority -> its fair queueing, while it holds any
         self._seq = itertools.count()
 
     @property
@@ -91,35 +116,60 @@ class Slots:
             self._take(endpoint)
         return endpoint
 
-    def held_by(self, owner: str) -> int:
-        return self._held_by.get(owner, 0)
+    def held_by(self, owner: str, priority: int | None = None) -> int:
+        """Requests `owner` holds (retries not counted): in class `priority`, or in all (None)."""
+        if priority is not None:
+            cls = self._classes.get(priority)
+            return 0 if cls is None else cls.held.get(owner, 0)
+        return sum(cls.held.get(owner, 0) for cls in self._classes.values())
 
     def hold(
-        self, exclude: Collection[Key] = (), front: bool = False, owner: str = "", prefix: int | None = None
+        self,
+        exclude: Collection[Key] = (),
+        front: bool = False,
+        owner: str = "",
+        prefix: int | None = None,
+        priority: int = 0,
     ) -> Waiter:
-        """Queue a request of `owner` (with its prefix key, if any): at its fair place, or at the
-        front for a retry (the newest retry first: it has waited once already)."""
+        """Queue a request of `owner` (with its prefix key, if any) in class `priority`: at its fair
+        place in that class, or at the front for a retry (the newest retry of the class served
+        first goes first: it has waited once already)."""
         seq = next(self._seq)
         if front:
-            waiter = Waiter(exclude, owner, 0, (0, 0, -seq), prefix)
+            waiter = Waiter(exclude, owner, 0, (0, priority, 0, -seq), prefix, priority)
         else:
-            tag = max(self._granted_tag, self._last_tag.get(owner, 0)) + 1
-            self._last_tag[owner] = tag
-            self._held_by[owner] = self._held_by.get(owner, 0) + 1
-            waiter = Waiter(exclude, owner, tag, (1, tag, seq), prefix)
+            cls = self._classes.get(priority)
+            if cls is None:
+                cls = self._classes[priority] = _Class()
+            tag = max(cls.granted, cls.last.get(owner, 0)) + 1
+            cls.last[owner] = tag
+            cls.held[owner] = cls.held.get(owner, 0) + 1
+            waiter = Waiter(exclude, owner, tag, (1, priority, tag, seq), prefix, priority)
         bisect.insort(self._waiters, waiter)
         return waiter
 
-    def displace(self, owner: str, error: Callable[[], BaseException]) -> bool:
-        """Make room for one more request of `owner` in a full queue: the owner holding the most,
-        if it holds at least two more than `owner` does, loses its newest held request (its
-        future raises `error()`). False when the queue is already shared fairly."""
-        if not self._held_by:
+    def displace(self, owner: str, error: Callable[[], BaseException], priority: int = 0) -> bool:
+        """Make room for one more request of `owner` in class `priority` in a full queue (see the
+        module): the chosen request leaves, its future raising `error()`. False when nothing held
+        is served after it and its own class is already shared fairly."""
+        if not self._classes:
             return False
-        most = max(self._held_by, key=self._held_by.__getitem__)
-        if self._held_by[most] < self.held_by(owner) + 2:
-            return False
-        victim = max((w for w in self._waiters if w.owner == most and w.order[0]), key=lambda w: w.order)
+        last = max(self._classes)
+        if last > priority:  # a class served after the newcomer's gives up its place
+            cls = self._classes[last]
+            most = max(cls.held, key=cls.held.__getitem__)
+        else:
+            cls = self._classes.get(priority)
+            if cls is None:
+                return False
+            most = max(cls.held, key=cls.held.__getitem__)
+            if cls.held[most] < cls.held.get(owner, 0) + 2:
+                return False
+            last = priority
+        victim = max(
+            (w for w in self._waiters if w.order[0] and w.owner == most and w.priority == last),
+            key=lambda w: w.order,
+        )
         self._remove(victim)
         victim.future.set_exception(error())
         return True
@@ -146,8 +196,7 @@ class Slots:
     def fail_held(self, error: Callable[[], BaseException]) -> None:
         """Every held request stops waiting: its future raises a fresh `error()`."""
         waiters, self._waiters = self._waiters, []
-        self._held_by.clear()
-        self._last_tag.clear()
+        self._classes.clear()
         for waiter in waiters:
             waiter.future.set_exception(error())
 
@@ -164,7 +213,8 @@ class Slots:
                     return  # nothing free for anyone
                 continue
             self._remove(waiter)
-            self._granted_tag = max(self._granted_tag, waiter.tag)
+            if (cls := self._classes.get(waiter.priority)) is not None and waiter.order[0]:
+                cls.granted = max(cls.granted, waiter.tag)  # gone with its last request: starts again
             self._take(endpoint)
             waiter.future.set_result(endpoint)
 
@@ -175,13 +225,15 @@ class Slots:
             return False
         del self._waiters[i]
         if waiter.order[0]:
-            owner = waiter.owner
-            left = self._held_by[owner] - 1
+            owner, cls = waiter.owner, self._classes[waiter.priority]
+            left = cls.held[owner] - 1
             if left:
-                self._held_by[owner] = left
-            else:  # none left queued: its next request starts from the virtual time
-                del self._held_by[owner]
-                self._last_tag.pop(owner, None)
+                cls.held[owner] = left
+            else:  # none left queued: its next request starts from the class's virtual time
+                del cls.held[owner]
+                del cls.last[owner]
+                if not cls.held:  # the class is empty: its tags start again from 0
+                    del self._classes[waiter.priority]
         return True
 
     def _pick(

@@ -14,6 +14,8 @@ placement (`warm_pool.backends.kube_pod`).
     max_num_seqs,
     enable_prefix_caching,
     enforce_eager
+    scheduling_policy        vLLM's --scheduling-policy: "fcfs" (None: vLLM's default) or "priority"
+                             (its scheduler orders by a request's `priority`; `takes_priority`)
     max_adapters             LoRA adapters an instance holds: the CPU engine's LRU (--max-adapters);
                              vLLM's --enable-lora --max-loras N (None: vLLM serves no adapters)
     task                     what an instance serves: "generate" (text) or "embed" (/v1/embeddings
@@ -51,6 +53,8 @@ ADAPTER_RANKS = (8, 16, 32, 64, 128, 256)
 # LoRA adapters an instance keeps loaded where `max_adapters` is not set: the CPU engine's own
 # --max-adapters default (`stoker.engine.core.EngineConfig`); vLLM then serves none.
 DEFAULT_MAX_ADAPTERS = 4
+# vLLM's --scheduling-policy choices.
+SCHEDULING_POLICIES = ("fcfs", "priority")
 # vLLM arguments Stoker sets on every vLLM it starts, from the snapshot, the instance or the pool:
 # neither `stoker up --vllm-args` nor a deployment's engine_args may set them.
 MANAGED_ARGS: dict[str, str] = {
@@ -77,6 +81,7 @@ NAMED_ARGS: dict[str, str] = {
     "--enable-prefix-caching": "enable_prefix_caching",
     "--no-enable-prefix-caching": "enable_prefix_caching",
     "--enforce-eager": "enforce_eager",
+    "--scheduling-policy": "scheduling_policy",
     "--enable-lora": "max_adapters",
     "--no-enable-lora": "max_adapters",
     "--max-loras": "max_adapters",
@@ -176,6 +181,7 @@ class EngineSettings:
     enable_prefix_caching: bool | None = None
     enforce_eager: bool = False
     tool_call_parser: str | None = None  # vLLM's --tool-call-parser (with --enable-auto-tool-choice)
+    scheduling_policy: str | None = None  # vLLM's --scheduling-policy (None: vLLM's, fcfs)
     engine_args: tuple[str, ...] = ()
     cpu: str | None = None
     memory: str | None = None
@@ -214,6 +220,8 @@ class EngineSettings:
             args.append("--enforce-eager")
         if self.tool_call_parser is not None:
             args += ["--enable-auto-tool-choice", "--tool-call-parser", self.tool_call_parser]
+        if self.scheduling_policy is not None:
+            args += ["--scheduling-policy", self.scheduling_policy]
         if self.max_adapters is not None:
             # Adapters loaded at run time (`VLLM_ALLOW_RUNTIME_LORA_UPDATING`, which `vllm_spec` sets
             # with --enable-lora): --max-loras of them in one batch, and as many kept in host memory
@@ -221,6 +229,11 @@ class EngineSettings:
             args += ["--enable-lora", "--max-loras", str(self.max_adapters)]
             args += ["--max-lora-rank", str(self.adapter_rank)]
         return (*args, *self.engine_args)
+
+    def takes_priority(self, engine: str) -> bool:
+        """Whether an instance of `engine` orders its own queue by a body's `priority`: Stoker's
+        engine always does; vLLM with --scheduling-policy priority (it refuses a nonzero one else)."""
+        return engine == "cpu" or self.scheduling_policy == "priority"
 
     @property
     def adapter_rank(self) -> int:

@@ -208,10 +208,11 @@ class Front:
             return
         body = await read_all(receive)
         try:
-            owner = dict(scope["headers"]).get(b"x-owner", b"").decode()  # the gateway's key id
-            await self.activator.serve(
-                scope, receive, send, body, bool(json.loads(body).get("stream")), owner
-            )
+            headers = dict(scope["headers"])
+            owner = headers.get(b"x-owner", b"").decode()  # the gateway's key id
+            priority = int(headers.get(b"x-priority", b"0"))  # the priority the gateway settled
+            stream = bool(json.loads(body).get("stream"))
+            await self.activator.serve(scope, receive, send, body, stream, owner, priority=priority)
         except ActivatorError as exc:
             await error_response(api_error(exc))(scope, receive, send)
 

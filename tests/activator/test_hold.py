@@ -222,3 +222,64 @@ async def test_a_full_queue_is_shared_between_keys_and_they_take_turns(rig: Rig)
     assert [r.status_code for r in done] == [200, 200, 200]
     # b's request went second, between a's two, though it came after both.
     assert [r["prompt"] for r in rig.a.requests] == ["a0", "b0", "a1"]
+
+
+def post_as(rig: Rig, owner: str, n: int, priority: int, body: dict = PLAIN):
+    """A request of key `owner` at `priority` (what the gateway settled), its prompt naming it."""
+    headers = {"x-owner": owner, "x-priority": str(priority)}
+    body = {**body, "prompt": f"{owner}{n}"}
+    return asyncio.ensure_future(rig.client.post("/v1/completions", json=body, headers=headers))
+
+
+async def test_an_interactive_request_held_behind_bulk_ones_is_served_first(rig: Rig) -> None:
+    source = MemorySource()
+    activator = rig.activator(source, hold_deadline_s=30)
+    activator.set_engine_priority(True)  # as Stoker's engine: each body says its request's priority
+    bulk = []
+    for n in range(3):  # a batch key's requests, held at zero instances ...
+        bulk.append(post_as(rig, "batch", n, 10))
+        await eventually(lambda n=n: activator.load().queued == n + 1)
+    urgent = post_as(rig, "app", 0, -1)  # ... then an interactive key's, after all of them
+    await eventually(lambda: activator.load().queued == 4)
+
+    source.eps.append(Ep("a", rig.a_url, max_concurrency=1))  # one slot: the order is visible
+    activator.capacity_changed()
+    done = await asyncio.gather(urgent, *bulk)
+    assert [r.status_code for r in done] == [200] * 4
+    assert [r["prompt"] for r in rig.a.requests] == ["app0", "batch0", "batch1", "batch2"]
+    assert [r.get("priority") for r in rig.a.requests] == [-1, 10, 10, 10]  # the key's, added
+
+
+async def test_a_full_queue_of_bulk_requests_makes_room_for_an_interactive_one(rig: Rig) -> None:
+    source = MemorySource()
+    activator = rig.activator(source, max_queued=2, hold_deadline_s=30)
+    # as vLLM under fcfs: the engine takes no priority, so none goes upstream
+    bulk = [post_as(rig, "batch", 0, 10, {**PLAIN, "priority": 10})]
+    await eventually(lambda: activator.load().queued == 1)
+    bulk.append(post_as(rig, "batch", 1, 10, {**PLAIN, "priority": 10}))
+    await eventually(lambda: activator.load().queued == 2)
+    refused = await post_as(rig, "batch", 2, 10)  # its own next one: refused, as always
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "queue_full"
+    urgent = post_as(rig, "app", 0, 0)  # served before them: the newest bulk request gives way
+    displaced = await bulk[1]
+    assert displaced.status_code == 503 and displaced.json()["error"]["code"] == "queue_full"
+    await eventually(lambda: activator.load().queued == 2)
+
+    source.eps.append(Ep("a", rig.a_url, max_concurrency=1))
+    activator.capacity_changed()
+    assert [r.status_code for r in await asyncio.gather(urgent, bulk[0])] == [200, 200]
+    assert [r["prompt"] for r in rig.a.requests] == ["app0", "batch0"]
+    assert all("priority" not in r for r in rig.a.requests)
+
+
+async def test_held_requests_are_counted_by_priority_band(rig: Rig) -> None:
+    source = MemorySource()
+    activator = rig.activator(source, hold_deadline_s=30)
+    held = [post_as(rig, "app", 0, -3), post_as(rig, "batch", 0, 50), post_as(rig, "batch", 1, 50)]
+    await eventually(lambda: activator.load().queued == 3)
+    bands = {b: rig.sample("stoker_queue_length_by_priority", band=b) for b in ("high", "default", "low")}
+    assert bands == {"high": 1, "default": 0, "low": 2}
+    source.eps.append(Ep("a", rig.a_url))
+    activator.capacity_changed()
+    assert [r.status_code for r in await asyncio.gather(*held)] == [200] * 3
+    assert rig.sample("stoker_queue_length_by_priority", band="low") == 0

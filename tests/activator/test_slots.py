@@ -136,3 +136,76 @@ async def test_a_full_queue_displaces_the_newest_request_of_the_biggest_holder()
     assert not slots.displace("b", lambda: RuntimeError("full"))
     assert not slots.displace("a", lambda: RuntimeError("full"))
     assert not mine.future.done()
+
+
+def drain(slots: Slots, waiters: list, endpoint: str = "x") -> list:
+    """Serve every held request through one slot of `endpoint`: the order they were granted in."""
+    order = []
+    for _ in waiters:
+        slots.dispatch()
+        (w,) = [w for w in waiters if granted(w) and w not in order]
+        order.append(w)
+        slots.release(endpoint)
+    return order
+
+
+async def test_a_lower_priority_number_is_served_first_and_arrival_order_within_a_class() -> None:
+    source = MemorySource()
+    slots = Slots(source.endpoints)
+    bulk = [slots.hold(owner="batch", priority=10) for _ in range(3)]
+    default = slots.hold(owner="app")
+    urgent = [slots.hold(owner="app", priority=-5), slots.hold(owner="app", priority=-5)]
+    source.eps.append(Ep("x", "u1", 1))
+    assert drain(slots, [*bulk, default, *urgent]) == [*urgent, default, *bulk]
+    assert slots.held == 0
+
+
+async def test_owners_take_turns_within_a_class_and_a_class_keeps_its_own_turns() -> None:
+    source = MemorySource()
+    slots = Slots(source.endpoints)
+    # a's bulk requests take no turns from a's interactive ones: each class has its own tags.
+    a_bulk = [slots.hold(owner="a", priority=5) for _ in range(3)]
+    a = [slots.hold(owner="a") for _ in range(3)]
+    b = [slots.hold(owner="b"), slots.hold(owner="b")]
+    b_bulk = slots.hold(owner="b", priority=5)
+    source.eps.append(Ep("x", "u1", 1))
+    order = drain(slots, [*a_bulk, *a, *b, b_bulk])
+    assert order == [a[0], b[0], a[1], b[1], a[2], a_bulk[0], b_bulk, a_bulk[1], a_bulk[2]]
+    assert slots.held_by("a") == 0 and slots.held_by("b", 5) == 0
+
+
+async def test_retries_go_first_whatever_their_class() -> None:
+    source = MemorySource()
+    slots = Slots(source.endpoints)
+    urgent = slots.hold(owner="a", priority=-100)
+    retry = slots.hold(front=True, owner="b", priority=100)
+    source.eps.append(Ep("x", "u1", 1))
+    assert drain(slots, [urgent, retry]) == [retry, urgent]
+
+
+async def test_a_full_queue_displaces_the_class_served_last_first() -> None:
+    slots = Slots(MemorySource().endpoints)
+    full = lambda: RuntimeError("full")  # noqa: E731
+    bulk = [slots.hold(owner="batch", priority=10) for _ in range(2)]
+    other = slots.hold(owner="other", priority=5)
+    # an interactive newcomer: the newest request of the class served last leaves, whoever holds it
+    assert slots.displace("app", full, priority=0)
+    assert isinstance(bulk[1].future.exception(), RuntimeError) and not bulk[0].future.done()
+    assert slots.displace("app", full, priority=0)
+    assert isinstance(bulk[0].future.exception(), RuntimeError)
+    assert slots.displace("app", full, priority=0)  # then the next class up
+    assert isinstance(other.future.exception(), RuntimeError)
+    assert slots.held == 0 and not slots.displace("app", full, priority=0)
+
+
+async def test_a_newcomer_of_the_class_served_last_displaces_only_within_its_class() -> None:
+    slots = Slots(MemorySource().endpoints)
+    full = lambda: RuntimeError("full")  # noqa: E731
+    app = [slots.hold(owner="app") for _ in range(4)]
+    # a bulk newcomer may not take an interactive request's place, however many app holds
+    assert not slots.displace("batch", full, priority=10)
+    bulk = [slots.hold(owner="a", priority=10) for _ in range(3)]
+    assert slots.displace("b", full, priority=10)  # a holds 3 there, b would hold 1
+    assert isinstance(bulk[2].future.exception(), RuntimeError)
+    assert not any(w.future.done() for w in app)
+    assert slots.held_by("a", 10) == 2 and slots.held_by("app") == 4

@@ -19,6 +19,7 @@ from stoker.engine.embed import FORMATS, MAX_INPUTS
 from stoker.engine.protocol import MAX_N, MAX_STOP_SEQUENCES
 from stoker.engine.tools import MAX_DESCRIPTION, MAX_TOOLS
 from stoker.gateway.drift import drift_paths
+from stoker.spec import priority
 from stoker.spec.deployment import NAME, deploy_schema
 from stoker.spec.routes import route_schema
 from warm_pool.instance_logs import MAX_TAIL_LINES
@@ -40,6 +41,15 @@ _ERROR = {
     },
 }
 
+# vLLM's `priority`: lower is served first; the key's default where absent, never below its floor.
+_PRIORITY = {
+    "type": "integer",
+    "minimum": priority.LOWEST,
+    "maximum": priority.HIGHEST,
+    "description": "lower is served first (default: the key's priority, else 0; a key's floor refuses less)",
+}
+_KEY_PRIORITY = {"type": ["integer", "null"], "minimum": priority.LOWEST, "maximum": priority.HIGHEST}
+
 _SAMPLING = {
     "max_tokens": {"type": "integer", "minimum": 1},
     "max_completion_tokens": {"type": "integer", "minimum": 1},
@@ -60,6 +70,7 @@ _SAMPLING = {
     },
     "seed": {"type": "integer"},
     "n": {"type": "integer", "minimum": 1, "maximum": MAX_N},
+    "priority": _PRIORITY,
     "user": {"type": "string"},
 }
 
@@ -211,6 +222,7 @@ _EMBEDDING_REQUEST = {
         "input": _EMBEDDING_INPUT,
         "encoding_format": {"enum": list(FORMATS)},
         "dimensions": {"type": "integer", "minimum": 1},
+        "priority": _PRIORITY,
         "user": {"type": "string"},
     },
 }
@@ -471,6 +483,8 @@ def _key_request() -> dict[str, Any]:
             "rps": {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 1e6},
             "tpm": {"type": ["integer", "null"], "minimum": 1, "maximum": 10**12},
             "max_concurrent": {"type": ["integer", "null"], "minimum": 1, "maximum": 1_000_000},
+            "priority": _KEY_PRIORITY,  # its requests' default; at least priority_min
+            "priority_min": _KEY_PRIORITY,
         },
     }
 

@@ -188,6 +188,16 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=int,
         help="requests held + in flight at once (default: the platform's --key-max-concurrent)",
     )
+    create.add_argument(
+        "--priority",
+        type=int,
+        help="its requests' priority where they name none, -1000..1000, lower served first (default: 0)",
+    )
+    create.add_argument(
+        "--priority-min",
+        type=int,
+        help="the lowest priority its requests may ask for; one below it is refused (default: any)",
+    )
     create.add_argument("--json", action="store_true", help="print the id and key as JSON")
     create.set_defaults(func=cmd_keys_create)
     keys_ls = keys_sub.add_parser("ls", help="list keys (id, tenant, deployments, created; never the key)")
@@ -445,9 +455,12 @@ def cmd_rm(args: argparse.Namespace) -> int:
     return 0
 
 
+KEY_LIMITS = ("rps", "tpm", "max_concurrent", "priority", "priority_min")  # as the key body names them
+
+
 def cmd_keys_create(args: argparse.Namespace) -> int:
     body = {"tenant": args.tenant, "deployments": args.deployment}
-    body |= {k: v for k in ("rps", "tpm", "max_concurrent") if (v := getattr(args, k)) is not None}
+    body |= {k: v for k in KEY_LIMITS if (v := getattr(args, k)) is not None}
     out = call(args, "POST", "/admin/v1/keys", body)
     if args.json:
         print(json.dumps({"id": out["id"], "key": out["key"]}))
@@ -474,7 +487,7 @@ def _limits(key: dict) -> str:
     """A key's own limits, as `stoker keys create` takes them; empty when it sets none."""
     named = [
         (f"{v:g} rps" if n == "rps" else f"{v} {n.replace('_', '-')}")
-        for n in ("rps", "tpm", "max_concurrent")
+        for n in KEY_LIMITS
         if (v := key.get(n)) is not None
     ]
     return f" [{', '.join(named)}]" if named else ""

@@ -30,6 +30,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--enforce-eager", action="store_true", default=None, help=h["enforce_eager"])
     g.add_argument("--tool-call-parser", metavar="NAME", help=h["tool_call_parser"])
+    g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], help=h["scheduling_policy"])
     g.add_argument(
         "--engine-arg",
         dest="engine_args",

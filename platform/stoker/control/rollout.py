@@ -125,6 +125,7 @@ class Rollout:
     def configure(self, activator: Activator, spec: DeploymentSpec) -> None:
         """The revision's request-path settings on its activator."""
         activator.set_balance(balance_of(spec))
+        activator.set_engine_priority(spec.engine_settings.takes_priority(spec.engine))
 
     def publish(self, d: Deployment, traffic: dict[int, int] | None) -> None:
         """`traffic` (None: as it is) in force: in memory, in the registry, in the metrics."""

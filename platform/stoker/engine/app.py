@@ -214,7 +214,7 @@ class EmbeddingsEndpoint:
         async def work() -> None:
             arrival = engine.clock()
             try:
-                vectors = await engine.embedder.embed(batch, req.dimensions)
+                vectors = await engine.embedder.embed(batch, req.dimensions, req.priority)
             except APIError as exc:
                 await error_response(exc)(scope, receive, send)
                 return

@@ -56,6 +56,7 @@ from stoker.engine import draw as draw_mod
 from stoker.engine import embed as embed_mod
 from stoker.engine import pages, tools, weights
 from stoker.engine.adapters import Adapter, Adapters
+from stoker.engine.admission import Slots
 from stoker.engine.generation import PAGE_SIZE, Generation
 from stoker.engine.metrics import EngineMetrics, blocks
 from stoker.engine.protocol import GenerationRequest, SamplingParams, sampling_defaults
@@ -130,7 +131,7 @@ class Engine:
         self.vocab_size = 0  # the width of the model's logits
         self._asleep: weights.SleepPlan | None = None  # how the weights left the device, while asleep
         self._eos: set[int] = set()
-        self._slots = asyncio.Semaphore(config.max_num_seqs)
+        self._slots = Slots(config.max_num_seqs)  # waiters served by priority
         self.choices_admission = asyncio.Lock()  # one request of n > 1 takes its n slots at a time
         self._running = 0
         self._waiting = 0
@@ -355,7 +356,7 @@ class Engine:
             grammar = None
             if params.response_format is not None:  # compiled before admission: a bad schema holds no slot
                 grammar = await asyncio.to_thread(self._grammars.compile, params.response_format)
-            await self._admit()
+            await self._admit(params.priority)
         except BaseException:
             self.adapters.unpin(adapter)
             raise
@@ -369,7 +370,7 @@ class Engine:
             raise
         return generation
 
-    async def _admit(self) -> None:
+    async def _admit(self, priority: int = 0) -> None:
         if self._slots.locked():
             if self._waiting >= self.config.max_waiting:
                 self.metrics.rejected("queue_full")
@@ -378,7 +379,7 @@ class Engine:
             self.metrics.waiting.set(self._waiting)
             try:
                 async with asyncio.timeout(self.config.queue_timeout_s):
-                    await self._slots.acquire()
+                    await self._slots.acquire(priority)
             except TimeoutError:
                 self.metrics.rejected("queue_timeout")
                 raise unavailable(

@@ -1,6 +1,6 @@
 """Embeddings on the CPU engine: `stoker engine --task embed` serves OpenAI's `POST /v1/embeddings`.
 
-    {"model", "input", "encoding_format"?, "dimensions"?, "user"?}
+    {"model", "input", "encoding_format"?, "dimensions"?, "priority"?, "user"?}
       input: a string, a list of strings, a list of token ids, or a list of lists of them
       ─▶ each input's token ids (the tokenizer adds its special tokens to a string, as vLLM does)
       ─▶ one forward of the model's base (`AutoModel`: an encoder, or a decoder without its LM
@@ -15,8 +15,8 @@
 Bounds: at most `MAX_INPUTS` (2048, OpenAI's) inputs, each at least one token and at most the
 model's context (`--max-model-len`, else the model's, at most 4096): a longer one is a 400
 naming it (`context_length_exceeded`), never cut short. A request is admitted as a generation is
-(one of `max_num_seqs` slots; up to `max_waiting` more wait, each at most `queue_timeout_s`, then
-503), and one admitted forward runs at a time.
+(one of `max_num_seqs` slots; up to `max_waiting` more wait, lowest `priority` first, each at most
+`queue_timeout_s`, then 503), and one admitted forward runs at a time.
 An embedding engine generates nothing and loads no adapters: those routes answer 400
 (`model_not_generative`), and the chat and completion routes of a generating engine answer
 `/v1/embeddings` the same way (`model_not_embedding`). It has no sleep levels
@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from stoker.errors import APIError, invalid
+from stoker.spec import priority as priority_spec
 
 if TYPE_CHECKING:
     import torch
@@ -56,6 +57,7 @@ class EmbeddingRequest:
     inputs: tuple[str | tuple[int, ...], ...]
     encoding_format: str = "float"
     dimensions: int | None = None
+    priority: int = 0  # vLLM's: lower is admitted first
 
 
 def parse_embedding_request(body: dict[str, Any]) -> EmbeddingRequest:
@@ -101,7 +103,8 @@ def parse_embedding_request(body: dict[str, Any]) -> EmbeddingRequest:
         raise invalid(
             f"'dimensions' must be an integer of at least 1, got {dimensions!r}.", param="dimensions"
         )
-    return EmbeddingRequest(model, tuple(inputs), encoding, dimensions)
+    priority = priority_spec.of_request(body.get("priority"), None, None)
+    return EmbeddingRequest(model, tuple(inputs), encoding, dimensions, priority)
 
 
 def _token(value: object) -> bool:
@@ -196,8 +199,9 @@ class Embedder:
             out.append(ids)
         return out
 
-    async def embed(self, batch: list[list[int]], dimensions: int | None) -> np.ndarray:
-        """The inputs' embeddings, one row each, L2-normalised (and cut to `dimensions`)."""
+    async def embed(self, batch: list[list[int]], dimensions: int | None, priority: int = 0) -> np.ndarray:
+        """The inputs' embeddings, one row each, L2-normalised (and cut to `dimensions`); admitted
+        at `priority` (lower first)."""
         if dimensions is not None and dimensions != self.hidden_size:
             if not self.matryoshka:
                 raise invalid(
@@ -211,7 +215,7 @@ class Embedder:
                     param="dimensions",
                 )
         engine = self._engine
-        await engine._admit()  # a slot, or 503 queue_full / queue_timeout, as a generation's
+        await engine._admit(priority)  # a slot, or 503 queue_full / queue_timeout, as a generation's
         try:
             async with self._lock:  # one forward at a time: the CPU's cores are one batch's
                 engine.check_serving()

@@ -20,6 +20,7 @@ ranges OpenAI (or vLLM, for its extensions) enforces:
 | vLLM's `ignore_eos` | bool | generate to max_tokens |
 | `n` | 1..`MAX_N` (16), at most the engine's `--max-num-seqs` | n sequences in the batch, each its own slot; a `seed` s gives sequence i the seed s + i |
 | `tools`, `tool_choice`, `parallel_tool_calls` (chat) | OpenAI's | the prompt's tools and a grammar of calls (`tools.py`) |
+| vLLM's `priority` | -1000..1000 (`stoker.spec.priority`) | the admission queue serves the lowest first (`admission.py`) |
 
 Refused (400 naming the field): `best_of` other than 1, `echo`, `suffix`, the deprecated
 `functions` and `function_call` (`tools` replaces them), tools on completions,
@@ -45,6 +46,7 @@ from typing import Any, Literal
 from stoker.engine import tools
 from stoker.engine.tools import ToolSpec
 from stoker.errors import APIError, invalid
+from stoker.spec import priority as priority_spec
 
 Kind = Literal["chat", "completion"]
 MAX_STOP_SEQUENCES = 4
@@ -113,6 +115,7 @@ class SamplingParams:
     top_k: int = 0  # 0: off
     logprobs: int | None = None  # None: no logprobs; N: the chosen token's and the N most likely
     response_format: ResponseFormat | None = None
+    priority: int = 0  # vLLM's: lower is admitted first (`admission.py`)
 
     @property
     def greedy(self) -> bool:
@@ -174,6 +177,7 @@ def parse_request(kind: Kind, body: dict, defaults: Mapping[str, float] | None =
         top_k=_top_k(body.get("top_k")),
         logprobs=_chat_logprobs(body) if kind == "chat" else _completion_logprobs(body),
         response_format=_constraint(_response_format(body.get("response_format")), spec),
+        priority=priority_spec.of_request(body.get("priority"), None, None),
     )
     n = _n(body.get("n"))
     return GenerationRequest(kind, model, messages, prompt, params, stream, include_usage, n, spec)

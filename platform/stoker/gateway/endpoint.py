@@ -9,7 +9,9 @@ table (`activator.errors`: each carries its status, OpenAI type and code).
 Who may call what is decided before any of that, by `keys.KeyAuth` (bearer keys: the admin's, or a
 tenant's limited to its deployments) and `http.AdminGuard` (the admin API takes JSON from no
 foreign origin); the handlers only ask the caller's `Principal` whether a deployment is theirs.
-How much it may call is `limits.Limiter`'s, per key, before the activator sees the request.
+How much it may call is `limits.Limiter`'s, per key, before the activator sees the request; at
+what priority, `stoker.spec.priority`'s (the body's `priority`, else the key's default, never below
+the key's floor), which the activator's hold queue and the engines honour.
 The same routes serve `stoker up` (its `Platform`) and `stoker gateway` (its `GatewayPlane`):
 both are a `Router`.
 """
@@ -33,13 +35,14 @@ from stoker.gateway.cascade import Cascades
 from stoker.gateway.keys import principal_of
 from stoker.gateway.limits import Limiter, estimate_tokens
 from stoker.gateway.request_log import Observer
-from stoker.gateway.revisions import pin_revision
+from stoker.gateway.revisions import PRIORITY, pin_revision
 from stoker.gateway.taps import Finish, TappedRequest, taps
 from stoker.http import (
     ClientGone,
     parse_json_object,
     read_body,
 )
+from stoker.spec import priority
 
 MAX_BODY_BYTES = 4 << 20
 
@@ -92,6 +95,10 @@ class InferenceEndpoint:
                 raise APIError(
                     404, f"The model `{name}` does not exist.", param="model", code="model_not_found"
                 )
+            limits = principal.limits  # its priority class: the body's, else the key's default
+            scope[PRIORITY] = priority.of_request(
+                parsed.get("priority"), limits.priority, limits.priority_min
+            )
             estimate = estimate_tokens(parsed, len(body), embeddings=embeddings)
             request = TappedRequest(name, deployment, principal, parsed, stream, estimate)
             for tap in self.taps:  # a tap's 429 is answered through the taps started before it

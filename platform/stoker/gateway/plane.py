@@ -207,7 +207,16 @@ class KeyTable:
     def replace(self, keys: list[dict[str, Any]], gateways: int) -> None:
         table = {}
         for k in keys:
-            limits = _split(Limits(k.get("rps"), k.get("tpm"), k.get("max_concurrent")), gateways)
+            limits = _split(
+                Limits(
+                    k.get("rps"),
+                    k.get("tpm"),
+                    k.get("max_concurrent"),
+                    k.get("priority"),
+                    k.get("priority_min"),
+                ),
+                gateways,
+            )
             record = KeyRecord(k["id"], k["tenant"], tuple(k["deployments"]), k["created"], limits)
             table[k["hash"]] = record
         self._by_hash = table
@@ -220,6 +229,8 @@ def _split(limits: Limits, gateways: int) -> Limits:
         None if limits.rps is None else limits.rps / n,
         None if limits.tpm is None else max(1, limits.tpm // n),
         None if limits.max_concurrent is None else max(1, math.ceil(limits.max_concurrent / n)),
+        limits.priority,  # a class, not an amount: the same on every gateway
+        limits.priority_min,
     )
 
 
@@ -374,6 +385,8 @@ class GatewayPlane:
                 ]
                 unit.source.set_endpoints(endpoints)
                 unit.activator.set_balance(Balance(u["balance"], u["affinity_bound"]))
+                # absent from an older controller: then no priority goes upstream, which every engine takes
+                unit.activator.set_engine_priority(bool(u.get("engine_priority", False)))
                 unit.activator.set_unavailable(u["unavailable"])
                 unit.activator.capacity_changed()
             current.traffic = {int(r): p for r, p in d["traffic"].items() if int(r) in current.units}

@@ -187,6 +187,7 @@ class Recorder:
 
 
 PINNED = "stoker.pinned_revision"  # the scope's key for a revision the admin asked for
+PRIORITY = "stoker.priority"  # the scope's key for the request's priority (`stoker.spec.priority`)
 
 
 def pin_revision(scope) -> None:
@@ -221,11 +222,15 @@ async def answer_on(
     """One request on one revision's activator: `x-stoker-revision` on the answer, its status and
     first-byte time recorded (and returned); an `ActivatorError` (no header sent yet) is counted as
     the status the gateway will answer with, and raised for it. `adapter`: the LoRA adapter it is
-    for, on its base's activator (`stoker.control.adapters`)."""
+    for, on its base's activator (`stoker.control.adapters`). Its priority is the one the gateway
+    settled (`PRIORITY` in the scope; 0 where none did)."""
     scope["stoker.revision"] = revision  # for the gateway's error answers
     recorder = Recorder(send, revision, clock, clock())
+    priority = scope.get(PRIORITY, 0)
     try:
-        await activator.serve(scope, receive, recorder, body, stream, owner, parsed=parsed, adapter=adapter)
+        await activator.serve(
+            scope, receive, recorder, body, stream, owner, parsed=parsed, adapter=adapter, priority=priority
+        )
     except ActivatorError as exc:
         stats.record(revision, exc.status, None)
         raise

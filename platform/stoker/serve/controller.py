@@ -79,6 +79,8 @@ def routing_table(
                 "unavailable": unit.demand.unavailable if unit.demand is not None else None,
                 "balance": unit.spec.balance,  # how the gateway picks among them (`activator.affinity`)
                 "affinity_bound": unit.spec.affinity_bound,
+                # whether its engines take a body's `priority` (`Activator.set_engine_priority`)
+                "engine_priority": unit.spec.engine_settings.takes_priority(unit.spec.engine),
                 "log_requests": unit.spec.log_requests,  # the gateway's request log
                 "log_content": unit.spec.log_content,
                 "endpoints": endpoints,

@@ -19,7 +19,13 @@ from jsonschema import Draft202012Validator
 from jsonschema.exceptions import best_match
 
 from stoker.errors import invalid
-from warm_pool.engine_settings import ADAPTER_RANKS, TOOL_CALL_PARSERS, EngineSettings, arg_collision
+from warm_pool.engine_settings import (
+    ADAPTER_RANKS,
+    SCHEDULING_POLICIES,
+    TOOL_CALL_PARSERS,
+    EngineSettings,
+    arg_collision,
+)
 
 ENGINES = ("cpu", "vllm")
 # vLLM's --dtype choices; Stoker's engine takes the three it computes in.
@@ -110,6 +116,14 @@ SETTINGS: dict[str, Setting] = {
         "one of vLLM's tool-call parsers (hermes, llama3_json, mistral, pythonic, ...)",
         "how vLLM reads tool calls out of the model's text: --enable-auto-tool-choice --tool-call-parser "
         "NAME, without which vLLM refuses tool_choice auto (default: none)",
+        ("vllm",),
+    ),
+    "scheduling_policy": Setting(
+        {"enum": list(SCHEDULING_POLICIES)},
+        "fcfs or priority",
+        "vLLM's --scheduling-policy: fcfs (arrival order) or priority (by a request's `priority`, lower "
+        "first); under fcfs no nonzero priority is forwarded to vLLM and only the hold queue orders by "
+        "it; Stoker's engine always orders by it (default: fcfs)",
         ("vllm",),
     ),
     "engine_args": Setting(

@@ -1,7 +1,8 @@
 """Tenant keys and their limits, as the admin API takes them: what a key is (`KeyRecord`, stored as
 the SHA-256 of `PREFIX` and 32 random bytes), the body of a key request and its validation, and
-`Limits` (requests per second, tokens per minute, concurrent requests; 400 naming the field). The
-gateway enforces them (`stoker.gateway.limits`, `stoker.gateway.keys`); the store keeps them
+`Limits` (requests per second, tokens per minute, concurrent requests, and the key's priority
+class: its requests' default `priority` and the floor they may not ask below, `stoker.spec.priority`;
+400 naming the field). The gateway enforces them (`stoker.gateway.limits`, `stoker.gateway.keys`); the store keeps them
 (`stoker.control.keys`).
 """
 
@@ -10,10 +11,11 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from stoker.errors import invalid
+from stoker.spec import priority
 from stoker.spec.deployment import NAME
 
 
@@ -24,6 +26,10 @@ class Limits:
     rps: float | None = None  # requests per second (bucket of max(1, rps))
     tpm: int | None = None  # tokens (prompt + completion) per minute
     max_concurrent: int | None = None  # requests held + in flight at once
+    # Its priority class (`stoker.spec.priority`; lower is served first): its requests' priority
+    # where their body names none (None: 0), and the lowest one they may name (None: any).
+    priority: int | None = None
+    priority_min: int | None = None
 
     @property
     def any(self) -> bool:
@@ -35,6 +41,8 @@ class Limits:
             self.rps if self.rps is not None else defaults.rps,
             self.tpm if self.tpm is not None else defaults.tpm,
             self.max_concurrent if self.max_concurrent is not None else defaults.max_concurrent,
+            self.priority if self.priority is not None else defaults.priority,
+            self.priority_min if self.priority_min is not None else defaults.priority_min,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -42,8 +50,8 @@ class Limits:
 
     @classmethod
     def parse(cls, body: dict[str, Any], prefix: str = "") -> Limits:
-        """`rps`, `tpm`, `max_concurrent` from a request body (absent or null: not set), or a 400
-        naming the field."""
+        """`rps`, `tpm`, `max_concurrent`, `priority`, `priority_min` from a request body (absent or
+        null: not set), or a 400 naming the field."""
         rps = body.get("rps")
         if rps is not None and not (is_number(rps) and 0 < rps <= 1e6):
             raise invalid(f"'{prefix}rps' must be a number in (0, 1000000], got {rps!r}.", f"{prefix}rps")
@@ -55,6 +63,15 @@ class Limits:
                     f"'{prefix}{name}' must be an integer in [1, {high}], got {value!r}.", f"{prefix}{name}"
                 )
             values[name] = value
+        for name in ("priority", "priority_min"):
+            value = body.get(name)
+            values[name] = None if value is None else priority.checked(value, prefix + name)
+        if values["priority_min"] is not None and (values["priority"] or 0) < values["priority_min"]:
+            raise invalid(
+                f"'{prefix}priority' ({values['priority'] or 0}) must be at least '{prefix}priority_min' "
+                f"({values['priority_min']}): a key's own requests may not be refused for its default.",
+                f"{prefix}priority",
+            )
         return cls(**values)
 
 
@@ -67,6 +84,7 @@ def is_integer(value: object) -> bool:
 
 
 NO_LIMITS = Limits()
+LIMIT_FIELDS = frozenset(f.name for f in fields(Limits))  # as a key's JSON holds them
 
 
 PREFIX = "sk-stoker-"
@@ -101,12 +119,13 @@ def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-KEY_FIELDS = ("tenant", "deployments", "rps", "tpm", "max_concurrent")
+KEY_FIELDS = ("tenant", "deployments", "rps", "tpm", "max_concurrent", "priority", "priority_min")
 
 
 def validate_key_request(body: Any) -> tuple[str, tuple[str, ...], Limits]:
     """A `POST /admin/v1/keys` body: `{"tenant": str, "deployments": [name, ...]}` and optional
-    limits `rps`, `tpm`, `max_concurrent`; or a 400 naming the field."""
+    limits `rps`, `tpm`, `max_concurrent` and priority class `priority`, `priority_min`; or a 400
+    naming the field."""
     if not isinstance(body, dict):
         raise invalid("The request body must be a JSON object.")
     unknown = sorted(set(body) - set(KEY_FIELDS))

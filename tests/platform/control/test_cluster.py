@@ -165,6 +165,10 @@ def test_a_keys_limits_are_split_between_the_gateways():
     found = keys.lookup("sk-1")
     assert (found.limits.rps, found.limits.tpm, found.limits.max_concurrent) == (5.0, 500, 2)
     assert keys.lookup("sk-2") is None and len(keys) == 1
+    # A priority class is no amount: every gateway keeps the key's whole default and floor.
+    keys.replace([{**record, "priority": 10, "priority_min": 5}], gateways=3)
+    found = keys.lookup("sk-1")
+    assert (found.limits.priority, found.limits.priority_min) == (10, 5)
 
 
 def test_a_report_that_did_not_get_through_goes_into_the_next():

@@ -44,6 +44,9 @@ HONOURED = [
      "response_format", ResponseFormat("json_schema", json.dumps(SCHEMA, separators=(",", ":")))),
     ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "any"}}}, "response_format",
      ResponseFormat("json_schema", "{}")),  # OpenAI's schema is optional: any JSON value
+    ("chat", {}, "priority", 0),
+    ("chat", {"priority": -1000}, "priority", -1000),
+    ("completion", {"priority": 1000}, "priority", 1000),
     # Fields that do not change the answer, and the values of refused ones that mean "off".
     ("chat", {"user": "u1", "metadata": {"k": "v"}, "store": False, "service_tier": "auto"}, "top_k", 0),
     ("chat", {"min_p": 0.0, "echo": False, "modalities": ["text"], "skip_special_tokens": True}, "top_k", 0),
@@ -116,6 +119,11 @@ REFUSED = [
     ("chat", {"use_beam_search": True}, "use_beam_search"),
     ("completion", {"echo": True}, "echo"),
     ("completion", {"suffix": "end"}, "suffix"),
+    ("chat", {"priority": 1001}, "priority"),
+    ("completion", {"priority": -1001}, "priority"),
+    ("chat", {"priority": 1.5}, "priority"),
+    ("chat", {"priority": True}, "priority"),
+    ("chat", {"priority": "high"}, "priority"),
 ]  # fmt: skip
 
 

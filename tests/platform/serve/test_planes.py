@@ -103,6 +103,18 @@ def test_two_gateways_share_one_instance_and_survive_the_controller(planes, tiny
     [endpoint] = routes(controller, "gw-0")["deployments"]["m"]["units"]["1"]["endpoints"]
     assert endpoint["max_concurrency"] == 4
     assert routes(controller, "gw-1")["gateways"] == 2
+    # Stoker's engine takes a body's priority: the gateway passes it on, after checking it.
+    assert routes(controller, "gw-0")["deployments"]["m"]["units"]["1"]["engine_priority"] is True
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for priority, status in ((-7, 200), (5000, 400)):
+        r = httpx.post(
+            f"{a.url}/v1/chat/completions",
+            json={**body, "priority": priority},
+            headers=H,
+            timeout=COLD_ANSWER,
+        )
+        assert r.status_code == status, r.text
+    assert r.json()["error"]["param"] == "priority"
 
     # Kept warm from here, so that what follows sees one READY instance throughout.
     a.deploy("m", tiny_model_dir, "--min-warm", "1", "--max", "1", "--idle-timeout", "600")

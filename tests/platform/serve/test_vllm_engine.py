@@ -36,6 +36,7 @@ from tests.deadlines import HTTP_READ, STOP, VLLM_START, deadline, wait_healthy
 from tests.platform.serve.vllm_adapters import check_adapters_on
 from warm_pool.backends.local import free_port
 from warm_pool.engine_calls import EngineCapabilities, HttpEngines
+from warm_pool.engine_settings import EngineSettings
 from warm_pool.launch import vllm_spec
 from warm_pool.reconcile import Observed
 
@@ -295,13 +296,18 @@ class GuardedVllm:
         return sorted(set(out))
 
 
+# A deployment's `scheduling_policy: priority`, as the launch passes it (`EngineSettings.vllm_args`).
+PRIORITY_POLICY = EngineSettings(scheduling_policy="priority").vllm_args()
+
+
 @pytest.fixture(scope="module")
 def guarded_vllm(vllm_model_dir, tmp_path_factory):
     """vLLM's CPU build as the pool starts it with an instance key (the guard on), plus dev mode."""
     port = free_port()
     spec = vllm_spec(
         vllm_model_dir, port, "tiny", [], sleep_mode=False, dtype="float32", max_model_len=512,
-        extra_args=("--enforce-eager", "--max-num-seqs", "4"), vllm_command=(str(VLLM),), api_key=KEY,
+        extra_args=("--enforce-eager", "--max-num-seqs", "4", *PRIORITY_POLICY), vllm_command=(str(VLLM),),
+        api_key=KEY,
     )  # fmt: skip
     env = {**spec.environ(os.environ), "VLLM_SERVER_DEV_MODE": "1", "HF_HUB_OFFLINE": "1"}
     log = tmp_path_factory.mktemp("guarded-vllm") / "vllm.log"
@@ -364,6 +370,16 @@ def test_with_the_key_only_the_routes_stoker_calls_pass(guarded_vllm):
         done = http.post("/v1/completions", json={"model": "tiny", "prompt": "The quick", "max_tokens": 2})
         assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 2
         assert httpx.get(guarded_vllm.url + "/health").status_code == 200  # no key at all
+
+
+@needs_vllm
+def test_under_the_priority_policy_vllm_takes_a_requests_priority(guarded_vllm):
+    with httpx.Client(base_url=guarded_vllm.url, timeout=HTTP_READ, headers=KEYED) as http:
+        config = http.get("/server_info", params={"config_format": "json"}).json()["vllm_config"]
+        assert config["scheduler_config"]["policy"] == "priority"
+        body = {"model": "tiny", "prompt": "The quick", "max_tokens": 2, "priority": -5}
+        done = http.post("/v1/completions", json=body)  # under fcfs, vLLM refuses any but 0
+        assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 2
 
 
 def trimmed(answer: dict) -> dict:

@@ -207,3 +207,20 @@ def test_a_tool_call_parser_turns_on_vllms_auto_tool_choice():
     assert error.param == "tool_call_parser" and "vllm" in error.message
     for arg in ("--tool-call-parser=hermes", "--enable-auto-tool-choice"):
         assert arg_collision([arg]) == (arg.split("=")[0], "use the 'tool_call_parser' setting")
+
+
+def test_scheduling_policy_is_vllms_and_says_which_engines_take_a_priority():
+    assert validate(body(scheduling_policy="priority"))["scheduling_policy"] == "priority"
+    assert EngineSettings(scheduling_policy="priority").vllm_args() == ("--scheduling-policy", "priority")
+    assert "--scheduling-policy" not in EngineSettings().vllm_args()  # vLLM's own default: fcfs
+    error = refused(body(scheduling_policy="lifo"))
+    assert error.param == "scheduling_policy" and "fcfs or priority" in error.message
+    error = refused({**body(scheduling_policy="priority"), "engine": "cpu"})
+    assert error.param == "scheduling_policy" and "of the vllm engine" in error.message
+    error = refused(body(engine_args=["--scheduling-policy=priority"]))
+    assert "use the 'scheduling_policy' setting" in error.message
+    # Stoker's engine always orders its queue by priority; vLLM only under the priority policy.
+    assert EngineSettings().takes_priority("cpu")
+    assert not EngineSettings().takes_priority("vllm")
+    assert not EngineSettings(scheduling_policy="fcfs").takes_priority("vllm")
+    assert EngineSettings(scheduling_policy="priority").takes_priority("vllm")

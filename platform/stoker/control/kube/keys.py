@@ -13,7 +13,8 @@
       hash: <the SHA-256 of the key, 64 lowercase hex digits>     # never the key
       tenant: acme
       deployments: '["chat", "summarise"]'                        # JSON, 1 to 1024 names
-      limits: '{"rps": 5, "tpm": 20000, "max_concurrent": 4}'     # JSON, optional (default: none)
+      limits: '{"rps": 5, "tpm": 20000, "max_concurrent": 4}'     # JSON, optional (default: none);
+                                         # also priority, priority_min: the key's priority class
       created: "1767225600.0"            # unix seconds, optional (default: the Secret's creation)
 
 Why a Secret and not a custom resource, as deployments and routes are: the hash verifies a
@@ -59,7 +60,7 @@ from stoker.control.kube.kinds import MANAGED
 from stoker.control.kube.mirror import Mirror
 from stoker.errors import APIError
 from stoker.spec.deployment import NAME
-from stoker.spec.keys import NO_LIMITS, PREFIX, TENANT, KeyRecord, Limits, hash_key
+from stoker.spec.keys import LIMIT_FIELDS, NO_LIMITS, PREFIX, TENANT, KeyRecord, Limits, hash_key
 from warm_pool.backends.kube_access import calls
 
 log = logging.getLogger("stoker.kube")
@@ -113,8 +114,8 @@ def key_of(obj: dict[str, Any]) -> _Key:
         or not all(isinstance(d, str) and NAME.fullmatch(d) for d in deployments)
     ):
         raise Malformed("data.deployments is not a JSON list of 1 to 1024 deployment names")
-    if not isinstance(limits, dict) or set(limits) - {"rps", "tpm", "max_concurrent"}:
-        raise Malformed("data.limits is not a JSON object of rps, tpm and max_concurrent")
+    if not isinstance(limits, dict) or set(limits) - LIMIT_FIELDS:
+        raise Malformed(f"data.limits is not a JSON object of {', '.join(sorted(LIMIT_FIELDS))}")
     try:
         parsed = Limits.parse(limits, "limits.")
     except APIError as exc:
