@@ -231,18 +231,19 @@ class ResponsesEndpoint:
 
         if stream:
             await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
-            await emit(run.start())
-        parts: list[str] = []
+        # `response.created` goes out with the first token, in its write, as chat's role chunk does.
+        opening, parts = run.start(), []
         try:
             async for delta in generation:
-                if stream and (events := run.feed(delta.text)):
-                    await emit(events)
-                elif not stream:
+                if not stream:
                     parts.append(delta.text)
+                elif events := opening + run.feed(delta.text):
+                    opening = []
+                    await emit(events)
         except Exception as exc:
             error = renamed(_as_api_error(exc, generation))
             if stream:  # after the first byte an error can only travel as an event
-                await emit(run.failed(error), more=False)
+                await emit(opening + run.failed(error), more=False)
             else:
                 await error_response(error)(scope, receive, send)
             return
@@ -250,7 +251,7 @@ class ResponsesEndpoint:
             run.feed("".join(parts))
         events = run.finish(generation.finish_reason, generation.prompt_tokens, generation.completion_tokens)
         if stream:
-            await emit(events, more=False)
+            await emit(opening + events, more=False)
         else:
             await JSONResponse(run.response)(scope, receive, send)
 
