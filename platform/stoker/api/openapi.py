@@ -2,8 +2,9 @@
 
 Written out rather than derived: the routes are pure ASGI endpoints that read bodies themselves,
 so no framework knows their shapes. It says what the platform accepts and answers, with the ranges
-its validation enforces (the engines' `protocol.py` for generation, `stoker.spec.deployment.FIELDS` for deploys),
-so a client generator or a fuzzer (schemathesis, in the tests) can be pointed at a running platform.
+its validation enforces (the engines' `protocol.py` for generation, `stoker.api.responses` for
+`/v1/responses`, `stoker.spec.deployment.FIELDS` for deploys), so a client generator or a fuzzer
+(schemathesis, in the tests) can be pointed at a running platform.
 Every error is OpenAI's error object.
 """
 
@@ -14,6 +15,7 @@ from typing import Any
 from stoker.api.cost import cost_paths
 from stoker.api.dashboard import dashboard_paths
 from stoker.api.logs import DEFAULT_TAIL
+from stoker.api.responses import responses_paths
 from stoker.api.revisions import revision_paths
 from stoker.engine.embed import FORMATS, MAX_INPUTS
 from stoker.engine.protocol import MAX_N, MAX_STOP_SEQUENCES
@@ -322,6 +324,7 @@ def openapi_schema() -> dict[str, Any]:
             "/v1/completions": _generation(
                 "Text completion from the deployment named by `model`", _COMPLETION_REQUEST
             ),
+            **responses_paths(_errors(400, 401, 404, 413, 429, 500, 502, 503)),
             "/v1/embeddings": _embeddings(),
             "/v1/models": {
                 "get": {

@@ -2,11 +2,13 @@
 
 LoRA adapters come and go by vLLM's routes (`/v1/load_lora_adapter`, `/v1/unload_lora_adapter`),
 are listed by `/v1/models` with their `parent`, and a request names one as its `model`
-(`stoker.engine.adapters`). The two generation routes are pure ASGI endpoints: they read the body under a size limit, answer
-every refusal as an OpenAI error before any header goes out, then stream each delta to the client
-as it is produced (nothing buffered). A chat stream's role chunk goes out with the first token, in
-the same write, never before it exists. A task watches the connection for `http.disconnect` the
-whole time, and a client that leaves cancels its generation at once.
+(`stoker.engine.adapters`). The generation routes (chat, completions, and `/v1/responses`: a chat
+generation answered as a Response, `stoker.engine.responses_api`) are pure ASGI endpoints: they
+read the body under a size limit, answer every refusal as an OpenAI error before any header goes
+out, then stream each delta to the client as it is produced (nothing buffered). A chat stream's
+role chunk goes out with the first token, in the same write, never before it exists. A task
+watches the connection for `http.disconnect` the whole time, and a client that leaves cancels its
+generation at once.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -24,12 +27,13 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from stoker.engine import embed
+from stoker.engine import embed, response_events
 from stoker.engine.choices import merged, start_choices
 from stoker.engine.core import Engine
 from stoker.engine.generation import Generation
 from stoker.engine.protocol import Kind, ensure_served, parse_request
 from stoker.engine.responses import ResponseShape, sse
+from stoker.engine.responses_api import parse_responses, renamed
 from stoker.engine.tools import CallReader
 from stoker.errors import UNAVAILABLE, APIError, error_response, invalid
 from stoker.http import (
@@ -185,6 +189,71 @@ class CompletionsEndpoint:
             await emit(error.body())
         await emit("[DONE]")
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+class ResponsesEndpoint:
+    """`POST /v1/responses` (`stoker.engine.responses_api`): one chat generation, answered as a
+    Response (`stoker.engine.response_events`), whole or as its stream of events."""
+
+    def __init__(self, engine: Engine, max_body_bytes: int) -> None:
+        self.engine, self.max_body_bytes = engine, max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        engine = self.engine
+        try:
+            if engine.embedder is not None:
+                raise embed.not_generative(engine)
+            body = parse_json_object(await read_body(receive, scope, self.max_body_bytes))
+            req, echo = parse_responses(body, engine.sampling_defaults)
+            adapter = _resolve(engine, req.model)
+            engine.check_serving()
+            ids = engine.prompt_ids(req)
+            generation = await engine.start(ids, req.params, engine.budget(len(ids), req.params), adapter)
+        except APIError as exc:
+            await error_response(renamed(exc))(scope, receive, send)
+            return
+        except ClientGone:
+            return
+        run = response_events.ResponseRun(
+            "resp_" + generation.request_id, req.model, echo, req.tools, int(time.time())
+        )
+        async with generation:
+            await cancel_on_disconnect(
+                receive, self._answer(generation, run, req.stream, scope, receive, send)
+            )
+
+    async def _answer(
+        self, generation: Generation, run: response_events.ResponseRun, stream: bool, scope, receive, send
+    ) -> None:
+        async def emit(events: list[dict], more: bool = True) -> None:
+            body = b"".join(response_events.sse(event) for event in events)
+            await send({"type": "http.response.body", "body": body, "more_body": more})
+
+        if stream:
+            await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+        # `response.created` goes out with the first token, in its write, as chat's role chunk does.
+        opening, parts = run.start(), []
+        try:
+            async for delta in generation:
+                if not stream:
+                    parts.append(delta.text)
+                elif events := opening + run.feed(delta.text):
+                    opening = []
+                    await emit(events)
+        except Exception as exc:
+            error = renamed(_as_api_error(exc, generation))
+            if stream:  # after the first byte an error can only travel as an event
+                await emit(opening + run.failed(error), more=False)
+            else:
+                await error_response(error)(scope, receive, send)
+            return
+        if not stream:
+            run.feed("".join(parts))
+        events = run.finish(generation.finish_reason, generation.prompt_tokens, generation.completion_tokens)
+        if stream:
+            await emit(opening + events, more=False)
+        else:
+            await JSONResponse(run.response)(scope, receive, send)
 
 
 class EmbeddingsEndpoint:
@@ -399,6 +468,7 @@ def build_app(
     routes = [
         Route("/v1/chat/completions", CompletionsEndpoint(engine, "chat", max_body_bytes), methods=["POST"]),
         Route("/v1/completions", CompletionsEndpoint(engine, "completion", max_body_bytes), methods=["POST"]),
+        Route("/v1/responses", ResponsesEndpoint(engine, max_body_bytes), methods=["POST"]),
         Route("/v1/embeddings", EmbeddingsEndpoint(engine, max_body_bytes), methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/load_lora_adapter", load_lora_adapter, methods=["POST"]),

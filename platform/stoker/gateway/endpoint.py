@@ -58,14 +58,16 @@ def api_error(exc: ActivatorError) -> APIError:
 
 
 EMBEDDINGS = "/v1/embeddings"
+RESPONSES = "/v1/responses"  # the engines serve it (vLLM's own; Stoker's, `stoker.engine.responses_api`)
 
 
 class InferenceEndpoint:
-    """`POST /v1/chat/completions`, `POST /v1/completions` and `POST /v1/embeddings` (a deployment
-    with `--task embed`: its engine refuses the others, and a generating one this), routed by the
-    body's `model`, through
-    the request taps (`stoker.gateway.taps`, in their documented order: cost, request log, limits)
-    to the deployment's revision and its activator."""
+    """`POST /v1/chat/completions`, `POST /v1/completions`, `POST /v1/responses` and `POST
+    /v1/embeddings` (a deployment with `--task embed`: its engine refuses the others, and a
+    generating one this), routed by the body's `model`, through the request taps
+    (`stoker.gateway.taps`, in their documented order: cost, request log, limits) to the
+    deployment's revision and its activator. Cascade routes (`stoker.gateway.cascade`) read chat
+    and completion answers only: the other two name deployments."""
 
     def __init__(
         self,
@@ -87,7 +89,8 @@ class InferenceEndpoint:
             deployment = self.platform.get(name)
             principal = principal_of(scope)
             embeddings = scope["path"] == EMBEDDINGS
-            if deployment is None and self.cascades is not None and not embeddings:
+            cascaded = not embeddings and scope["path"] != RESPONSES
+            if deployment is None and self.cascades is not None and cascaded:
                 # A cascade route: None unless the caller may call both its deployments too.
                 deployment = self.cascades.lookup(name, principal.may_call)
             # Not the caller's: the same 404 as a deployment that does not exist (no existence leak).
@@ -182,6 +185,7 @@ def data_routes(
     return [
         Route("/v1/chat/completions", inference, methods=["POST"]),
         Route("/v1/completions", inference, methods=["POST"]),
+        Route(RESPONSES, inference, methods=["POST"]),
         Route(EMBEDDINGS, inference, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{model:path}", model, methods=["GET"]),

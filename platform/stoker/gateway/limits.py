@@ -236,7 +236,7 @@ def estimate_tokens(body: dict[str, Any], size: int, *, embeddings: bool = False
     an embeddings request completes none."""
     if embeddings:
         return size // 4 + 1, 0
-    most = body.get("max_completion_tokens", body.get("max_tokens"))
+    most = body.get("max_completion_tokens", body.get("max_tokens", body.get("max_output_tokens")))
     if not is_integer(most) or most < 0:
         most = DEFAULT_MAX_TOKENS  # a bad value is the engine's to refuse; its answer settles this
     n = body.get("n")
@@ -244,11 +244,15 @@ def estimate_tokens(body: dict[str, Any], size: int, *, embeddings: bool = False
     return size // 4 + 1, most * choices
 
 
-# `"usage": {...}` in a completion or in a stream's last event: flat, numbers only in the fields read.
-_USAGE = re.compile(rb'"usage"\s*:\s*\{[^{}]*?"total_tokens"\s*:\s*(\d+)')
-# The flat fields of that `usage` object, each request's tokens in and out (`stoker.control.cost`).
-_USAGE_OBJECT = re.compile(rb'"usage"\s*:\s*\{([^{}]*)')
-_USAGE_FIELD = re.compile(rb'"(prompt_tokens|completion_tokens)"\s*:\s*(\d+)')
+# `"usage": {...}` in a completion, in a stream's last event, or in a Response (whole, or in the
+# stream's `response.completed`): numbers only in the fields read, beside objects of one level (a
+# Response's `input_tokens_details`, written before its totals by vLLM, after them by Stoker's engine).
+_USAGE_BODY = rb'"usage"\s*:\s*\{((?:[^{}]|\{[^{}]*\})*'
+_USAGE = re.compile(_USAGE_BODY + rb'?)"total_tokens"\s*:\s*(\d+)')
+# The fields of that `usage` object, each request's tokens in and out (`stoker.control.cost`):
+# chat's and completions' names, or the Responses API's.
+_USAGE_OBJECT = re.compile(_USAGE_BODY + rb")")
+_USAGE_FIELD = re.compile(rb'"(prompt_tokens|completion_tokens|input_tokens|output_tokens)"\s*:\s*(\d+)')
 TAIL = 8192  # bytes of each of the last two chunks searched for `usage`
 
 
@@ -286,7 +290,7 @@ class UsageTap:
             return 0
         reported = _USAGE.findall(self._prev[-TAIL:] + self._last[-TAIL:])
         if reported:
-            return int(reported[-1])
+            return int(reported[-1][1])
         if self.events:  # minus the [DONE] marker; keep-alive comments are not events
             return self.prompt_estimate + self.events - 1
         return None
@@ -299,7 +303,8 @@ class UsageTap:
             return None
         if found := _USAGE_OBJECT.findall(self._prev[-TAIL:] + self._last[-TAIL:]):
             fields = {k: int(v) for k, v in _USAGE_FIELD.findall(found[-1])}
-            return fields.get(b"prompt_tokens", 0), fields.get(b"completion_tokens", 0)
+            prompt = fields.get(b"prompt_tokens", fields.get(b"input_tokens", 0))
+            return prompt, fields.get(b"completion_tokens", fields.get(b"output_tokens", 0))
         if self.events:
             return self.prompt_estimate, self.events - 1
         return None

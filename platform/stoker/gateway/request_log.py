@@ -177,7 +177,7 @@ def answer_text(data: bytes) -> str:
 def _prompt_of(parsed: dict) -> Any:
     if isinstance(messages := parsed.get("messages"), list):
         return messages
-    return parsed.get("prompt")
+    return parsed.get("prompt", parsed.get("input"))  # `input`: a Response's (or embeddings')
 
 
 def prompt_chars(prompt: Any) -> int:

@@ -49,13 +49,18 @@ def test_fuzzing_the_api_finds_no_server_error_and_breaks_nothing(platform_facto
     instance = before.headers["x-stoker-instance"]
 
     schema = httpx.get(f"{p.url}/openapi.json").json()
-    for path in ("/v1/chat/completions", "/v1/completions"):
+    budgets = {
+        "/v1/chat/completions": ("max_tokens", "max_completion_tokens"),
+        "/v1/completions": ("max_tokens", "max_completion_tokens"),
+        "/v1/responses": ("max_output_tokens",),
+    }
+    for path, names in budgets.items():
         request = schema["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
         request["properties"]["model"] = {"const": "tiny"}
         # Long generations only cost time here: what is fuzzed is the input, not the output length.
-        for name in ("max_tokens", "max_completion_tokens"):
+        for name in names:
             request["properties"][name] = {"type": "integer", "minimum": 1, "maximum": 8}
-        request["required"] = [*request["required"], "max_tokens"]
+        request["required"] = [*request["required"], names[0]]
     del schema["paths"]["/admin/v1/deployments/{name}"]["delete"]
     # A follow streams until the client leaves, which a fuzzer's request timeout would call a hang.
     logs = schema["paths"]["/admin/v1/deployments/{name}/logs"]["get"]

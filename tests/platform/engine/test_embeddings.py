@@ -153,6 +153,8 @@ def test_each_engine_serves_only_its_task_and_an_embedding_engine_never_sleeps(e
         json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]},
     )
     assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_generative"
+    r = httpx.post(encoder.url + "/v1/responses", json={"model": "tiny", "input": "hi"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_generative"
     r = httpx.post(engine.url + "/v1/embeddings", json={"model": "tiny", "input": "hi"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_embedding"
     assert (

@@ -127,6 +127,7 @@ def test_platform_defaults_apply_where_a_key_sets_none_and_forget_resets():
         ({"max_tokens": 50, "n": 3}, 400, (101, 150)),  # each choice may take max_tokens
         ({"max_tokens": 50, "n": 99}, 400, (101, 50)),  # out of range: the engine's 400 settles it
         ({"max_tokens": 50, "n": True}, 400, (101, 50)),
+        ({"max_output_tokens": 9}, 400, (101, 9)),  # a Responses request's
     ],
 )
 def test_estimates(body, size, expected):
@@ -183,3 +184,32 @@ async def test_the_tap_adds_headers_and_reads_usage_from_a_completion_and_a_stre
     refused_tap = UsageTap(send, limiter.admit("k", Limits(tpm=10_000), (10, 100)))
     await _through(refused_tap, 503, [b'{"error": {}}'])
     assert refused_tap.used() == 0  # no answer: nothing charged
+
+
+@pytest.mark.parametrize(
+    "usage",
+    [
+        # Stoker's engine: the totals first; vLLM (the openai types' order): each total's details after it.
+        {"input_tokens": 4, "output_tokens": 2, "total_tokens": 6, "input_tokens_details": {"cached_tokens": 0},
+         "output_tokens_details": {"reasoning_tokens": 0}},
+        {"input_tokens": 4, "input_tokens_details": {"cached_tokens": 1}, "output_tokens": 2,
+         "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 6},
+    ],
+)  # fmt: skip
+async def test_the_tap_reads_a_response_s_usage_whole_and_from_its_completed_event(usage):
+    async def send(message):
+        pass
+
+    limiter = Limiter(clock=Clock())
+    response = {"id": "resp_1", "object": "response", "output": [{"text": "x" * 20_000}], "usage": usage}
+    whole = UsageTap(send, limiter.admit("k", Limits(tpm=10_000), (10, 100)))
+    body = json.dumps(response).encode()
+    await _through(whole, 200, [body[:9000], body[9000:]])
+    assert whole.used() == 6 and whole.tokens() == (4, 2)
+
+    stream = UsageTap(send, limiter.admit("k", Limits(tpm=10_000), (10, 100)))
+    created = {"type": "response.created", "response": {**response, "output": [], "usage": None}}
+    done = {"type": "response.completed", "sequence_number": 9, "response": response}
+    events = [f"event: {e['type']}\ndata: {json.dumps(e)}\n\n".encode() for e in (created, done)]
+    await _through(stream, 200, events)
+    assert stream.used() == 6 and stream.tokens() == (4, 2)

@@ -5,7 +5,8 @@ promtool).
 
 Each client does what its users do: plain and streamed chat, a completion, n choices, structured
 output into a pydantic model, logprobs, tool calls (the openai client's `tools=`, LangChain's
-`bind_tools`), embeddings from an embedding deployment (`--task embed`, a
+`bind_tools`), the Responses API (whole, parsed and streamed), embeddings from an embedding
+deployment (`--task embed`, a
 tiny BERT encoder), and the errors it maps to its own exception classes. The model is random
 weights, so the checks are on shapes and contracts, never on what the text says.
 """
@@ -23,7 +24,7 @@ import pytest
 from pydantic import BaseModel, ConfigDict
 
 from tests.conftest import build_tiny_encoder, promtool
-from tests.deadlines import CLI, ENGINE_START
+from tests.deadlines import CLI, ENGINE_START, WAIT
 from tests.platform.gateway.test_keys import ADMIN
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # litellm fetches a price list otherwise
@@ -106,6 +107,54 @@ def test_openai_client(platform):
     assert bad.value.body["param"] == "presence_penalty"
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{platform.url}/v1", api_key="sk-wrong", max_retries=0).models.list()
+
+
+def test_openai_client_responses(platform):
+    """`responses.create`, `responses.parse` and `responses.stream` through the gateway, each
+    Response's usage metered as its deployment's tokens in and out."""
+    client = openai.OpenAI(base_url=f"{platform.url}/v1", api_key=platform.tenant_key, max_retries=0)
+
+    def tokens() -> tuple[int, int]:
+        rows = {r["deployment"]: r for r in platform.admin_get("/admin/v1/cost")["data"]}
+        return rows["tiny"]["tokens_in"], rows["tiny"]["tokens_out"]
+
+    before = tokens()
+    answer = client.responses.create(
+        model="tiny",
+        instructions="Answer briefly.",
+        input="What is the capital of France?",
+        max_output_tokens=8,
+    )
+    assert answer.id.startswith("resp_") and answer.output[0].type == "message"
+    assert isinstance(answer.output_text, str) and answer.usage.output_tokens >= 1
+    parsed = client.responses.parse(
+        model="tiny", input="Name a city.", text_format=City, max_output_tokens=400, temperature=0
+    )
+    assert isinstance(parsed.output_parsed, City)
+    with client.responses.stream(
+        model="tiny", input="Name a city.", text_format=City, max_output_tokens=400, temperature=0
+    ) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
+        streamed = stream.get_final_response()
+    assert "".join(deltas) == streamed.output_text == parsed.output_text
+    assert streamed.output_parsed == parsed.output_parsed
+    weather = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
+               "additionalProperties": False}  # fmt: skip
+    tools = [{"type": "function", "name": "get_weather", "parameters": weather, "strict": True}]
+    called = client.responses.create(
+        model="tiny", input="Weather in Paris?", tools=tools, tool_choice="required", parallel_tool_calls=False,
+        max_output_tokens=300, temperature=0,
+    )  # fmt: skip
+    [call] = called.output
+    assert call.type == "function_call" and json.loads(call.arguments)["city"] in ("Paris", "Rome")
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(model="tiny", input="Hi", store=True)
+    assert refused.value.body["param"] == "store"
+    answers = (answer, parsed, streamed, called)
+    used = (sum(a.usage.input_tokens for a in answers), sum(a.usage.output_tokens for a in answers))
+    # The meter counts a request once its answer went out: waited for, bounded, never slept on.
+    expected = (before[0] + used[0], before[1] + used[1])
+    platform.wait_for(lambda: tokens() == expected, WAIT, f"tokens {expected} metered")
 
 
 def test_litellm(platform):
@@ -242,6 +291,9 @@ def test_embeddings_from_the_openai_client_litellm_and_langchain(platform):
         client.embeddings.create(model="tiny", input="x")
     with pytest.raises(openai.BadRequestError) as bad:
         client.chat.completions.create(model="emb", messages=QUESTION)
+    assert bad.value.body["code"] == "model_not_generative"
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.responses.create(model="emb", input="x")
     assert bad.value.body["code"] == "model_not_generative"
     # LoRA adapters need a base that generates.
     from tests.conftest import build_tiny_adapter
