@@ -92,8 +92,9 @@ def test_vllm_from_zero_served_streamed_and_drained_on_rm(platform_factory, vllm
         *VLLM_HOLD,
     )
     deployed = p.deploy(
-        "tiny", vllm_model_dir, "--engine", "vllm", "--idle-timeout", "600", "--max-adapters", "1"
-    )
+        "tiny", vllm_model_dir, "--engine", "vllm", "--idle-timeout", "600", "--max-adapters", "1",
+        "--tool-call-parser", "hermes",
+    )  # fmt: skip
     assert deployed["engine"] == "vllm"
     assert p.deployments()["tiny"]["instances"]["READY"] == 0
 
@@ -112,6 +113,19 @@ def test_vllm_from_zero_served_streamed_and_drained_on_rm(platform_factory, vllm
     )
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    # The Responses API and tool calls go to vLLM's own routes; `tool_choice: auto` is served because
+    # the deployment named its tool-call parser (vLLM refuses it with a 400 otherwise).
+    response = client(p).responses.create(model="tiny", input="Hello", max_output_tokens=5, temperature=0)
+    assert response.status in ("completed", "incomplete") and response.usage.output_tokens >= 1
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+    auto = client(p).chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Hello"}],
+        tools=[tool],
+        tool_choice="auto",
+        max_tokens=5,
+    )
+    assert auto.choices[0].finish_reason in ("stop", "length", "tool_calls")
     # LoRA adapters on this instance (`vllm_adapters`: vLLM's run-time LoRA API, one start shared).
     check_adapters_on(p, "tiny", vllm_model_dir, tmp_path)
 
