@@ -15,6 +15,7 @@ from stoker.api.cost import cost_paths
 from stoker.api.dashboard import dashboard_paths
 from stoker.api.logs import DEFAULT_TAIL
 from stoker.api.revisions import revision_paths
+from stoker.batch.schema import batch_paths
 from stoker.engine.embed import FORMATS, MAX_INPUTS
 from stoker.engine.protocol import MAX_N, MAX_STOP_SEQUENCES
 from stoker.engine.tools import MAX_DESCRIPTION, MAX_TOOLS
@@ -323,6 +324,7 @@ def openapi_schema() -> dict[str, Any]:
                 "Text completion from the deployment named by `model`", _COMPLETION_REQUEST
             ),
             "/v1/embeddings": _embeddings(),
+            **batch_paths(),
             "/v1/models": {
                 "get": {
                     "summary": "The deployments, as OpenAI's model list",
