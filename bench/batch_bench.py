@@ -38,8 +38,19 @@ from pathlib import Path
 import common
 import httpx
 import openai
-from common import HOST, Processes, free_port, import_builtin_snapshot, machine_info, say, stoker_command
-from common import fmt_s, fmt_x, ratio, write_results
+from common import (
+    HOST,
+    Processes,
+    fmt_s,
+    fmt_x,
+    free_port,
+    import_builtin_snapshot,
+    machine_info,
+    ratio,
+    say,
+    stoker_command,
+    write_results,
+)
 
 MODEL = "smollm2"
 PROMPT = [{"role": "user", "content": "Tell me one short fact about the sea, in a single sentence please."}]
@@ -59,6 +70,9 @@ async def interactive(base: str, rate: float, seconds: float, max_tokens: int) -
     statuses: dict[str, int] = {}
     body = {"model": MODEL, "messages": PROMPT, "max_tokens": max_tokens, "temperature": 0, "stream": True}
 
+    samples: list[list[float]] = []  # [sent at (s into the phase), TTFT]
+    origin = time.perf_counter()
+
     async def one(client: httpx.AsyncClient) -> None:
         t0 = time.perf_counter()
         first = None
@@ -69,6 +83,7 @@ async def interactive(base: str, rate: float, seconds: float, max_tokens: int) -
         statuses[str(r.status_code)] = statuses.get(str(r.status_code), 0) + 1
         if r.status_code == 200 and first is not None:
             ttft.append(first)
+            samples.append([t0 - origin, first])
 
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
     async with httpx.AsyncClient(base_url=base, timeout=300, limits=limits) as client:
@@ -77,7 +92,7 @@ async def interactive(base: str, rate: float, seconds: float, max_tokens: int) -
             await asyncio.sleep(max(0.0, start + i / rate - time.monotonic()))
             tasks.append(asyncio.create_task(one(client)))
         await asyncio.gather(*tasks)
-    return {"ttft": ttft, "statuses": statuses}
+    return {"ttft": ttft, "statuses": statuses, "samples": sorted(samples)}
 
 
 def summary(ttft: list[float]) -> dict:
@@ -180,10 +195,11 @@ def main(argv: list[str] | None = None) -> int:
             "max_tokens": args.max_tokens,
             "model": MODEL,
             "bound_p99_ratio": BOUND,
-        },  # fmt: skip
+        },
         "baseline": {**baseline, "A": summary(a["ttft"]), "A_again": summary(a2["ttft"])},
         "with_batch": {**loaded, "batch_lines_answered_meanwhile": during},
         "statuses": {"A": a["statuses"], "B": b["statuses"], "A_again": a2["statuses"]},
+        "samples": {"A": a["samples"], "B": b["samples"], "A_again": a2["samples"]},
         "p99_ratio": change,
         "p99_delta_s": (loaded["ttft_p99_s"] or 0) - (baseline["ttft_p99_s"] or 0),
         "within_bound": change is not None and change <= BOUND,
@@ -194,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
             "completed": batch.request_counts.completed,
             "failed": batch.request_counts.failed,
             "each_line_once": ids == sorted(f"b{i}" for i in range(args.lines)),
-        },  # fmt: skip
+        },
         "elapsed_s": time.monotonic() - started,
     }
     md = "\n".join([
