@@ -28,6 +28,7 @@ import asyncio
 import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -181,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         ids = sorted(json.loads(x)["custom_id"] for x in output)
     finally:
         procs.stop_all()
+    shutil.rmtree(work, ignore_errors=True)  # kept when the run fails: its log says why
     baseline = summary(a["ttft"] + a2["ttft"])
     loaded = summary(b["ttft"])
     change = ratio(loaded["ttft_p99_s"], baseline["ttft_p99_s"])

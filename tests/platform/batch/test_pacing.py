@@ -8,25 +8,25 @@ from stoker.batch.pacing import Room, allowance, urgent
 
 
 @pytest.mark.parametrize(
-    ("room", "mine", "urgent_", "expected", "why"),
+    ("room", "mine", "urgent_", "concurrency", "expected", "why"),
     [
-        (Room(8, 0, 0, 0), 0, False, 4, "an idle instance: half its 8 slots"),
-        (Room(8, 1, 0, 0), 0, False, 3, "one interactive request in flight takes one of the four"),
-        (Room(8, 4, 0, 0), 0, False, 0, "interactive traffic fills the batch's half"),
-        (Room(8, 4, 0, 4), 4, False, 0, "the batch's own four fill it"),
-        (Room(8, 3, 0, 2), 2, False, 1, "one interactive and two batch lines: one more"),
-        (Room(8, 2, 1, 0), 0, False, 0, "an interactive request is held: it goes first"),
-        (Room(8, 8, 1, 1), 1, False, 0, "held lines are the batch's own: still full"),
-        (Room(0, 0, 0, 0), 0, False, 1, "at zero: one line, whose hold brings an instance up"),
-        (Room(0, 0, 1, 1), 1, False, 0, "at zero with a line already held: wait for it"),
-        (Room(1, 0, 0, 0), 0, False, 1, "one slot: at least one line, or a batch never runs"),
-        (Room(8, 8, 5, 0), 0, True, 2, "urgent: its own concurrency, whatever the room"),
-        (None, 0, False, 1, "no such deployment here: one at a time (each answered 404)"),
-        (Room(64, 0, 0, 0), 0, False, 2, "never past its own concurrency"),
+        (Room(8, 0, 0, 0), 0, False, 8, 4, "an idle instance: half its 8 slots"),
+        (Room(8, 1, 0, 0), 0, False, 8, 3, "one interactive request in flight takes one of the four"),
+        (Room(8, 4, 0, 0), 0, False, 8, 0, "interactive traffic fills the batch's half"),
+        (Room(8, 4, 0, 4), 4, False, 8, 0, "the batch's own four fill it"),
+        (Room(8, 3, 0, 2), 2, False, 8, 1, "one interactive and two batch lines: one more"),
+        (Room(8, 2, 1, 0), 0, False, 8, 0, "an interactive request is held: it goes first"),
+        (Room(8, 8, 1, 1), 1, False, 8, 0, "held lines are the batch's own: still full"),
+        (Room(0, 0, 0, 0), 0, False, 8, 1, "at zero: one line, whose hold brings an instance up"),
+        (Room(0, 0, 1, 1), 1, False, 8, 0, "at zero with a line already held: wait for it"),
+        (Room(0, 0, 1, 1), 0, False, 8, 0, "at zero with another batch's line held: wait for it too"),
+        (Room(1, 0, 0, 0), 0, False, 8, 1, "one slot: at least one line, or a batch never runs"),
+        (Room(8, 8, 5, 0), 0, True, 2, 2, "urgent: its own concurrency, whatever the room"),
+        (None, 0, False, 8, 1, "no such deployment here: one at a time (each answered 404)"),
+        (Room(64, 0, 0, 0), 0, False, 2, 2, "never past its own concurrency"),
     ],
 )
-def test_allowance(room, mine, urgent_, expected, why):
-    concurrency = 2 if room in (Room(8, 8, 5, 0), Room(64, 0, 0, 0)) else 8
+def test_allowance(room, mine, urgent_, concurrency, expected, why):
     assert allowance(room, mine, 0.5, concurrency, urgent_) == expected, why
 
 

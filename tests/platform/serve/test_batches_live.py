@@ -111,6 +111,8 @@ def test_a_batch_of_200_round_trips_through_the_openai_client(platform):
     missing = [e for e in errors if e["custom_id"] == "req-903"]
     assert missing[0]["response"]["status_code"] == 404
 
+    with pytest.raises(openai.ConflictError):  # a completed batch cannot be cancelled
+        client.batches.cancel(batch.id)
     assert [b.id for b in client.batches.list()] == [batch.id]
     kinds = {f.id: f.purpose for f in client.files.list()}
     assert kinds == {
@@ -138,6 +140,30 @@ def test_a_tenant_sees_only_its_own_files_and_batches(platform):
     assert alpha.files.delete(mine.id).deleted
     with pytest.raises(openai.NotFoundError):
         alpha.files.retrieve(mine.id)
+
+
+def test_a_cancelled_batch_still_answers_every_line_once(platform):
+    # A key allowed one request now and then: its lines wait out 429s, retried over half a
+    # minute, so the cancel finds the batch in progress.
+    made = platform.cli(
+        "keys", "create", "--tenant", "slow", "--deployment", "tiny", "--rps", "0.001", "--json"
+    ).stdout
+    platform.keys["slow"] = json.loads(made)["key"]
+    client = client_of(platform, "slow")
+    n = 10
+    rows = jsonl([line(i) for i in range(n)])
+    uploaded = client.files.create(file=("c.jsonl", io.BytesIO(rows)), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint=CHAT, completion_window="24h")
+    assert client.batches.cancel(batch.id).status == "cancelling"
+    done = finished(client, batch.id, deadline(120))
+    assert done.status == "cancelled" and done.cancelled_at is not None
+    counts = done.request_counts
+    assert counts.total == n and counts.completed + counts.failed == n
+    answered = lines_of(client, done.output_file_id) + lines_of(client, done.error_file_id)
+    assert sorted(a["custom_id"] for a in answered) == sorted(f"req-{i}" for i in range(n))
+    statuses = {a["response"]["status_code"] for a in answered if a["response"]}
+    assert statuses <= {200, 429}
+    assert {a["error"]["code"] for a in answered if a["error"]} <= {"batch_cancelled"}
 
 
 def test_refusals_name_the_field(platform):
