@@ -13,8 +13,8 @@ connection, its TTFT the time to its first content event. Three phases, one afte
     B   a batch of `--lines` chat requests submitted at once (the openai client's files.create and
         batches.create); the same interactive load for `--seconds` while it runs; then the batch
         polled to its end
-    A'  interactive load alone again (A and A' are pooled as the baseline, so a drift of the
-        machine over the run shows as their difference)
+    A'  interactive load alone again (the baseline is the better p99 of A and A': a drift or a
+        noisy spell of the shared machine shows as their difference, and never flatters the batch)
 
 The figure is the change in interactive p99 TTFT (B against the baseline), which the batch API
 bounds (docs/guide/batches.md: the bound, and why it holds), and the batch's own time to complete
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         ]
         subprocess.run([*stoker_command(), *deploy], env=env, check=True, capture_output=True, timeout=300)
         wait(lambda: ready(base) == 1, 300, "a READY instance", log)
-        asyncio.run(interactive(base, args.rate, 5, args.max_tokens))  # warm up: not counted
+        asyncio.run(interactive(base, args.rate, 15, args.max_tokens))  # warm up: not counted
 
         say(f"A: interactive alone, {args.rate:g}/s for {args.seconds:g} s")
         a = asyncio.run(interactive(base, args.rate, args.seconds, args.max_tokens))
@@ -183,7 +183,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         procs.stop_all()
     shutil.rmtree(work, ignore_errors=True)  # kept when the run fails: its log says why
-    baseline = summary(a["ttft"] + a2["ttft"])
+    # The baseline is the better of the two phases without the batch: the machine is shared, and
+    # a noisy phase must not make the batch look free.
+    alone = min((summary(a["ttft"]), summary(a2["ttft"])), key=lambda s: s["ttft_p99_s"] or float("inf"))
+    baseline = {**summary(a["ttft"] + a2["ttft"]), "ttft_p99_s": alone["ttft_p99_s"]}
     loaded = summary(b["ttft"])
     change = ratio(loaded["ttft_p99_s"], baseline["ttft_p99_s"])
     results = {
@@ -223,9 +226,9 @@ def main(argv: list[str] | None = None) -> int:
         "|---|---:|---:|---:|",
         *(f"| {name} | {s['requests']} | {fmt_s(s['ttft_p50_s'])} | {fmt_s(s['ttft_p99_s'])} |"
           for name, s in (("A: alone", results["baseline"]["A"]), ("B: with the batch", loaded),
-                          ("A': alone again", results["baseline"]["A_again"]), ("baseline (A + A')", baseline))),
+                          ("A': alone again", results["baseline"]["A_again"]))),
         "",
-        f"p99 with the batch / baseline: {fmt_x(change)} (bound {BOUND:g}x: "
+        f"p99 with the batch / the better p99 of A and A': {fmt_x(change)} (bound {BOUND:g}x: "
         f"{'within' if results['within_bound'] else 'OVER'}); the batch: {batch.status} in {took:.0f} s of its "
         f"24 h window, {batch.request_counts.completed} answered, each line once: {results['batch']['each_line_once']}.",
     ])  # fmt: skip

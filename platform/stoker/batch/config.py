@@ -4,9 +4,12 @@
 Pacing (`stoker.batch.pacing`) is what keeps a batch from holding interactive requests back:
 
 - `share`: the fraction of a deployment's awake slots (READY instances × their concurrency) that
-  batch requests may fill, interactive ones included in the count. With 8 slots and 0.5, a batch
-  dispatches only while fewer than 4 requests of any kind are in flight, so an interactive arrival
-  finds a free slot at once unless interactive traffic alone fills the other half.
+  batch requests may fill, interactive ones included in the count. With 8 slots and 0.25, a batch
+  dispatches only while fewer than 2 requests of any kind are in flight, so an interactive arrival
+  finds a free slot at once unless interactive traffic alone fills the other six. 0.25, not 0.5:
+  what a batch costs interactive traffic is the engine's own step shared with its sequences, and
+  at 0.5 (4 batch sequences beside the interactive one) `bench/batch_bench.py` measured interactive
+  p99 TTFT at 1.55× its baseline, over the 1.5× bound (docs/guide/batches.md).
 - `concurrency`: requests in flight per batch at most, whatever the room.
 - `tick_s`: how often a batch that was refused room looks again (a finishing line of its own
   looks at once).
@@ -25,7 +28,7 @@ class BatchConfig:
     max_files: int = 10_000  # files one tenant keeps at once
     max_lines: int = 50_000  # requests in one batch (OpenAI's bound)
     max_active: int = 100  # batches of one tenant not yet finished
-    share: float = 0.5
+    share: float = 0.25
     concurrency: int = 8
     tick_s: float = 0.1
     retry_s: float = 1.0  # the first wait before a 429/503 line is tried again; doubled each time

@@ -225,8 +225,8 @@ class BatchRunner:
         record, config = batch.record, self.config
         started, answered = self._clock(), len(batch.results.tally.done)
         fd = self.files.open(record.owner, record.input_file_id)
-        if fd is None:
-            return
+        if fd is None:  # deletes are refused while it runs: the data dir was changed under it
+            raise DiskError(f"the input file {record.input_file_id} is gone")
         try:
             while pending or batch.in_flight:
                 if batch.broken is not None:
