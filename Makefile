@@ -116,7 +116,7 @@ docs: $(STAMP)
 crds: $(STAMP)
 	$(VENV)/bin/stoker crds --out infra/helm/stoker/crds
 
-bench: bench-engine bench-constrained bench-engines bench-vllm-start bench-proxy bench-guard bench-planes bench-scale bench-s3 bench-policies bench-fleet bench-adapters
+bench: bench-engine bench-constrained bench-engines bench-vllm-start bench-proxy bench-guard bench-planes bench-scale bench-s3 bench-policies bench-fleet bench-adapters bench-batch
 
 bench-engine: $(STAMP)
 	$(PY) bench/engine_bench.py
@@ -175,6 +175,10 @@ bench-fleet: $(STAMP)
 
 bench-adapters: $(STAMP)
 	$(PY) bench/adapter_bench.py
+
+# Interactive TTFT under a steady load with and without a 500-request batch, side by side.
+bench-batch: $(STAMP)
+	$(PY) bench/batch_bench.py
 
 # Baselines: nginx and wrk from Debian and vLLM's Rust router (proxy benchmark), rclone's S3
 # server (object-storage benchmark), each Python tool in its own venv.

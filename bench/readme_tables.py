@@ -22,6 +22,7 @@ def main() -> None:
             "scale",
             "policies",
             "adapters",
+            "batch",
         ):
             source = ROOT / "bench" / "results" / f"{name}.md"
             if not source.exists():

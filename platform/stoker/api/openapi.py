@@ -17,6 +17,7 @@ from stoker.api.dashboard import dashboard_paths
 from stoker.api.logs import DEFAULT_TAIL
 from stoker.api.responses import responses_paths
 from stoker.api.revisions import revision_paths
+from stoker.batch.schema import batch_paths
 from stoker.engine.embed import FORMATS, MAX_INPUTS
 from stoker.engine.protocol import MAX_N, MAX_STOP_SEQUENCES
 from stoker.engine.tools import MAX_DESCRIPTION, MAX_TOOLS
@@ -326,6 +327,7 @@ def openapi_schema() -> dict[str, Any]:
             ),
             **responses_paths(_errors(400, 401, 404, 413, 429, 500, 502, 503)),
             "/v1/embeddings": _embeddings(),
+            **batch_paths(),
             "/v1/models": {
                 "get": {
                     "summary": "The deployments, as OpenAI's model list",

@@ -20,7 +20,14 @@ from stoker.spec.durations import duration, format_duration
 
 def register(sub: argparse._SubParsersAction) -> None:
     up = sub.add_parser("up", help="run the platform (gateway, activators, warm pools) in the foreground")
-    for add in (add_serve_args, add_activator_args, add_pool_args, add_limit_args, add_request_log_args):
+    for add in (
+        add_serve_args,
+        add_activator_args,
+        add_pool_args,
+        add_limit_args,
+        add_request_log_args,
+        add_batch_args,
+    ):
         add(up)
     add_store_args(up)
     up.set_defaults(func=cmd_up)
@@ -237,6 +244,44 @@ def add_request_log_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_batch_args(p: argparse.ArgumentParser) -> None:
+    """The batch API's (`stoker.batch.config.BatchConfig`, where the defaults are written)."""
+    from stoker.batch.config import BatchConfig
+
+    group = p.add_argument_group("batch API (/v1/files, /v1/batches)")
+    group.add_argument(
+        "--upload-limit", metavar="SIZE", default="200MiB", help="the largest file /v1/files takes"
+    )
+    group.add_argument(
+        "--batch-share",
+        type=float,
+        default=BatchConfig.share,
+        metavar="F",
+        help="the fraction of a deployment's awake slots batch requests may fill, interactive ones counted",
+    )
+    group.add_argument(
+        "--batch-concurrency",
+        type=int,
+        default=BatchConfig.concurrency,
+        metavar="N",
+        help="requests of one batch in flight at most",
+    )
+
+
+def batch_config(args: argparse.Namespace):
+    from snapshots.sizes import parse_size
+    from stoker.batch.config import BatchConfig
+
+    try:
+        return BatchConfig(
+            upload_limit_bytes=parse_size(args.upload_limit),
+            share=args.batch_share,
+            concurrency=args.batch_concurrency,
+        )
+    except ValueError as exc:
+        raise CLIError(f"--upload-limit/--batch-share/--batch-concurrency: {exc}") from None
+
+
 def request_logging(args: argparse.Namespace):
     """The request log's, drift's and traces' settings (`stoker.serve.options.RequestLogging`)."""
     from snapshots.sizes import parse_size
@@ -424,6 +469,11 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     listen = listen_of(args)
     options = UpOptions(
-        listen, platform_settings(args), activator_config(args), default_limits(args), request_logging(args)
+        listen,
+        platform_settings(args),
+        activator_config(args),
+        default_limits(args),
+        request_logging(args),
+        batch_config(args),
     )
     return run_up(options)

@@ -146,9 +146,14 @@ class Router(Protocol):
 
 
 def data_routes(
-    platform: Router, limiter: Limiter, cascades: Cascades | None = None, observer: Observer | None = None
+    platform: Router,
+    limiter: Limiter,
+    cascades: Cascades | None = None,
+    observer: Observer | None = None,
+    inference: InferenceEndpoint | None = None,
 ) -> list[Route]:
-    """OpenAI's routes."""
+    """OpenAI's routes; `inference`: the endpoint to serve them with, where the caller keeps it
+    (the batch runner sends its lines through the same one: `stoker.batch.runner`)."""
 
     def card(d: Any) -> dict[str, Any]:
         """A deployment's model card; an adapter's names its base as `parent`, as vLLM lists one."""
@@ -181,7 +186,8 @@ def data_routes(
             return error_response(APIError(404, message, param="model", code="model_not_found"))
         return JSONResponse(card(d))
 
-    inference = InferenceEndpoint(platform, limiter, cascades, observer)
+    if inference is None:
+        inference = InferenceEndpoint(platform, limiter, cascades, observer)
     return [
         Route("/v1/chat/completions", inference, methods=["POST"]),
         Route("/v1/completions", inference, methods=["POST"]),

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from activator.config import ActivatorConfig
+    from stoker.batch.config import BatchConfig
     from stoker.control.prices import PriceTable
     from stoker.control.vllm import VllmOptions
     from stoker.gateway.otel import Tracing
@@ -81,6 +82,7 @@ class UpOptions:
     holding: ActivatorConfig
     limits: Limits  # of tenant keys that set none of their own
     logging: RequestLogging
+    batch: BatchConfig | None = None  # the batch API's (`stoker.batch.config`); None: its defaults
 
 
 @dataclass(frozen=True)

@@ -14,10 +14,13 @@ from stoker.api.cost import cost_routes
 from stoker.api.dashboard import dashboard_routes
 from stoker.api.deployments import admin_routes
 from stoker.api.routes import cascade_routes
+from stoker.batch.config import BatchConfig
+from stoker.batch.routes import batch_routes
+from stoker.batch.service import Batches
 from stoker.control.history import HistoryConfig, HistorySampler
 from stoker.control.platform import Platform
 from stoker.control.routes import owned_cascades
-from stoker.gateway.endpoint import data_routes
+from stoker.gateway.endpoint import InferenceEndpoint, data_routes
 from stoker.gateway.keys import Access
 from stoker.gateway.limits import Limiter
 from stoker.gateway.request_log import Observer
@@ -26,7 +29,7 @@ from stoker.node.gpu_metrics import register_gpu_metrics
 from stoker.serve.common import common_routes, log_setup, middleware_for, observer_of, serve_app
 from stoker.serve.control_plane import access_of, checkpoints_of, platform_of
 from stoker.serve.options import UpOptions
-from stoker.spec.keys import NO_LIMITS
+from stoker.spec.keys import ADMIN, NO_LIMITS, Principal
 
 log = logging.getLogger("stoker.gateway")
 
@@ -37,8 +40,10 @@ def build_gateway(
     access: Access | None = None,  # None: no keys at all, everyone is the admin (benchmarks)
     observer: Observer | None = None,  # the request log, drift and traces (`stoker.gateway.request_log`)
     checkpoint_interval_s: float | None = None,  # None: nothing checkpointed (`stoker.control.checkpoint`)
+    batch: BatchConfig | None = None,  # the batch API's settings (`stoker.batch.config`); None: defaults
 ) -> Starlette:
-    """Both planes in one process (`stoker up`): OpenAI's routes, the admin API, the pools."""
+    """Both planes in one process (`stoker up`): OpenAI's routes, the batch API, the admin API, the
+    pools."""
     limiter = Limiter(
         access.default_limits if access is not None else NO_LIMITS, registry=platform.metrics_registry
     )
@@ -48,8 +53,12 @@ def build_gateway(
     register_gpu_metrics(platform.metrics_registry)
     # Cost, that hour and the policies' learned states, kept in the data dir across a restart.
     checkpoints = checkpoints_of(platform, sampler, checkpoint_interval_s)
+    inference = InferenceEndpoint(platform, limiter, cascades, observer)
+    # Files and batches (`stoker.batch`): each line sent through `inference`, as a client's would be.
+    batches = Batches(batch or BatchConfig())
     routes = [
-        *data_routes(platform, limiter, cascades, observer),
+        *data_routes(platform, limiter, cascades, observer, inference),
+        *batch_routes(batches.files, batches.runner, batches.config),
         *common_routes(platform, platform.metrics_registry),
         *admin_routes(platform, access, limiter, cascades.conflict),
         *cascade_routes(platform, cascades),
@@ -67,9 +76,11 @@ def build_gateway(
         sampler.start()
         if checkpoints is not None:
             checkpoints.start()
+        batches.start(platform.data_dir, inference, platform, _principals(access), platform.metrics_registry)
         try:
             yield
         finally:
+            await batches.stop()  # its lines in flight are sent again after a restart
             if checkpoints is not None:
                 await checkpoints.stop()
             await sampler.stop()
@@ -91,6 +102,17 @@ def build_gateway(
     )
 
 
+def _principals(access: Access | None):
+    """A batch's key, by id, as the caller its lines are sent as: None once it is revoked."""
+
+    def principal_for(key_id: str) -> Principal | None:
+        if key_id == ADMIN.key_id or access is None:
+            return ADMIN
+        return next((r.principal for r in access.keys.all() if r.id == key_id), None)
+
+    return principal_for
+
+
 def run_up(options: UpOptions) -> int:
     """`stoker up`, wired: the platform with its activators, the keys, the request log, the app,
     served until SIGTERM. The exit status."""
@@ -104,5 +126,6 @@ def run_up(options: UpOptions) -> int:
         access=access_of(options.listen, options.limits),
         observer=observer,
         checkpoint_interval_s=options.platform.checkpoint_interval_s,
+        batch=options.batch,
     )
     return serve_app(app, options.listen, stopping)
