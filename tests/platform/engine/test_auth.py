@@ -31,7 +31,7 @@ ROUTES = [
     ("GET", "/v1/models"), ("GET", "/v1/models/tiny"), ("POST", "/v1/completions"),
     ("POST", "/v1/chat/completions"), ("POST", "/sleep"), ("POST", "/wake_up"), ("GET", "/metrics"),
     ("GET", "/server_info"), ("GET", "/is_sleeping"), ("POST", "/v1/load_lora_adapter"),
-    ("POST", "/v1/unload_lora_adapter"), ("POST", "/v1/embeddings"),
+    ("POST", "/v1/unload_lora_adapter"), ("POST", "/v1/embeddings"), ("POST", "/v1/responses"),
 ]  # fmt: skip
 
 
