@@ -63,28 +63,13 @@ async def push(
                     skipped += entry.size
                     meter.add(entry.size)
                     return
-                path = record.path / entry.path
-                if entry.size <= config.part_size:
-                    async with sem:
-                        data = await asyncio.to_thread(path.read_bytes)
-                        await s3.call(
-                            "put_object",
-                            f"PUT {where.url(entry.path)}",
-                            Bucket=where.bucket,
-                            Key=where.key(entry.path),
-                            Body=data,
-                            Metadata={"sha256": entry.sha256},
-                        )
-                    uploaded += entry.size
-                    meter.add(entry.size)
-                    return
 
                 def part_done(n: int) -> None:
                     nonlocal uploaded
                     uploaded += n
                     meter.add(n)
 
-                await _multipart(s3, where, entry, path, config, sem, part_done)
+                await put_file(s3, where, entry, record.path / entry.path, config, sem, part_done)
 
             await run_all(one(e) for e in manifest.files)
             # Last: until this lands, the prefix is not a snapshot.
@@ -116,6 +101,34 @@ async def _already_there(s3: S3, where: S3Uri, entry: FileEntry, sem: asyncio.Se
         except RemoteNotFound:
             return False  # no such key (or no such bucket: the PUT will say so)
     return head.get("ContentLength") == entry.size and head.get("Metadata", {}).get("sha256") == entry.sha256
+
+
+async def put_file(
+    s3: S3,
+    where: S3Uri,
+    entry: FileEntry,
+    path: Path,
+    config: RemoteConfig,
+    sem: asyncio.Semaphore,
+    part_done: Callable[[int], None] = lambda n: None,
+) -> None:
+    """Upload the local file `path` as `entry` (its key under `where`, size and sha256, kept as the
+    object's `sha256` metadata): one PUT up to the part size, parallel parts above it. The batch
+    API's files in object storage (`stoker.batch.objects`) go up the same way."""
+    if entry.size <= config.part_size:
+        async with sem:
+            data = await asyncio.to_thread(_pread_all, path, 0, entry.size)
+            await s3.call(
+                "put_object",
+                f"PUT {where.url(entry.path)}",
+                Bucket=where.bucket,
+                Key=where.key(entry.path),
+                Body=data,
+                Metadata={"sha256": entry.sha256},
+            )
+        part_done(entry.size)
+        return
+    await _multipart(s3, where, entry, path, config, sem, part_done)
 
 
 async def _multipart(

@@ -35,6 +35,7 @@ class BatchConfig:
     max_attempts: int = 6  # tries of one line before its last answer goes to the error file
     min_window_s: float = 60.0  # the completion windows a batch may ask for
     max_window_s: float = 7 * 86400.0
+    files_store: str | None = None  # s3://bucket/prefix for the files' bytes (`stoker.batch.objects`)
 
     def __post_init__(self) -> None:
         checks = (
@@ -52,5 +53,9 @@ class BatchConfig:
         for name, value, low, high in checks:
             if isinstance(value, bool) or not low <= value <= high:
                 raise ValueError(f"batch setting {name} must be in [{low:g}, {high:g}], got {value!r}")
+        if self.files_store is not None:
+            from snapshots.s3 import S3Uri
+
+            S3Uri.parse(self.files_store)  # a RemoteError (one line) if it is not an s3:// URI
         if self.share == 0.0:
             raise ValueError("batch setting share must be above 0 (a batch would never run), got 0")

@@ -68,6 +68,9 @@ class BatchRecord:
     output_file_id: str | None = None
     error_file_id: str | None = None
     ending: str | None = None  # how it ends once finalized: None (completed), "expired", "cancelled"
+    counted: bool = False  # its last counts are in the record: its result files may be moved out
+    cost_base: dict[str, list[float]] | None = None  # its deployments' figures as it began (`cost`)
+    cost_usd: float = 0.0  # its share of what they spent since (`stoker.batch.cost`)
 
     @property
     def running(self) -> bool:
@@ -104,6 +107,7 @@ class BatchRecord:
                 "total_tokens": self.input_tokens + self.output_tokens,
             },
             "metadata": self.metadata,
+            "cost_usd": self.cost_usd,  # Stoker's own: not in OpenAI's Batch object
         }
 
 

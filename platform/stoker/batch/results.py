@@ -53,16 +53,27 @@ class Tally:
     failed: int = 0
     input_tokens: int = 0
     output_tokens: int = 0
+    by_model: dict[str, int] = field(default_factory=dict)  # tokens of the 200s, by their body's model
 
-    def add(self, line: int, ok: bool, usage: Any) -> None:
+    def add(self, line: int, ok: bool, body: Any) -> None:
+        """Input line `line` answered: `ok` (a 200, with its answer's `body`) or not."""
         self.done.add(line)
-        if ok:
-            self.completed += 1
-            if isinstance(usage, dict):
-                self.input_tokens += _count(usage.get("prompt_tokens"))
-                self.output_tokens += _count(usage.get("completion_tokens"))
-        else:
+        if not ok:
             self.failed += 1
+            return
+        self.completed += 1
+        usage = body.get("usage") if isinstance(body, dict) else None
+        if isinstance(usage, dict):
+            tokens_in, tokens_out = _count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens"))
+            self.input_tokens += tokens_in
+            self.output_tokens += tokens_out
+            model = body.get("model")
+            if (
+                isinstance(model, str)
+                and len(model) <= 256
+                and (len(self.by_model) < 64 or model in self.by_model)
+            ):
+                self.by_model[model] = self.by_model.get(model, 0) + tokens_in + tokens_out
 
 
 def _count(value: Any) -> int:
@@ -122,7 +133,7 @@ class ResultLog:
         }
         ok = status == 200
         await (self._out if ok else self._err).append(_encode(record))
-        self.tally.add(line, ok, body.get("usage") if ok and isinstance(body, dict) else None)
+        self.tally.add(line, ok, body if ok else None)
 
     async def refuse(self, line: int, custom_id: str | None, code: str, message: str) -> None:
         """A line that got no answer: invalid, cancelled, expired, or its key is gone."""
@@ -175,7 +186,7 @@ def _read_back(path: Path, ok: bool, tally: Tally) -> None:
                 continue
             response = record.get("response")
             body = response.get("body") if isinstance(response, dict) else None
-            tally.add(line, ok, body.get("usage") if ok and isinstance(body, dict) else None)
+            tally.add(line, ok, body if ok else None)
         if good != os.fstat(f.fileno()).st_size:
             f.truncate(good)
             os.fsync(f.fileno())

@@ -17,8 +17,6 @@ Every refusal is OpenAI's error shape naming the field.
 
 from __future__ import annotations
 
-import asyncio
-import os
 import re
 import time
 from collections.abc import Callable
@@ -28,6 +26,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from snapshots.errors import RemoteError
 from stoker.batch.config import BatchConfig
 from stoker.batch.files import FILE_ID, UPLOAD_PURPOSES, FileStore, OverLimit, TooMany, owner_of
 from stoker.batch.lines import batch_request
@@ -130,7 +129,10 @@ def batch_routes(
                 raise invalid(f"Unknown field(s) {unknown}; send `file` and `purpose`.", unknown[0])
             if sink is None:
                 raise invalid("Send the file in the multipart field `file`.", "file")
-            made = await asyncio.to_thread(sink.commit, _filename(form.filename), purpose)
+            try:
+                made = await sink.commit(_filename(form.filename), purpose)
+            except RemoteError as exc:
+                raise _unavailable(exc, "file") from None
         except BaseException:
             if sink is not None:
                 sink.abort()
@@ -162,23 +164,23 @@ def batch_routes(
 
     async def content(request: Request) -> Response:
         owner, found = _file(request)
-        fd = files().open(owner, found.id)
-        if fd is None:
+        try:
+            chunks = await files().read(owner, found.id)
+        except RemoteError as exc:
+            raise _unavailable(exc) from None
+        if chunks is None:
             raise _not_found("File", found.id, "file_id")
-
-        async def chunks():
-            with os.fdopen(fd, "rb") as f:
-                while chunk := await asyncio.to_thread(f.read, READ_CHUNK):
-                    yield chunk
-
-        return StreamingResponse(chunks(), media_type="application/octet-stream")
+        return StreamingResponse(chunks, media_type="application/octet-stream")
 
     async def delete_file(request: Request) -> Response:
         owner, found = _file(request)
         users = [b.id for b in runner().store.of(owner) if b.running and b.input_file_id == found.id]
         if users:
             raise invalid(f"The file is the input of batch {users[0]}, which has not finished.", "file_id")
-        files().delete(owner, found.id)
+        try:
+            await files().delete(owner, found.id)
+        except RemoteError as exc:
+            raise _unavailable(exc) from None
         return JSONResponse({"id": found.id, "object": "file", "deleted": True})
 
     async def create_batch(request: Request) -> Response:
@@ -257,6 +259,13 @@ def batch_routes(
         Route("/v1/batches/{batch_id}", get_batch, methods=["GET"]),
         Route("/v1/batches/{batch_id}/cancel", cancel, methods=["POST"]),
     ]
+
+
+def _unavailable(exc: RemoteError, param: str = "file_id") -> APIError:
+    """Object storage failed (after its retries): a 503 the client may retry, naming no secret."""
+    return APIError(
+        503, f"The file store failed: {exc}", type="server_error", param=param, code="file_store_unavailable"
+    )
 
 
 def _too_large(limit: int) -> APIError:

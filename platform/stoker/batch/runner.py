@@ -16,9 +16,16 @@ A restart (or a crash) loses only the lines in flight: `results.ResultLog.recove
 what is answered, and those lines are never sent again. Stopping the runner cancels its lines in
 flight (their answers are not written: they are sent again after the restart).
 
+Cost (`stoker.batch.cost`): the cost meter's figures of every deployment are the batch's base when
+it first goes `in_progress`; its `cost_usd` is its tokens' share of what they spent since, live
+while it runs and fixed when it is counted for the last time.
+
 Metrics, labelled by deployment (a name no deployment has is `other`, so the label stays bounded):
 `stoker_batch_requests_total{deployment,outcome}`, `stoker_batch_tokens_total{deployment,direction}`,
-`stoker_batch_in_flight{deployment}`; `stoker_batches{status}` counts batches by state.
+`stoker_batch_in_flight{deployment}`, `stoker_batch_cost_usd_total{deployment}` (each batch's cost
+as it ends, under its first line's model); `stoker_batches{status}` counts batches by state, and
+`stoker_batch_duration_seconds{status}` how long each took from its creation to its end. A batch's
+own figures (counts, tokens, cost) are on its Batch object, never a label: ids are unbounded.
 """
 
 from __future__ import annotations
@@ -34,10 +41,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from snapshots.errors import RemoteError
 from stoker.batch import pacing
 from stoker.batch.config import BatchConfig
+from stoker.batch.cost import batch_cost, figures
 from stoker.batch.disk import DiskError
 from stoker.batch.files import FileStore
 from stoker.batch.lines import BadLine, Entry, TooManyLines, request_body, scan
@@ -52,6 +61,7 @@ BATCH_PRIORITY = 100  # behind the default class (0) and every interactive key's
 RETRY = (429, 503)
 MAX_ANSWER_BYTES = 64 << 20
 MAX_BACKOFF_S = 60.0
+INPUT_COPY = "input.jsonl"  # in the work dir: a copy of an input kept in object storage
 
 
 @dataclass
@@ -79,6 +89,19 @@ class BatchMetrics:
             "stoker_batch_in_flight", "Batch lines sent and not answered", ["deployment"], registry=registry
         )
         self.batches = Gauge("stoker_batches", "Batches by status", ["status"], registry=registry)
+        self.cost = Counter(
+            "stoker_batch_cost_usd",
+            "Dollars of finished batches (each one's share of its deployments' spend while it ran)",
+            ["deployment"],
+            registry=registry,
+        )
+        self.duration = Histogram(
+            "stoker_batch_duration_seconds",
+            "Seconds from a batch's creation to its end, by how it ended",
+            ["status"],
+            buckets=(60, 300, 900, 3600, 4 * 3600, 12 * 3600, 24 * 3600, 3 * 86400, 7 * 86400),
+            registry=registry,
+        )
 
 
 class BatchRunner:
@@ -93,6 +116,7 @@ class BatchRunner:
         registry: CollectorRegistry,
         wall: Callable[[], float] = time.time,
         clock: Callable[[], float] = time.monotonic,
+        cost_rows: Callable[[], list[dict[str, Any]]] = list,  # the cost meter's rows (`CostMeter.report`)
     ) -> None:
         self.files, self.store, self.endpoint, self.platform = files, store, endpoint, platform
         self.principal_for = principal_for
@@ -101,15 +125,22 @@ class BatchRunner:
         self._wall, self._clock = wall, clock
         self._running: dict[str, _Batch] = {}
         self._on_deployment: dict[str, int] = {}  # batch lines in flight per deployment, every batch's
+        self._cost_rows = cost_rows
+        self._figures: tuple[float, dict[str, list[float]]] | None = None  # (when, figures): 1 s fresh
 
     # -- lifecycle ------------------------------------------------------------------------------
 
-    def start(self) -> None:
+    async def start(self) -> None:
         damaged = self.store.load()
         for name in damaged:
             log.error("batch record %s is damaged; it is skipped", name)
         unfinished = [r for r in self.store.all() if r.running]
-        self.files.sweep(keep=[i for r in unfinished for i in (r.output_id, r.error_id)])
+        keep = [i for r in unfinished for i in (r.output_id, r.error_id)]
+        self.files.sweep(keep=keep)
+        if finished := await self.files.sweep_objects(keep=keep):
+            log.info(
+                "finished %d uploads or deletes of files a crash left in %s", finished, self.files.objects
+            )
         for record in unfinished:
             self._spawn(record)
         self._publish()
@@ -137,7 +168,7 @@ class BatchRunner:
     def view(self, record: BatchRecord) -> dict[str, Any]:
         """The Batch object, with the live counts of a batch that runs."""
         running = self._running.get(record.id)
-        if running is not None:
+        if running is not None and not record.counted:
             self._count_into(record, running.results)
         return record.to_dict()
 
@@ -156,8 +187,24 @@ class BatchRunner:
     def _set(self, record: BatchRecord, status: str) -> None:
         record.status = status
         setattr(record, f"{status}_at", int(self._wall()))
+        if status == "in_progress" and record.cost_base is None:
+            record.cost_base = self._cost_figures()
         self.store.save(record)
         self._publish()
+        if status in DONE:
+            self.metrics.duration.labels(status).observe(max(0.0, self._wall() - record.created_at))
+            if record.cost_usd > 0:
+                label = (
+                    record.model if record.model and self.platform.get(record.model) is not None else "other"
+                )
+                self.metrics.cost.labels(label).inc(record.cost_usd)
+
+    def _cost_figures(self) -> dict[str, list[float]]:
+        """Every deployment's [instance $, tokens] from the cost meter, at most a second old."""
+        now = self._clock()
+        if self._figures is None or now - self._figures[0] >= 1.0:
+            self._figures = (now, figures(self._cost_rows()))
+        return self._figures[1]
 
     # -- one batch --------------------------------------------------------------------------------
 
@@ -180,11 +227,15 @@ class BatchRunner:
                 await self._dispatch(batch, left)
             if record.status == "cancelling":
                 record.ending = "cancelled"
-            await self._refuse_rest(batch, entries)
-            await self._finalize(batch)
+            if not record.counted:  # once: after it, a result file may be moved out of the journal
+                await self._refuse_rest(batch, entries)
+                self._count_into(record, batch.results)
+                record.counted = True
+                self.store.save(record)
+            await self._finalize_until_stored(batch)
         except asyncio.CancelledError:
             raise
-        except (DiskError, OSError) as exc:
+        except (DiskError, OSError, RemoteError) as exc:
             log.error("batch %s failed: %s", record.id, exc)
             record.errors = [{"code": "storage_error", "message": str(exc), "param": None, "line": None}]
             self._set(record, "failed")
@@ -198,7 +249,7 @@ class BatchRunner:
     async def _validate(self, batch: _Batch) -> list[Entry] | None:
         """The input's valid lines; its bad ones written to the error file (once). None: failed."""
         record = batch.record
-        fd = self.files.open(record.owner, record.input_file_id)
+        fd = await self._input(record)
         if fd is None:
             return self._fail(record, "file_not_found", f"The input file {record.input_file_id} is gone.")
         try:
@@ -224,7 +275,7 @@ class BatchRunner:
         or its window ends (then the lines in flight finish, and the rest is left)."""
         record, config = batch.record, self.config
         started, answered = self._clock(), len(batch.results.tally.done)
-        fd = self.files.open(record.owner, record.input_file_id)
+        fd = await self._input(record)
         if fd is None:  # deletes are refused while it runs: the data dir was changed under it
             raise DiskError(f"the input file {record.input_file_id} is gone")
         try:
@@ -255,6 +306,11 @@ class BatchRunner:
                         await batch.wake.wait()
         finally:
             os.close(fd)
+
+    async def _input(self, record: BatchRecord) -> int | None:
+        """The batch's input, open for reading (a file in the bucket: its copy in the work dir)."""
+        cache = self.store.work_dir(record) / INPUT_COPY
+        return await self.files.open(record.owner, record.input_file_id, cache)
 
     def room(self, model: str) -> pacing.Room | None:
         """What the deployment `model`'s activators see now; None if it has none here."""
@@ -410,28 +466,50 @@ class BatchRunner:
             if entry.line not in results.tally.done:
                 await results.refuse(entry.line, entry.custom_id, code, message)
 
+    async def _finalize_until_stored(self, batch: _Batch) -> None:
+        """`_finalize`, tried again while object storage fails: the batch stays `finalizing`
+        with its results on local disk, and no answer is lost to a store that is down a while."""
+        wait = self.config.retry_s
+        while True:
+            try:
+                return await self._finalize(batch)
+            except RemoteError as exc:
+                log.warning(
+                    "batch %s: its result files are not stored yet (%s); again in %g s",
+                    batch.record.id,
+                    exc,
+                    wait,
+                )
+                await asyncio.sleep(wait)
+                wait = min(MAX_BACKOFF_S, wait * 2)
+
     async def _finalize(self, batch: _Batch) -> None:
         """The result files made the owner's File objects; then the batch's last state. Again
         after a crash, it only does what is left (`FileStore.adopt`)."""
         record, results = batch.record, batch.results
-        self._count_into(record, results)
         out, err = results.sizes()
         results.close()
         owner = record.owner
-        if out:
+        # A result file is adopted if it holds anything, or was (partly) adopted before: a crash,
+        # or a store that failed the put.
+        if out or self.files.holds(owner, record.output_id):
             name = f"{record.id}_output.jsonl"
-            self.files.adopt(owner, record.output_id, results.output_path, name, "batch_output")
+            await self.files.adopt(owner, record.output_id, results.output_path, name, "batch_output")
             record.output_file_id = record.output_id
-        if err:
+        if err or self.files.holds(owner, record.error_id):
             name = f"{record.id}_error.jsonl"
-            self.files.adopt(owner, record.error_id, results.errors_path, name, "batch_output")
+            await self.files.adopt(owner, record.error_id, results.errors_path, name, "batch_output")
             record.error_file_id = record.error_id
+        with contextlib.suppress(FileNotFoundError):
+            (self.store.work_dir(record) / INPUT_COPY).unlink()
         self._set(record, record.ending or "completed")
 
     def _count_into(self, record: BatchRecord, results: ResultLog) -> None:
         tally = results.tally
         record.completed, record.failed = tally.completed, tally.failed
         record.input_tokens, record.output_tokens = tally.input_tokens, tally.output_tokens
+        if record.cost_base is not None:
+            record.cost_usd = batch_cost(self._cost_figures(), record.cost_base, tally.by_model)
 
 
 def _error(message: str) -> dict[str, Any]:

@@ -72,6 +72,10 @@ _BATCH = {
         },
         "usage": {"type": "object"},
         "metadata": {"type": ["object", "null"]},
+        "cost_usd": {
+            "type": "number",
+            "description": "Stoker's own: the batch's share of its deployments' spend while it ran",
+        },
     },
 }
 _BATCH_REQUEST = {
@@ -129,7 +133,7 @@ def batch_paths() -> dict[str, Any]:
                 },
                 "responses": {
                     "200": {"description": "the File object", **_json(_FILE)},
-                    **_errors(400, 401, 413, 415),
+                    **_errors(400, 401, 413, 415, 503),
                 },
             },
             "get": {
@@ -154,7 +158,7 @@ def batch_paths() -> dict[str, Any]:
                 "parameters": file_id,
                 "responses": {
                     "200": {"description": "deleted", **_json({"type": "object"})},
-                    **_errors(400, 401, 404),
+                    **_errors(400, 401, 404, 503),
                 },
             },
         },
@@ -164,7 +168,7 @@ def batch_paths() -> dict[str, Any]:
                 "parameters": file_id,
                 "responses": {
                     "200": {"description": "the bytes", "content": {"application/octet-stream": {}}},
-                    **_errors(401, 404),
+                    **_errors(401, 404, 503),
                 },
             }
         },

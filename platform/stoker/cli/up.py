@@ -253,6 +253,12 @@ def add_batch_args(p: argparse.ArgumentParser) -> None:
         "--upload-limit", metavar="SIZE", default="200MiB", help="the largest file /v1/files takes"
     )
     group.add_argument(
+        "--files-store",
+        metavar="S3_URI",
+        help="keep the files' bytes in object storage (s3://bucket/prefix; endpoint from "
+        "AWS_ENDPOINT_URL), not in the data dir",
+    )
+    group.add_argument(
         "--batch-share",
         type=float,
         default=BatchConfig.share,
@@ -269,6 +275,7 @@ def add_batch_args(p: argparse.ArgumentParser) -> None:
 
 
 def batch_config(args: argparse.Namespace):
+    from snapshots.errors import RemoteError
     from snapshots.sizes import parse_size
     from stoker.batch.config import BatchConfig
 
@@ -277,7 +284,10 @@ def batch_config(args: argparse.Namespace):
             upload_limit_bytes=parse_size(args.upload_limit),
             share=args.batch_share,
             concurrency=args.batch_concurrency,
+            files_store=args.files_store,
         )
+    except RemoteError as exc:
+        raise CLIError(f"--files-store: {exc}") from None
     except ValueError as exc:
         raise CLIError(f"--upload-limit/--batch-share/--batch-concurrency: {exc}") from None
 

@@ -76,7 +76,9 @@ def build_gateway(
         sampler.start()
         if checkpoints is not None:
             checkpoints.start()
-        batches.start(platform.data_dir, inference, platform, _principals(access), platform.metrics_registry)
+        await batches.start(
+            platform.data_dir, inference, platform, _principals(access), platform.metrics_registry
+        )
         try:
             yield
         finally:
