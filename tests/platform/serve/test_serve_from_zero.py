@@ -23,7 +23,10 @@ def client(p) -> openai.OpenAI:
 
 
 def test_request_at_zero_is_held_then_answered_whole_and_streamed(platform_factory, tiny_model_dir):
-    p = platform_factory("--stable-window", "2")
+    # The default stable window (60 s): the warm request must find the instance READY, not asleep.
+    # At 2 s, a test process the loaded machine kept from sending it for 2 s after the first
+    # answer met an instance the policy had, rightly, put to sleep (its wake is a cold start).
+    p = platform_factory()
     p.deploy("tiny", tiny_model_dir, "--idle-timeout", "600")
     assert p.deployments()["tiny"]["instances"]["READY"] == 0
 
