@@ -9,7 +9,11 @@ node's NVMe). The snapshot store's disk budget comes from `$STOKER_SNAPSHOT_BUDG
 from __future__ import annotations
 
 import argparse
+import errno
+import fcntl
 import os
+import sqlite3
+import stat
 from pathlib import Path
 
 from snapshots.sizes import parse_size
@@ -17,6 +21,7 @@ from stoker.errors import CLIError
 
 BUDGET_ENV = "STOKER_SNAPSHOT_BUDGET"
 STORE_ENV = "STOKER_SNAPSHOT_STORE"
+LOCK_NAME = "platform.lock"
 
 
 def data_dir() -> Path:
@@ -69,3 +74,61 @@ def snapshot_budget(value: str | None = None) -> int | None:
             f"{where}: {value!r} is no room at all; give a positive size, or unset it for no budget"
         )
     return budget
+
+
+def lock_data_dir(directory: Path, what: str) -> int:
+    """The data dir taken for this process (`stoker up`, `stoker controller`): an exclusive `flock`
+    on `<data dir>/platform.lock`, held until the process ends (however it ends: the kernel lets go
+    of a dead process's lock), its PID written in the file. The registry, the instance records and
+    the warm runtimes assume one owner: a second platform on the same data dir would kill the
+    first one's runtimes and adopt its engines. So it is refused, naming the first one's PID.
+    The descriptor is not inherited (engines outlive a killed platform: they must not hold the
+    lock). Returns it, to keep open."""
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path = directory / LOCK_NAME
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise CLIError(f"{path} is a symbolic link: refusing to lock through it") from None
+        raise CLIError(f"cannot open {path}: {exc.strerror or exc}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise CLIError(
+            f"the data dir {directory} is in use by another Stoker platform (pid {holder}): stop it, "
+            f"or give this {what} a data dir of its own (STOKER_HOME)"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def private_file(path: Path) -> None:
+    """`path` made a regular file only its owner may read or write (0600), created if missing,
+    never through a symbolic link; a file left wider by an older version is narrowed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise OSError(errno.EINVAL, f"{path} is not a regular file")
+        if mode & 0o077:
+            os.fchmod(fd, 0o600)
+    finally:
+        os.close(fd)
+
+
+def open_database(path: Path) -> sqlite3.Connection:
+    """The platform's SQLite file (`stoker.db`: the deployments, the key hashes, the routes),
+    autocommit, in WAL mode, 0600 (SQLite gives its -wal and -shm files the database's own mode;
+    ones an older version left wider are narrowed too)."""
+    private_file(path)
+    for side in ("-wal", "-shm"):
+        if path.with_name(path.name + side).exists():
+            private_file(path.with_name(path.name + side))
+    db = sqlite3.connect(path, isolation_level=None)  # autocommit; `with` for transactions
+    db.execute("PRAGMA journal_mode=WAL")
+    return db

@@ -24,6 +24,8 @@ import threading
 import time
 from pathlib import Path
 
+from stoker.cli.parser import port
+
 log = logging.getLogger("stoker.engine")
 
 
@@ -32,7 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--snapshot", required=True, help="snapshot directory, or a snapshot id or name in the store"
     )
-    p.add_argument("--port", type=_port, required=True, help="port to serve on")
+    p.add_argument("--port", type=port, required=True, help="port to serve on")
     p.add_argument("--host", default="127.0.0.1", help="address to serve on")
     p.add_argument("--served-model-name", help="model name clients send (default: the snapshot's name)")
     p.add_argument("--threads", type=_positive_int, help="torch CPU threads (default: torch's choice)")
@@ -214,13 +216,6 @@ def check_weights(snapshot_dir: Path) -> None:
 
     for path in sorted(snapshot_dir.rglob("*.safetensors")):
         read_header(path)
-
-
-def _port(value: str) -> int:
-    port = _int(value)
-    if not 1 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a port in 1..65535, got {value}")
-    return port
 
 
 def _int(value: str) -> int:

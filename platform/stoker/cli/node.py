@@ -21,6 +21,7 @@ import signal
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from stoker.cli.parser import port
 from stoker.errors import CLIError
 from stoker.spec.durations import duration
 
@@ -51,7 +52,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="this node's name in Kubernetes (the downward API's spec.nodeName)",
     )
     node.add_argument("--host", default="0.0.0.0", help="address to serve /healthz and /metrics on")
-    node.add_argument("--port", type=int, default=8082, help="port to serve /healthz and /metrics on")
+    node.add_argument("--port", type=port, default=8082, help="port to serve /healthz and /metrics on")
     node.add_argument("--interval", type=duration, default="30s", help="time between syncs")
     node.add_argument(
         "--warm",

@@ -55,6 +55,18 @@ class StokerParser(argparse.ArgumentParser):
             )
 
 
+def port(value: str) -> int:
+    """An argparse type: a TCP port a server can listen on, 1..65535 (a larger number would be
+    taken modulo 65536 by the socket layer, and the server would listen somewhere else)."""
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a port in 1..65535, got {value!r}") from None
+    if not 1 <= number <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port in 1..65535, got {value}")
+    return number
+
+
 def _suggest(value: str, names: list[str]) -> str:
     close = difflib.get_close_matches(value, names, n=1)
     return f"; did you mean {close[0]!r}?" if close else ""

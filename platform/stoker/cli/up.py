@@ -13,6 +13,7 @@ import shlex
 from pathlib import Path
 
 from activator.config import ActivatorConfig
+from stoker.cli.parser import port
 from stoker.errors import CLIError
 from stoker.paths import add_store_args
 from stoker.spec.durations import duration, format_duration
@@ -36,7 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     """Where a process serves, and its log."""
     p.add_argument("--host", default="127.0.0.1", help="address to serve on")
-    p.add_argument("--port", type=int, default=8080, help="port to serve on")
+    p.add_argument("--port", type=port, default=8080, help="port to serve on")
     p.add_argument(
         "--allow-open",
         action="store_true",

@@ -28,6 +28,7 @@ import sys
 import urllib.request
 from pathlib import Path
 
+from stoker.cli.parser import port
 from stoker.errors import CLIError
 
 
@@ -36,7 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "vllm-serve", help="start vLLM in an engine pod, as the image's vLLM build needs (the controller's)"
     )
     p.add_argument("--snapshot", type=Path, required=True, help="the snapshot's directory on this node")
-    p.add_argument("--port", type=int, required=True, help="the port vLLM listens on")
+    p.add_argument("--port", type=port, required=True, help="the port vLLM listens on")
     p.add_argument("--host", default="0.0.0.0", help="the address vLLM binds")
     p.add_argument("--served-model-name", required=True, help="the deployment's name")
     p.add_argument("--gpus", type=int, default=0, help="the devices the pod was given (0: none)")

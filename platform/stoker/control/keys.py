@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import json
 import secrets
-import sqlite3
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from stoker.errors import APIError
+from stoker.paths import open_database
 from stoker.spec.keys import NO_LIMITS, PREFIX, KeyRecord, Limits, hash_key
 
 
@@ -23,9 +23,7 @@ class KeyStore:
     that the request path never touches the database. One process owns the file."""
 
     def __init__(self, path: Path, *, clock: Callable[[], float] = time.time) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(path, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db = open_database(path)
         self._db.execute(
             "CREATE TABLE IF NOT EXISTS api_keys (id TEXT PRIMARY KEY, key_hash TEXT NOT NULL UNIQUE,"
             " tenant TEXT NOT NULL, deployments TEXT NOT NULL, created_at REAL NOT NULL,"

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-import sqlite3
 import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Protocol
 
+from stoker.paths import open_database
 from stoker.spec.deployment import DeploymentSpec
 
 
@@ -59,9 +59,7 @@ class Registry:
     """
 
     def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(path, isolation_level=None)  # autocommit; `with` for transactions
-        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db = open_database(path)  # autocommit; `with` for transactions
         with self._transaction():
             self._db.execute(
                 "CREATE TABLE IF NOT EXISTS deployments ("

@@ -7,12 +7,12 @@ gateway of its own serves a read-only copy of it (`stoker.gateway.routes.SyncedR
 from __future__ import annotations
 
 import json
-import sqlite3
 import time
 from pathlib import Path
 from typing import Any
 
 from stoker.gateway.cascade import Cascades, RouteTable
+from stoker.paths import open_database
 from stoker.spec.routes import CascadeRoute, route_not_found
 
 
@@ -21,9 +21,7 @@ class CascadeRoutes:
     mirrored in memory so that the request path never touches the database."""
 
     def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(path, isolation_level=None)  # autocommit; `with` for transactions
-        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db = open_database(path)  # autocommit; `with` for transactions
         self._db.execute(
             "CREATE TABLE IF NOT EXISTS cascade_routes ("
             " name TEXT PRIMARY KEY, route TEXT NOT NULL, created_at REAL NOT NULL, updated_at REAL NOT NULL)"

@@ -37,6 +37,7 @@ from stoker.gateway.limits import Limiter
 from stoker.gateway.metering import GatewaySeries, parse_series
 from stoker.http import ServerStopping, openai_exception_handlers, parse_json_object, read_body
 from stoker.node.gpu_metrics import register_gpu_metrics
+from stoker.paths import data_dir, lock_data_dir
 from stoker.serve.common import common_routes, log_setup, middleware_for, serve_app
 from stoker.serve.control_plane import access_of, checkpoints_of, platform_of
 from stoker.serve.options import ControllerOptions, KubeSettings
@@ -295,7 +296,9 @@ def run_controller(options: ControllerOptions) -> int:
     """`stoker controller`, wired: the platform (on the Kubernetes backend, with its Lease election,
     where `options.kube` says), the keys, the app, served until SIGTERM or until the Lease is lost.
     The exit status. A setting the backend refuses, a namespace that does not admit engine pods
-    included, raises `warm_pool.errors.InvalidConfig` before anything is served."""
+    included, raises `warm_pool.errors.InvalidConfig` before anything is served. Refused while
+    another platform holds the data dir (`stoker.paths.lock_data_dir`)."""
+    lock_data_dir(data_dir(), "stoker controller")  # held until this process ends
     log_setup(options.listen)
     wiring, leader, checkpoint_store, settings, client = {}, None, None, options.platform, None
     if options.kube is not None:

@@ -26,6 +26,7 @@ from stoker.gateway.limits import Limiter
 from stoker.gateway.request_log import Observer
 from stoker.http import ServerStopping, openai_exception_handlers
 from stoker.node.gpu_metrics import register_gpu_metrics
+from stoker.paths import data_dir, lock_data_dir
 from stoker.serve.common import common_routes, log_setup, middleware_for, observer_of, serve_app
 from stoker.serve.control_plane import access_of, checkpoints_of, platform_of
 from stoker.serve.options import UpOptions
@@ -117,7 +118,9 @@ def _principals(access: Access | None):
 
 def run_up(options: UpOptions) -> int:
     """`stoker up`, wired: the platform with its activators, the keys, the request log, the app,
-    served until SIGTERM. The exit status."""
+    served until SIGTERM. The exit status. Refused, before anything is touched, while another
+    platform holds the data dir (`stoker.paths.lock_data_dir`)."""
+    lock_data_dir(data_dir(), "stoker up")  # held until this process ends
     log_setup(options.listen)
     observer = observer_of(options.logging)
     stopping = ServerStopping()

@@ -65,6 +65,11 @@ def test_version():
         (["up", "--checkpoint-interval", "0.5s"], ["--checkpoint-interval must be 1s to 3600s (or off), got 0.5s"]),
         (["controller", "--checkpoint-interval", "2h"], ["--checkpoint-interval must be 1s to 3600s"]),
         (["logs", "x", "--tail", "many"], ["argument --tail: must be a number of lines"]),
+        # Past 65535 the socket layer takes the port modulo 65536: `up --port 99999` listened on 34463.
+        (["up", "--port", "99999"], ["argument --port: must be a port in 1..65535, got 99999"]),
+        (["gateway", "--port", "0"], ["argument --port: must be a port in 1..65535, got 0"]),
+        (["controller", "--port", "http"], ["argument --port: must be a port in 1..65535, got 'http'"]),
+        (["node", "--controller", "http://c:1", "--node-name", "n", "--port", "70000"], ["must be a port in 1..65535"]),
         (["deploy", "x"], ["--model is required (or --adapter with --base, for a LoRA adapter)"]),
         (["deploy", "x", "--adapter", "./lora"], ["--adapter and --base go together"]),
         (["deploy", "x", "--model", "m", "--adapter", "./lora", "--base", "b"], ["--model and --adapter exclude each other"]),

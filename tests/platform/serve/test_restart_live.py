@@ -9,10 +9,16 @@ from __future__ import annotations
 import json
 import re
 import stat
+import subprocess
 
 import httpx
+import psutil
 
-from tests.deadlines import COLD_ANSWER
+from tests.conftest import STOKER
+from tests.deadlines import CLI, COLD_ANSWER, ENGINE_START
+from tests.platform.conftest import pid_alive
+from tests.platform.engine.conftest import free_port
+from tests.snapshots.support import assert_one_line_error
 
 ARGS = ("--stable-window", "2", "--checkpoint-interval", "1s")
 ENV = {"STOKER_HISTORY_INTERVAL": "0.5"}  # a point every half second: the answers show soon
@@ -81,3 +87,25 @@ def test_cost_history_and_learned_state_survive_a_restart_on_the_same_data_dir(
 def _ready_seconds(p) -> float:
     [row] = json.loads(p.cli("cost", "--json").stdout)
     return row["instance_seconds"].get("READY", 0.0)
+
+
+def test_a_second_platform_on_a_data_dir_in_use_is_refused_and_harms_nothing(
+    platform_factory, tiny_model_dir
+):
+    # Before the lock, the second one started silently, killed the first one's warm runtime,
+    # took over its running engine and killed it on exit.
+    first = platform_factory("--warm-runtimes", "1")
+    first.deploy("tiny", tiny_model_dir, "--min-warm", "1", "--max", "1")
+    first.wait_for(lambda: first.deployments()["tiny"]["instances"]["READY"] == 1, ENGINE_START, "READY")
+    [engine] = first.engine_pids().values()
+    runtimes = lambda: {c.pid for c in psutil.Process(first.proc.pid).children() if "runtime" in c.cmdline()}  # noqa: E731
+    first.wait_for(lambda: len(runtimes()) == 1, ENGINE_START, "a warm runtime")
+    [runtime] = runtimes()
+
+    second = subprocess.run(
+        [STOKER, "up", "--port", str(free_port())], env=first.env, capture_output=True, text=True, timeout=CLI
+    )
+    assert_one_line_error(second, f"is in use by another Stoker platform (pid {first.proc.pid})")
+    assert pid_alive(engine) and pid_alive(runtime)
+    assert _chat(first.url, 2)["completion_tokens"] >= 1
+    assert first.engine_pids() == {next(iter(first.engine_pids())): engine}
