@@ -118,7 +118,14 @@ class Grammars:
         if matcher.is_error():
             message = _first_line(matcher.get_error())
             raise invalid(f"'{param}' has a JSON schema this engine cannot enforce: {message}", param=param)
-        return Matcher(matcher, self.vocab_size)
+        wrapped = Matcher(matcher, self.vocab_size)
+        wrapped.allowed()  # the first token's mask, which is what ends a grammar with no value
+        if matcher.is_stopped() and not matcher.is_accepting():
+            # Ended before its first token, with nothing it accepts: a schema no finite value
+            # satisfies, such as {"$ref": "#"} (itself, all the way down). Answered as empty
+            # content with finish_reason "stop" before this check.
+            raise invalid(f"'{param}' has a JSON schema that no value can satisfy.", param=param)
+        return wrapped
 
 
 def _first_line(error: str) -> str:

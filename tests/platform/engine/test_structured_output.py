@@ -136,6 +136,7 @@ BAD_SCHEMAS = [
     {"type": "integer", "minimum": 5, "maximum": 2},  # nothing can satisfy it
     {"type": "string", "pattern": "[unclosed"},
     {"$ref": "http://example.com/schema.json"},  # nothing is fetched
+    {"$ref": "#"},  # itself all the way down: no finite value (was a 200 with empty content)
 ]
 
 
