@@ -52,6 +52,10 @@ async def read_body(receive: Receive, scope: Scope, limit: int) -> bytes:
 # Deeper than any OpenAI request needs (a chat message's content part sits at depth 4), shallow
 # enough that nothing that walks a body, ours or a library's, can run out of stack.
 MAX_JSON_DEPTH = 64
+# The one bound on an inference request's body (chat, completions, responses, embeddings, a batch
+# line): enforced where the body first arrives (the gateway, 413), and the engine's own default, so a
+# body the gateway forwards is never refused by the engine behind it for its size.
+MAX_REQUEST_BYTES = 4 << 20
 
 # A string, or an unterminated one up to the end: a pattern that may fail at a quote would be retried
 # at every later quote, quadratic on a body of escaped quotes.

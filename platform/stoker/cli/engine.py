@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from stoker.cli.parser import port
+from stoker.http import MAX_REQUEST_BYTES
 
 log = logging.getLogger("stoker.engine")
 
@@ -74,8 +75,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--max-body-bytes",
         type=_positive_int,
-        default=1 << 20,
-        help="largest request body taken (413 beyond)",
+        default=MAX_REQUEST_BYTES,
+        help="largest request body taken (413 beyond; the gateway's bound, so it never refuses what the gateway forwards)",
     )
     p.add_argument(
         "--grace-period", type=_positive_float, default=30.0, help="seconds in-flight requests get on SIGTERM"

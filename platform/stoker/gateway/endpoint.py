@@ -38,13 +38,14 @@ from stoker.gateway.request_log import Observer
 from stoker.gateway.revisions import PRIORITY, pin_revision
 from stoker.gateway.taps import Finish, TappedRequest, taps
 from stoker.http import (
+    MAX_REQUEST_BYTES,
     ClientGone,
     parse_json_object,
     read_body,
 )
 from stoker.spec import priority
 
-MAX_BODY_BYTES = 4 << 20
+MAX_BODY_BYTES = MAX_REQUEST_BYTES
 
 
 def api_error(exc: ActivatorError) -> APIError:

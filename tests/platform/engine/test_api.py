@@ -200,7 +200,7 @@ def test_bad_input_gets_openai_error_and_engine_keeps_serving(engine, kind, body
 
 
 def test_body_over_the_limit_is_refused(engine):
-    big = json.dumps({"model": "tiny", "prompt": "x" * (2 << 20)}).encode()
+    big = json.dumps({"model": "tiny", "prompt": "x" * (5 << 20)}).encode()
     r = httpx.post(engine.url + "/v1/completions", content=big, headers={"content-type": "application/json"})
     assert r.status_code == 413
     assert r.json()["error"]["code"] == "request_too_large"

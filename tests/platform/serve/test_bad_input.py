@@ -32,6 +32,21 @@ def test_hostile_bodies_leave_the_instance_and_the_connection_serving(shared_pla
     assert httpx.get(f"{shared_platform.url}/healthz").status_code == 200
 
 
+def test_one_body_limit_the_gateways(shared_platform):
+    # 3.5 MB: under the gateway's 4 MiB, so the engine takes it too (it answered 413 at its own
+    # 1 MiB) and says what is wrong with it: a prompt longer than the model's context.
+    words = "hello " * (3_500_000 // 6)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": words}], "max_tokens": 2}
+    r = httpx.post(f"{shared_platform.url}/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 400, r.text[:300]
+    assert r.json()["error"]["code"] != "request_too_large" and "x-stoker-instance" in r.headers
+    # Over 4 MiB: the gateway's 413, before any instance is picked.
+    body["messages"][0]["content"] = "hello " * (4_500_000 // 6)
+    r = httpx.post(f"{shared_platform.url}/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text[:300]
+    assert "x-stoker-instance" not in r.headers
+
+
 def test_engine_settings_are_refused_in_one_line_or_carried_by_a_new_revision(
     shared_platform, tiny_model_dir
 ):
