@@ -196,12 +196,24 @@ class AdminGuard:
       `text/plain` fetch needs no CORS preflight, a JSON one does, and the preflight gets no
       CORS headers here, so a page elsewhere cannot make the browser send the request at all. One
       with no content-type is refused too (a browser's Blob body may carry none).
+
+    In open mode (no admin key) the same guard stands before `/v1/` too (`prefix="/v1/"`), so a
+    page elsewhere cannot spend the machine's compute with a `text/plain` POST; `not_json` names the
+    paths that take another media type there (`/v1/files`, multipart), which keep the Origin check.
     """
 
-    def __init__(self, app: ASGIApp, *, origins: frozenset[str], prefix: str = "/admin/") -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        origins: frozenset[str],
+        prefix: str = "/admin/",
+        not_json: frozenset[str] = frozenset(),
+    ) -> None:
         self.app = app
         self.origins = origins
         self.prefix = prefix
+        self.not_json = not_json
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not scope["path"].startswith(self.prefix):
@@ -219,15 +231,73 @@ class AdminGuard:
             await error_response(error)(scope, receive, send)
             return
         media_type = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
-        if scope["method"] in ("POST", "PUT", "PATCH") and media_type != b"application/json":
+        if (
+            scope["method"] in ("POST", "PUT", "PATCH")
+            and media_type != b"application/json"
+            and scope["path"] not in self.not_json
+        ):
+            what = "The admin API" if self.prefix == "/admin/" else "This platform runs open (no keys): it"
             error = APIError(
                 415,
-                "The admin API takes JSON only: send `content-type: application/json`.",
+                f"{what} takes JSON only: send `content-type: application/json`.",
                 code="unsupported_media_type",
             )
             await error_response(error)(scope, receive, send)
             return
         await self.app(scope, receive, send)
+
+
+class HostGuard:
+    """Pure ASGI middleware for a platform that runs open (no admin key): only requests whose
+    `Host` is one of this machine's own names for it are served. A DNS-rebinding page (its name
+    pointed at 127.0.0.1) sends its own name as Host, and reads nothing. Starlette's
+    `TrustedHostMiddleware` decides; the refusal is ours, in OpenAI's shape. `hosts` None: any (a
+    platform opened to every address on purpose, `--allow-open` on 0.0.0.0)."""
+
+    def __init__(self, app: ASGIApp, *, hosts: frozenset[str] | None) -> None:
+        from starlette.middleware.trustedhost import TrustedHostMiddleware
+
+        self.app = app
+        self.hosts = hosts
+        self._check = TrustedHostMiddleware(
+            self._passed, allowed_hosts=sorted(hosts or ["*"]), www_redirect=False
+        )
+
+    @staticmethod
+    async def _passed(scope: Scope, receive: Receive, send: Send) -> None:
+        scope["stoker.host_ok"] = True
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.hosts is None or scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def dropped(message: Message) -> None:  # the check's own plain-text refusal
+            return None
+
+        await self._check(scope, receive, dropped)
+        if scope.pop("stoker.host_ok", False):
+            await self.app(scope, receive, send)
+            return
+        host = dict(scope["headers"]).get(b"host", b"").decode("latin-1")[:200]
+        error = APIError(
+            400,
+            f"Host {host!r} is not this machine's name for the platform, and it runs open (no keys): "
+            "it answers only its loopback names. Set STOKER_ADMIN_KEY to serve other names.",
+            code="invalid_host",
+        )
+        await error_response(error)(scope, receive, send)
+
+
+def own_hosts(host: str) -> frozenset[str] | None:
+    """The `Host` names a platform bound to `host` answers to when it runs open: that address and
+    the loopback names; None (any) for every address (0.0.0.0, ::)."""
+    if host in ("0.0.0.0", "::"):
+        return None
+    names = {host.strip("[]").lower()}
+    if is_loopback(host):
+        names |= {"127.0.0.1", "localhost", "::1"}
+    return frozenset(names)
 
 
 def own_origins(host: str, port: int) -> frozenset[str]:

@@ -108,9 +108,11 @@ def principal_of(scope: Scope) -> Principal:
 @dataclass(frozen=True)
 class Access:
     """Who may call what: the admin key (None: none set), the tenant keys, the origins the admin
-    API accepts browser requests from, and the limits of keys that set none of their own."""
+    API accepts browser requests from, the limits of keys that set none of their own, and the
+    `Host` names served while no admin key is set (None: any; `stoker.http.HostGuard`)."""
 
     admin_key: str | None
     keys: Any  # a `stoker.control.keys.KeyStore`; in a gateway of its own, its `KeyTable`
     origins: frozenset[str]
     default_limits: Limits = NO_LIMITS
+    hosts: frozenset[str] | None = None

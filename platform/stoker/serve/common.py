@@ -19,7 +19,7 @@ from stoker.api.dashboard import OPEN_PATHS as DASHBOARD_PATHS
 from stoker.api.openapi import openapi_schema
 from stoker.gateway.endpoint import Router
 from stoker.gateway.keys import OPEN_PATHS, Access, KeyAuth
-from stoker.http import AdminGuard, InternalErrors, ServerStopping, make_server, run_server
+from stoker.http import AdminGuard, HostGuard, InternalErrors, ServerStopping, make_server, run_server
 from stoker.serve.options import Listen, RequestLogging
 
 
@@ -47,8 +47,13 @@ def common_routes(platform: Router, registry: CollectorRegistry) -> list[Route]:
 def middleware_for(access: Access | None, component: str, keys: Any = None) -> list[Middleware]:
     """Outermost first: errors become 500s; then auth (no body read before it); then the admin API's
     browser guard. Without `access` everything runs open, as the benchmarks want. `keys` stands in
-    for `access.keys` (a gateway's table of key hashes)."""
+    for `access.keys` (a gateway's table of key hashes). Without an admin key (open mode) the
+    `Host` must be one of the platform's own names for itself, and `/v1/` takes the admin API's
+    browser guard too (`stoker.http.HostGuard`, `AdminGuard`): a DNS-rebinding or cross-site page
+    can neither read the admin API nor spend the machine's compute."""
     middleware = [Middleware(InternalErrors, component=component)]
+    if access is not None and access.admin_key is None:
+        middleware.append(Middleware(HostGuard, hosts=access.hosts))
     if access is not None:
         middleware += [
             Middleware(
@@ -60,6 +65,10 @@ def middleware_for(access: Access | None, component: str, keys: Any = None) -> l
             ),
             Middleware(AdminGuard, origins=access.origins),
         ]
+    if access is not None and access.admin_key is None:
+        middleware.append(
+            Middleware(AdminGuard, origins=access.origins, prefix="/v1/", not_json=frozenset({"/v1/files"}))
+        )
     return middleware
 
 

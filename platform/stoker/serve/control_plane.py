@@ -12,7 +12,7 @@ from stoker.control.checkpoint import DIR, Checkpointed, Checkpoints, Checkpoint
 from stoker.control.keys import KeyStore
 from stoker.control.platform import Platform
 from stoker.gateway.keys import Access
-from stoker.http import own_origins
+from stoker.http import own_hosts, own_origins
 from stoker.paths import data_dir, snapshot_store_dir
 from stoker.serve.options import Listen, PlatformSettings
 from stoker.spec.keys import Limits
@@ -58,7 +58,9 @@ def access_of(listen: Listen, limits: Limits, keys: Any = None) -> Access:
                 listen.host,
                 listen.port,
             )
-    return Access(listen.admin_key, keys, own_origins(listen.host, listen.port), limits)
+    return Access(
+        listen.admin_key, keys, own_origins(listen.host, listen.port), limits, own_hosts(listen.host)
+    )
 
 
 def checkpoints_of(

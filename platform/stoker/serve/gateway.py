@@ -28,7 +28,7 @@ from stoker.gateway.keys import Access
 from stoker.gateway.limits import Limiter
 from stoker.gateway.plane import GatewayPlane
 from stoker.gateway.request_log import Observer
-from stoker.http import openai_exception_handlers, own_origins, read_body
+from stoker.http import openai_exception_handlers, own_hosts, own_origins, read_body
 from stoker.serve.common import common_routes, log_setup, middleware_for, observer_of, serve_app
 from stoker.serve.options import GatewayOptions
 from stoker.spec.keys import NO_LIMITS
@@ -150,5 +150,11 @@ def run_gateway(options: GatewayOptions) -> int:
     )
     observer.register(plane.metrics_registry)
     listen = options.listen
-    access = Access(listen.admin_key, plane.keys, own_origins(listen.host, listen.port), options.limits)
+    access = Access(
+        listen.admin_key,
+        plane.keys,
+        own_origins(listen.host, listen.port),
+        options.limits,
+        own_hosts(listen.host),
+    )
     return serve_app(build_data_gateway(plane, access=access, observer=observer), listen)
