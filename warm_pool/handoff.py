@@ -37,6 +37,7 @@ import contextlib
 import hmac
 import json
 import os
+import signal
 import socket
 import stat
 import struct
@@ -50,6 +51,8 @@ MAX_ARGS = 512
 MAX_ENV = 256
 MAX_ITEM_CHARS = 8192
 TOKEN_ENV = "STOKER_RUNTIME_TOKEN"
+KEEPER_ENV = "STOKER_RUNTIME_KEEPER"  # the keeper's PID: a waiting runtime dies with it
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 SOCKET_NAME = "handoff.sock"
 READ_TIMEOUT_S = 10.0  # a connected peer must send its whole message within this
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
@@ -234,10 +237,38 @@ def serve_one(listener: socket.socket, token: str) -> tuple[Handoff, socket.sock
     return handoff, conn, fds[0] if fds else None
 
 
+def die_with_keeper() -> bool:
+    """A runtime waiting for its handoff dies with the process that keeps it (`KEEPER_ENV`): the
+    kernel sends it SIGTERM when its parent ends, however the parent ends (SIGKILL included), so
+    no runtime outlives a platform holding its memory with no one to hand it a start (four did,
+    355 MiB each, for over an hour). The pool starts runtimes from its event loop's thread, which
+    lives as long as the keeper (the signal follows the parent thread). False when the keeper is
+    already gone (it died before the signal was armed): the caller exits. On a system without
+    `prctl` (not Linux), nothing is armed. `take_over` disarms it: the engine a runtime becomes
+    outlives a killed platform, as every engine does, to be adopted by the next one."""
+    keeper = os.environ.pop(KEEPER_ENV, "")
+    if not keeper.isdigit():
+        return True  # started by hand, not by a pool
+    _pdeathsig(signal.SIGTERM)
+    return os.getppid() == int(keeper)
+
+
+def _pdeathsig(sig: int) -> None:
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+
+
 def take_over(handoff: Handoff, conn: socket.socket, log_fd: int | None, listener: socket.socket) -> None:
     """Make this process the one `handoff` describes, up to running its program (the caller's part):
-    its environment added, its directory entered, the log sent made stdout and stderr, the success
-    the socket closed and removed (no second handoff), and then the success answered with this PID."""
+    no longer tied to its keeper's life (`die_with_keeper`), its environment added, its directory
+    entered, the log sent made stdout and stderr, the socket closed and removed (no second
+    handoff), and then the success answered with this PID."""
+    _pdeathsig(0)
     os.environ.update(handoff.env)
     if handoff.cwd is not None:
         os.chdir(handoff.cwd)

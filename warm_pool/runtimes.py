@@ -43,7 +43,16 @@ from warm_pool.backends.procs import OWNER_ENV, ProcessHandle, killpg, read_star
 from warm_pool.backoff import restart_delay
 from warm_pool.census import Member
 from warm_pool.fleet import CPU_DEVICE, Fleet
-from warm_pool.handoff import SOCKET_NAME, TOKEN_ENV, Handoff, HandoffError, fits, hand_off, private_dir
+from warm_pool.handoff import (
+    KEEPER_ENV,
+    SOCKET_NAME,
+    TOKEN_ENV,
+    Handoff,
+    HandoffError,
+    fits,
+    hand_off,
+    private_dir,
+)
 from warm_pool.launch import LaunchSpec, default_stoker_command, with_python_path
 
 log = logging.getLogger("warm_pool.runtimes")
@@ -363,7 +372,7 @@ class RuntimeKeeper:
                     *kind.command,
                     "--socket-dir",
                     str(directory),
-                    env={**env, TOKEN_ENV: token},
+                    env={**env, TOKEN_ENV: token, KEEPER_ENV: str(os.getpid())},
                     stdin=asyncio.subprocess.DEVNULL,
                     stdout=out,
                     stderr=asyncio.subprocess.STDOUT,

@@ -42,7 +42,16 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # warm_pool.handoff: standard library only, shared with the pool
     sys.path.insert(0, str(REPO))
 
-from warm_pool.handoff import TOKEN_ENV, Handoff, HandoffError, listen, reply, serve_one, take_over  # noqa: E402
+from warm_pool.handoff import (  # noqa: E402
+    TOKEN_ENV,
+    Handoff,
+    HandoffError,
+    die_with_keeper,
+    listen,
+    reply,
+    serve_one,
+    take_over,
+)
 
 SPAWN_ENV = "STOKER_VLLM_RUNTIME_SPAWN"
 # What `vllm serve` imports before it serves, and what its engine core imports to build and run a
@@ -148,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     if not token:
         print(f"vllm runtime: error: {TOKEN_ENV} is not set", file=sys.stderr)
         return 2
+    if not die_with_keeper():
+        return 0  # its keeper is gone already: no one will hand it a start
     t0 = time.monotonic()
     missing = preload()
     main_fn = cli_main()

@@ -5,6 +5,8 @@ new runtime, and stopping the platform leaves no process behind."""
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -81,3 +83,24 @@ def test_a_start_takes_the_warm_runtime_which_is_then_replaced(tmp_path, tiny_mo
     assert code == 0
     assert not any(pid_alive(pid) for pid in seen), "a runtime or an engine outlived the platform"
     assert runtime_pids(p.home) == set()
+
+
+def test_a_waiting_runtime_dies_with_its_keeper_and_an_engine_it_became_does_not(tmp_path, tiny_model_dir):
+    # Before: runtimes of platforms killed with SIGKILL stayed, parent 1, 355 MiB each, for hours.
+    p = PlatformProcess(tmp_path / "home", free_port(), ("--warm-runtimes", "1"))
+    p.start()
+    engine = None
+    try:
+        p.wait_for(lambda: len(runtime_pids(p.home)) == 1, deadline(300), "a warm runtime")
+        p.deploy("tiny", tiny_model_dir, "--min-warm", "1", "--idle-timeout", "600")
+        p.wait_for(lambda: p.deployments()["tiny"]["instances"]["READY"] == 1, deadline(300), "READY")
+        [engine] = p.engine_pids().values()
+        p.wait_for(lambda: len(runtime_pids(p.home) - {engine}) == 1, deadline(300), "the next runtime")
+        [waiting] = runtime_pids(p.home) - {engine}
+        p.stop(signal.SIGKILL)
+        p.wait_for(lambda: not pid_alive(waiting), WAIT, "the waiting runtime gone with its keeper")
+        assert pid_alive(engine)  # an engine outlives a killed platform, for the next one to adopt
+    finally:
+        p.stop()
+        if engine is not None and pid_alive(engine):
+            os.kill(engine, signal.SIGKILL)

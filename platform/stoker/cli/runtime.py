@@ -100,11 +100,21 @@ def refuse(argv: tuple[str, ...]) -> str | None:
 
 def run(args: argparse.Namespace) -> int:
     from stoker.errors import CLIError
-    from warm_pool.handoff import TOKEN_ENV, HandoffError, listen, reply, serve_one, take_over
+    from warm_pool.handoff import (
+        TOKEN_ENV,
+        HandoffError,
+        die_with_keeper,
+        listen,
+        reply,
+        serve_one,
+        take_over,
+    )
 
     token = os.environ.pop(TOKEN_ENV, "")  # the engine it becomes does not inherit it
     if not token:
         raise CLIError(f"{TOKEN_ENV} is not set: the pool starts runtimes with their token")
+    if not die_with_keeper():
+        return 0  # its keeper is gone already: no one will hand it a start
     t0 = time.monotonic()
     missing = preload(args.device)
     try:
