@@ -73,6 +73,7 @@ from activator.source import Endpoint, InstanceSource, Load
 log = logging.getLogger("activator")
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 CLIENT_LEFT = 499  # nginx's "client closed request", for the metrics only
+START_SLACK = 1.5  # a held request waits this many times the start it waits on is expected to take
 
 
 class _Exchange:
@@ -364,7 +365,6 @@ class Activator:
         self._queue_length.inc()
         (queue_band := self._queue_bands[band(ex.priority)]).inc()
         held_at = self._clock()
-        deadline = held_at + config.hold_deadline_s
         interval = config.keepalive_interval_s
         next_keepalive = held_at + interval if ex.stream and interval is not None else math.inf
         taken = False
@@ -374,6 +374,7 @@ class Activator:
                     taken, ex.granted = True, self._clock()
                     return waiter.future.result()
                 now = self._clock()
+                deadline = held_at + self._hold_for()  # again each time: the expectation moves
                 if now >= deadline:
                     raise DeadlineExceeded(config.retry_after_s, now - held_at)
                 if now >= next_keepalive:
@@ -388,6 +389,18 @@ class Activator:
             self._queue_length.dec()
             queue_band.dec()
             self._queue_wait.observe(self._clock() - held_at)
+
+    def _hold_for(self) -> float:
+        """How long a request is held: `hold_deadline_s`, or longer when the source expects the start
+        it waits on to take longer (`expected_start_s`: the tier's measured start) — START_SLACK
+        times that, up to `hold_deadline_max_s`. A fixed 120 s refused the requests of a vLLM start
+        that took 180 s, and their retries began again from nothing."""
+        config = self._config
+        expected = getattr(self._source, "expected_start_s", None)
+        seconds = expected() if expected is not None else None
+        if seconds is None or not math.isfinite(seconds) or seconds <= 0:
+            return config.hold_deadline_s
+        return max(config.hold_deadline_s, min(config.hold_deadline_max_s, seconds * START_SLACK))
 
     # -- sick instances leave routing ------------------------------------------------------------
 

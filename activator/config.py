@@ -18,6 +18,10 @@ class ActivatorConfig:
     # Must cover a cold start: the CPU engine is up in 6-9 s, vLLM in 30-90 s (imports, CUDA
     # context, weight load, graph capture); 120 s leaves room for the slow end plus a retry.
     hold_deadline_s: float = 120.0
+    # A start the pool expects to take longer (its tier's measured start, `expected_start_s`:
+    # vLLM's first compile on a busy machine took over 180 s; llm-d measured 98-110 s for cold 32B
+    # pods) holds its requests START_SLACK times that long, up to this cap.
+    hold_deadline_max_s: float = 600.0
     # While a stream is held, a keep-alive (`proxy.KEEPALIVE`) this often; None: none, and the held
     # stream's headers wait for its answer's. 5 s is well inside the shortest idle timeouts of the
     # proxies in front of such streams (30 s: HAProxy's usual `timeout server`, Heroku's router before
@@ -63,6 +67,7 @@ class ActivatorConfig:
                     continue  # off
                 _check_seconds(f.name, getattr(self, f.name))
         _check_order("eject_base_s", self.eject_base_s, "eject_max_s", self.eject_max_s)
+        _check_order("hold_deadline_s", self.hold_deadline_s, "hold_deadline_max_s", self.hold_deadline_max_s)
 
 
 def _check_int(name: str, value: object, low: int, high: int) -> None:

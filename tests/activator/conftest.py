@@ -53,9 +53,13 @@ class MemorySource:
     arrivals: int = 0
     finished: list[tuple[float | None, str | None]] = field(default_factory=list)
     unhealthy: list[str] = field(default_factory=list)
+    expected: float | None = None  # seconds the start a held request waits on is expected to take
 
     def endpoints(self) -> list[Ep]:
         return self.eps
+
+    def expected_start_s(self) -> float | None:
+        return self.expected
 
     def poke(self) -> None:
         self.pokes += 1

@@ -95,6 +95,39 @@ async def test_held_past_the_deadline_is_refused(rig: Rig) -> None:
     assert rig.sample("stoker_request_duration_seconds_count") == 0  # the gateway answered it
 
 
+async def test_a_start_expected_to_be_long_holds_its_requests_longer(rig: Rig) -> None:
+    # A fixed deadline refused the requests of a vLLM start that took 180 s of a 120 s hold.
+    now = [0.0]
+    source = MemorySource(expected=100.0)  # the tier's measured start: 100 s
+    activator = rig.activator(source, hold_deadline_s=0.2, clock=lambda: now[0])
+    call = asyncio.ensure_future(rig.client.post("/v1/completions", json=PLAIN))
+    await eventually(lambda: activator.load().queued == 1)
+    now[0] = 120.0  # past the fixed 0.2 s, within 1.5 x 100 s
+    # Five times the fixed deadline, in real time: a hold with the fixed one would have looked at
+    # its deadline again (0.2 s away when it began) and refused by now.
+    await asyncio.sleep(1.0)
+    assert activator.load().queued == 1
+    source.eps.append(Ep("a", rig.a_url))
+    activator.capacity_changed()
+    response = await call
+    assert response.status_code == 200 and response.headers["x-stoker-cold-start"] == "true"
+
+
+def test_the_hold_follows_the_expected_start_within_its_bounds(rig: Rig) -> None:
+    source = MemorySource()
+    activator = rig.activator(source, hold_deadline_s=120, hold_deadline_max_s=600)
+    for expected, held in (
+        (None, 120),
+        (10.0, 120),
+        (100.0, 150),
+        (300.0, 450),
+        (1000.0, 600),
+        (float("nan"), 120),
+    ):
+        source.expected = expected
+        assert activator._hold_for() == held, expected
+
+
 async def test_held_stream_gets_keepalives_then_the_answer(rig: Rig) -> None:
     source = MemorySource()
     activator = rig.activator(source, keepalive_interval_s=0.05)

@@ -59,7 +59,15 @@ def add_activator_args(p: argparse.ArgumentParser) -> None:
         "--hold-deadline",
         type=duration,
         default=format_duration(A.hold_deadline_s),
-        help="how long a request may wait for capacity",
+        help="how long a request may wait for capacity (longer where the start it waits on is expected "
+        "to take longer: --hold-deadline-max)",
+    )
+    p.add_argument(
+        "--hold-deadline-max",
+        type=duration,
+        default=format_duration(A.hold_deadline_max_s),
+        help="the longest a request is held for a start measured to be slow: 1.5x the start's "
+        "expected seconds, up to this",
     )
     p.add_argument(
         "--max-queued", type=int, default=A.max_queued, help="requests held per deployment at once"
@@ -353,6 +361,7 @@ def activator_config(args: argparse.Namespace):
         return ActivatorConfig(
             max_queued=args.max_queued,
             hold_deadline_s=args.hold_deadline,
+            hold_deadline_max_s=max(args.hold_deadline_max, args.hold_deadline),
             keepalive_interval_s=args.keepalive_interval,
             first_byte_timeout_s=args.first_byte_timeout,
             stream_headers_timeout_s=args.stream_headers_timeout,
