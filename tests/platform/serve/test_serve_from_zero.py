@@ -119,7 +119,9 @@ def test_removing_a_deployment_drains_the_stream_in_flight(platform_factory, tin
 
 
 def test_queue_full_and_hold_deadline_answer_503_with_retry_after(platform_factory, tiny_model_dir):
-    p = platform_factory("--max-queued", "1", "--hold-deadline", "2")
+    # A fixed 2 s hold: --hold-deadline-max too, or the hold would follow the engine's expected
+    # start (its prior, 7.7 s, times 1.5) and the held request would be served.
+    p = platform_factory("--max-queued", "1", "--hold-deadline", "2", "--hold-deadline-max", "2")
     p.deploy("tiny", tiny_model_dir)
     body = {"model": "tiny", "prompt": "x", "max_tokens": 2}
 
