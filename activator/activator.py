@@ -348,9 +348,13 @@ class Activator:
         except ActivatorError as exc:
             if not ex.reply.started:
                 raise
-            # A held stream already answered 200: the error can only travel as an SSE event.
+            # A held stream (or a plain request kept alive with whitespace) already answered 200:
+            # the error can only travel in the body, as an SSE event or as the JSON body itself.
             ex.code = exc.status
-            await ex.reply.end(proxy.error_event(str(exc), exc.type, exc.code))
+            if ex.reply.sse:
+                await ex.reply.end(proxy.error_event(str(exc), exc.type, exc.code))
+            else:
+                await ex.reply.end(proxy.error_body(str(exc), exc.type, exc.code))
 
     def _queue_full(self) -> QueueFull:
         return QueueFull(self._config.retry_after_s, self._config.max_queued)
@@ -365,8 +369,8 @@ class Activator:
         self._queue_length.inc()
         (queue_band := self._queue_bands[band(ex.priority)]).inc()
         held_at = self._clock()
-        interval = config.keepalive_interval_s
-        next_keepalive = held_at + interval if ex.stream and interval is not None else math.inf
+        interval = config.keepalive_interval_s if ex.stream else config.plain_keepalive_interval_s
+        next_keepalive = held_at + interval if interval is not None else math.inf
         taken = False
         try:
             while True:
@@ -378,7 +382,7 @@ class Activator:
                 if now >= deadline:
                     raise DeadlineExceeded(config.retry_after_s, now - held_at)
                 if now >= next_keepalive:
-                    await ex.reply.keepalive(ex.cold)
+                    await ex.reply.keepalive(ex.cold, ex.stream)
                     next_keepalive += interval
                     continue
                 # Not wait_for: a timeout must not cancel the future the dispatcher resolves.

@@ -28,6 +28,14 @@ class ActivatorConfig:
     # a first byte; nginx and AWS's load balancers allow 60 s): even a stream held for the whole
     # `hold_deadline_s` (24 keep-alives) stays well under go-openai's 300 lines that are not data.
     keepalive_interval_s: float | None = 5.0
+    # A held plain (non-stream) request: None (the default), nothing until its answer, whose status
+    # is the answer's; or every this often, after a 200 `application/json` start at the first one, a
+    # space, which JSON parsers skip before a value, so a proxy that closes connections idle for
+    # its timeout (often 60 s, shorter than a big model's cold start) does not cut it. The price: a
+    # failure after that start (the hold deadline, the engine's 4xx or 5xx) can no longer be a
+    # status code; it comes as OpenAI's error object in the 200's body (`x-stoker-held: whitespace`
+    # tells a client to look). Off by default for that reason.
+    plain_keepalive_interval_s: float | None = None
     connect_timeout_s: float = 5.0  # TCP connect to an instance
     # Upstream response headers of a plain (non-stream) request. Both engines send those with the
     # whole answer, after the last token, so this bounds the entire generation: keep it long. It also bounds a stream's.
@@ -63,7 +71,10 @@ class ActivatorConfig:
         _check_int("replace_after_ejections", self.replace_after_ejections, 1, 1000)
         for f in fields(self):
             if f.name.endswith("_s") and f.name != "retry_after_s":
-                if f.name == "keepalive_interval_s" and self.keepalive_interval_s is None:
+                if (
+                    f.name in ("keepalive_interval_s", "plain_keepalive_interval_s")
+                    and getattr(self, f.name) is None
+                ):
                     continue  # off
                 _check_seconds(f.name, getattr(self, f.name))
         _check_order("eject_base_s", self.eject_base_s, "eject_max_s", self.eject_max_s)

@@ -102,6 +102,7 @@ def error_event(message: str, type: str, code: str) -> bytes:
 # "\n\n" keeps the stream on an event boundary, where a lone "\n" would prefix the first event. And
 # go-openai, which fails a stream after 300 lines that are not data, counts two lines for either.
 KEEPALIVE = b"\n\n"
+PLAIN_KEEPALIVE = b" "  # JSON allows whitespace before a value: the parser skips it
 
 
 class Reply:
@@ -130,11 +131,12 @@ class Reply:
     async def end(self, chunk: bytes = b"") -> None:
         await self._send({"type": "http.response.body", "body": chunk, "more_body": False})
 
-    async def keepalive(self, cold: bool) -> None:
-        """`KEEPALIVE` for a held stream, after a 200 event-stream start if none went out yet."""
+    async def keepalive(self, cold: bool, stream: bool = True) -> None:
+        """`KEEPALIVE` for a held stream, after a 200 event-stream start if none went out yet; for a
+        held plain request, `PLAIN_KEEPALIVE` after a 200 JSON start (`plain_keepalive_interval_s`)."""
         if not self.started:
-            await self.start(200, held_headers(cold))
-        await self.body(KEEPALIVE)
+            await self.start(200, held_headers(cold) if stream else held_plain_headers(cold))
+        await self.body(KEEPALIVE if stream else PLAIN_KEEPALIVE)
 
 
 def held_headers(cold: bool) -> list[tuple[bytes, bytes]]:
@@ -144,6 +146,21 @@ def held_headers(cold: bool) -> list[tuple[bytes, bytes]]:
         (b"x-accel-buffering", b"no"),  # tells nginx-style proxies in front not to buffer
         (b"x-stoker-cold-start", b"true" if cold else b"false"),
     ]
+
+
+def held_plain_headers(cold: bool) -> list[tuple[bytes, bytes]]:
+    return [
+        (b"content-type", b"application/json"),
+        (b"cache-control", b"no-cache"),
+        (b"x-accel-buffering", b"no"),
+        (b"x-stoker-cold-start", b"true" if cold else b"false"),
+        (b"x-stoker-held", b"whitespace"),  # the status is 200 whatever follows: read the body
+    ]
+
+
+def error_body(message: str, type_: str, code: str | None) -> bytes:
+    """OpenAI's error object, as the body of a held plain request whose 200 went out."""
+    return json.dumps({"error": {"message": message, "type": type_, "param": None, "code": code}}).encode()
 
 
 def relayed_headers(resp: aiohttp.ClientResponse, endpoint_id: str, cold: bool) -> list[tuple[bytes, bytes]]:
@@ -240,7 +257,7 @@ async def forward(
                     on_first_byte(resp.status)
                     if not reply.started:
                         await reply.start(resp.status, relayed_headers(resp, endpoint.id, cold))
-                    elif resp.status != 200:  # a held stream: its 200 and keep-alives already went out
+                    elif resp.status != 200 and reply.sse:  # a held stream: its 200 already went out
                         return await _status_into_stream(resp, first, reply, gap_s, endpoint.id, silence)
                     return await _relay(resp, first, reply, gap_s, endpoint.id, silence)
                 finally:

@@ -128,6 +128,42 @@ def test_the_hold_follows_the_expected_start_within_its_bounds(rig: Rig) -> None
         assert activator._hold_for() == held, expected
 
 
+async def test_a_held_plain_request_kept_alive_with_whitespace_parses_as_its_answer(rig: Rig) -> None:
+    # Through a proxy that cuts connections idle for its timeout, a plain request held at zero got
+    # no byte until its answer, and was cut; a held stream survived on its keep-alives.
+    source = MemorySource()
+    activator = rig.activator(source, plain_keepalive_interval_s=0.05, hold_deadline_s=30)
+    async with rig.client.stream("POST", "/v1/completions", json=PLAIN) as response:
+        assert response.status_code == 200  # at once, before any instance exists
+        assert response.headers["x-stoker-held"] == "whitespace"
+        assert response.headers["content-type"] == "application/json"
+        chunks = response.aiter_raw()
+        first = await anext(chunks)
+        assert first.startswith(b" ") and first.strip(b" ") == b""  # a space, then more of them
+        await eventually(lambda: activator.load().queued == 1)
+        source.eps.append(Ep("a", rig.a_url))
+        activator.capacity_changed()
+        body = first + b"".join([chunk async for chunk in chunks])
+    assert body.startswith(b" ") and json.loads(body) == COMPLETION  # JSON skips the leading spaces
+
+
+async def test_a_failure_after_the_whitespace_is_openais_error_in_the_body(rig: Rig) -> None:
+    source = MemorySource()
+    rig.activator(source, plain_keepalive_interval_s=0.05, hold_deadline_s=0.3)
+    response = await rig.client.post("/v1/completions", json=PLAIN)
+    assert response.status_code == 200 and response.headers["x-stoker-held"] == "whitespace"
+    error = json.loads(response.content)["error"]
+    assert error["code"] == "hold_deadline" and error["type"] and error["message"]
+    await eventually(lambda: rig.sample("stoker_requests_total", code="503") == 1)  # counted as what it was
+
+
+async def test_without_plain_keepalive_a_held_request_gets_its_own_status(rig: Rig) -> None:
+    source = MemorySource()
+    rig.activator(source, hold_deadline_s=0.2)  # the default: off
+    response = await rig.client.post("/v1/completions", json=PLAIN)
+    assert response.status_code == 503 and "x-stoker-held" not in response.headers
+
+
 async def test_held_stream_gets_keepalives_then_the_answer(rig: Rig) -> None:
     source = MemorySource()
     activator = rig.activator(source, keepalive_interval_s=0.05)

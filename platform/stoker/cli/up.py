@@ -80,6 +80,14 @@ def add_activator_args(p: argparse.ArgumentParser) -> None:
         "stream's headers wait for its answer",
     )
     p.add_argument(
+        "--plain-keepalive",
+        type=duration_or_off,
+        default="off",
+        help="a held non-stream request gets a 200 at once and a space this often, which proxies with "
+        "short idle timeouts let through; a later failure then comes in the 200's body, not as a status "
+        "(off: nothing until the answer, whose status is its own)",
+    )
+    p.add_argument(
         "--first-byte-timeout",
         type=duration,
         default=format_duration(A.first_byte_timeout_s),
@@ -363,6 +371,7 @@ def activator_config(args: argparse.Namespace):
             hold_deadline_s=args.hold_deadline,
             hold_deadline_max_s=max(args.hold_deadline_max, args.hold_deadline),
             keepalive_interval_s=args.keepalive_interval,
+            plain_keepalive_interval_s=args.plain_keepalive,
             first_byte_timeout_s=args.first_byte_timeout,
             stream_headers_timeout_s=args.stream_headers_timeout,
             eject_after=args.eject_after,
