@@ -67,7 +67,7 @@ def add_activator_args(p: argparse.ArgumentParser) -> None:
         type=duration,
         default=format_duration(A.hold_deadline_max_s),
         help="the longest a request is held for a start measured to be slow: 1.5x the start's "
-        "expected seconds, up to this",
+        "expected seconds, up to this (the same as --hold-deadline: a fixed hold)",
     )
     p.add_argument(
         "--max-queued", type=int, default=A.max_queued, help="requests held per deployment at once"
