@@ -151,8 +151,14 @@ def test_adapters_through_a_gateway_of_its_own(tiny_model_dir: Path, adapter_dir
     """The split planes: the controller lists the adapter deployments in its routing table; a
     `stoker gateway` serves them on its own activator for the base, loading each adapter there."""
     env = {"STOKER_ADMIN_KEY": ADMIN}
+    # A controller leaves its engines running when it exits (for the next leader to adopt): told
+    # to stop them, it leaves no engine behind the test (each run left the base's, idle, parent 1).
     controller = PlatformProcess(
-        tmp_path / "ctl", free_port(), ("--stable-window", "2"), extra_env=env, command="controller"
+        tmp_path / "ctl",
+        free_port(),
+        ("--stable-window", "2", "--stop-instances-on-exit"),
+        extra_env=env,
+        command="controller",
     )
     started = [controller.start()]
     try:
