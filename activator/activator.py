@@ -25,8 +25,9 @@ the routing set when the request arrived (it started or woke up since): the simu
 except on a held stream, whose headers go out before its instance is known: there it says true only
 when nothing at all was READY at arrival (then whatever serves it is certainly a cold start).
 
-Sick instances leave routing (`ejection.py`): every request's outcome on an instance, and every
-probe of its /health by `watch_health` (each `health_interval_s`), feeds that instance's `Health`;
+Sick instances leave routing (`routing.HealthRouting`, over `ejection.py`'s rules): every
+request's outcome on an instance, and every probe of its /health by `watch_health` (each
+`health_interval_s`), feeds that instance's `Health`;
 `eject_after` failures in a row eject it, and only routable instances are offered to `Slots`. An
 ejection also ends the waits for headers of the requests already sent to that instance, which are
 then retried elsewhere, and bounds the silence of its answers already under way to
@@ -48,17 +49,16 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, Mapping, MutableMapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from typing import Any
 
 import aiohttp
 
-from activator import affinity, ejection, proxy
+from activator import affinity, proxy
 from activator import priority as priority_field
 from activator.adapters import AdapterRef, Adapters, Prefetcher
 from activator.affinity import Balance
 from activator.config import ActivatorConfig
-from activator.ejection import HEALTHY, EjectionRules, Health
 from activator.errors import (
     ActivatorError,
     DeadlineExceeded,
@@ -67,6 +67,7 @@ from activator.errors import (
     UpstreamError,
 )
 from activator.metrics import BANDS, ActivatorMetrics, band
+from activator.routing import HealthRouting
 from activator.slots import Key, Slots, key
 from activator.source import Endpoint, InstanceSource, Load
 
@@ -148,13 +149,12 @@ class Activator:
         self._clock = clock
         self._balance = Balance()
         self._engine_priority = False  # whether its instances take a body's `priority`
+        # Which instances may take requests: the source's, less those ejected for failing.
+        self._routing = HealthRouting(
+            deployment, source, config, session, metrics, clock, on_back=lambda: self._slots.dispatch()
+        )
+        self._routable = self._routing.routable
         self._slots = Slots(self._routable, self._balance.bound)
-        self._rules = EjectionRules(config.eject_after, config.eject_base_s, config.eject_max_s)
-        self._health: dict[Key, Health] = {}  # instances that failed lately; absent: HEALTHY
-        self._ejected: set[Key] = set()  # those out of routing now
-        # Requests on each instance whose deadline an ejection shortens: waits for headers, and
-        # answers under way (`proxy.forward`'s `waits`).
-        self._waits: dict[Key, set[asyncio.Timeout]] = {}
         self._last_arrival: float | None = None
         self._metrics = metrics
         self._codes: dict[int, Any] = {}
@@ -164,8 +164,6 @@ class Activator:
         self._queue_bands = {b: metrics.queue_by_priority.labels(deployment, b) for b in BANDS}
         self._queue_wait = metrics.queue_wait.labels(deployment)
         self._cold_first_byte = metrics.cold_start_first_byte.labels(deployment)
-        self._ejections = metrics.ejections.labels(deployment)
-        self._ejected_now = metrics.ejected.labels(deployment)
         self._unavailable: str | None = None  # why no instance can start, while the source says so
         # The adapters loaded on each instance, for the adapter deployments on this base (`adapters`);
         # `on_adapter_load(name, seconds)` hears of each load.
@@ -301,7 +299,7 @@ class Activator:
                 last = bool(failed)
                 acquired_at = self._clock()
                 k = key(endpoint)
-                waits = self._waits.setdefault(k, set())
+                waits = self._routing.waits(k)
                 try:
                     if ex.adapter is not None:
                         await self.adapters.ensure(endpoint, ex.adapter)
@@ -323,7 +321,7 @@ class Activator:
                     if ex.upstream_status in proxy.RETRYABLE:  # failed twice: passed through as is
                         self._source.report_failure(endpoint.id)
                     # 502 here: it failed mid-answer (reset, silence), after its first byte went out
-                    self._outcome(k, ok=ex.code != 502 and ex.upstream_status not in proxy.RETRYABLE)
+                    self._routing.outcome(k, ok=ex.code != 502 and ex.upstream_status not in proxy.RETRYABLE)
                     return
                 except proxy.Missing:
                     # The engine evicted the adapter since it was loaded there: again, once.
@@ -331,12 +329,11 @@ class Activator:
                     reloaded = again = True
                 except proxy.Failed as exc:
                     self._source.report_failure(endpoint.id)
-                    self._outcome(k, ok=False)
+                    self._routing.outcome(k, ok=False)
                     if last:
                         raise UpstreamError(str(exc)) from None
                 finally:
-                    if not waits:
-                        self._waits.pop(k, None)
+                    self._routing.done_waiting(k)
                     self._slots.release(endpoint.id)
                     ex.held_s = (ex.held_s or 0.0) + max(0.0, self._clock() - acquired_at)
                 if not again:  # an instance that failed: the retry goes elsewhere
@@ -406,92 +403,19 @@ class Activator:
             return config.hold_deadline_s
         return max(config.hold_deadline_s, min(config.hold_deadline_max_s, seconds * START_SLACK))
 
-    # -- sick instances leave routing ------------------------------------------------------------
-
-    def _routable(self) -> Sequence[Endpoint]:
-        endpoints = self._source.endpoints()
-        if not self._ejected:
-            return endpoints
-        return [e for e in endpoints if key(e) not in self._ejected]
+    # -- sick instances leave routing (`routing.HealthRouting`) --------------------------------
 
     def ejected(self) -> list[str]:
         """The ids of the instances out of routing now for failing."""
-        return sorted(k[0] for k in self._ejected)
+        return self._routing.ejected()
 
     async def watch_health(self) -> None:
-        """Probe the instances every `health_interval_s`, for ever: the composition root runs this
-        as a task per deployment and cancels it when the deployment goes."""
-        while True:
-            await asyncio.sleep(self._config.health_interval_s)
-            await self.check_health()
+        """Probe the instances every `health_interval_s`, for ever (`HealthRouting.watch`)."""
+        await self._routing.watch()
 
     async def check_health(self) -> None:
-        """One round: probe every routable instance, and every ejected one whose time is up."""
-        endpoints = list(self._source.endpoints())
-        present = {key(e) for e in endpoints}
-        for gone in [k for k in self._health if k not in present]:  # left routing: forget it
-            del self._health[gone]
-            self._ejected.discard(gone)
-        self._ejected_now.set(len(self._ejected))
-        now = self._clock()
-        due = [
-            e
-            for e in endpoints
-            if not (h := self._health.get(key(e), HEALTHY)).ejected or ejection.probe_due(h, now)
-        ]
-        statuses = await asyncio.gather(*(self._probe(e) for e in due))
-        now = self._clock()
-        for endpoint, status in zip(due, statuses, strict=True):
-            k = key(endpoint)
-            if status == 503:
-                self._source.report_unhealthy(endpoint.id, "its /health answered 503")
-            self._set_health(
-                k, ejection.probed(self._health.get(k, HEALTHY), status == 200, self._rules, now)
-            )
-
-    async def _probe(self, endpoint: Endpoint) -> int:
-        """GET /health within `health_timeout_s`: its status, or 0 when none came."""
-        try:
-            async with asyncio.timeout(self._config.health_timeout_s):
-                async with self._session.get(endpoint.url + "/health") as resp:
-                    await resp.read()
-                    return resp.status
-        except (aiohttp.ClientError, OSError, TimeoutError):
-            return 0
-
-    def _outcome(self, k: Key, ok: bool) -> None:
-        health = self._health.get(k, HEALTHY)
-        if ok:
-            if health is not HEALTHY:
-                self._set_health(k, ejection.succeeded(health))
-        else:
-            self._set_health(k, ejection.failed(health, self._rules, self._clock()))
-
-    def _set_health(self, k: Key, health: Health) -> None:
-        before = self._health.get(k, HEALTHY)
-        if health == HEALTHY:
-            self._health.pop(k, None)
-        else:
-            self._health[k] = health
-        if health.ejected and health.ejections > before.ejections:  # ejected, or ejected again
-            self._ejections.inc()
-            if health.ejections >= self._config.replace_after_ejections:
-                self._source.report_unhealthy(
-                    k[0], f"ejected {health.ejections} times in a row (stopped or wedged)"
-                )
-        if health.ejected and k not in self._ejected:
-            self._ejected.add(k)
-            log.warning(
-                "instance %s ejected from routing for %.3g s after failing",
-                k[0],
-                ejection.ejection_s(self._rules, health.ejections),
-            )
-            proxy.expire(self._waits.get(k, set()))  # its waiting requests go elsewhere
-        elif not health.ejected and k in self._ejected:
-            self._ejected.discard(k)
-            log.warning("instance %s back in routing: its /health answered 200", k[0])
-            self._slots.dispatch()
-        self._ejected_now.set(len(self._ejected))
+        """One round of probes (`HealthRouting.check`)."""
+        await self._routing.check()
 
     def _first_byte(self, ex: _Exchange, status: int) -> None:
         ex.upstream_status = status

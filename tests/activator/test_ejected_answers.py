@@ -63,7 +63,7 @@ async def test_an_ejected_instance_still_sending_finishes_its_stream(rig: Rig) -
 def awaiting_body(activator) -> bool:
     """A request on this activator has its headers and waits for its body (its `Silence` is
     registered where an ejection finds it)."""
-    return any(isinstance(w, proxy.Silence) for waits in activator._waits.values() for w in waits)
+    return any(isinstance(w, proxy.Silence) for waits in activator._routing._waits.values() for w in waits)
 
 
 class HeadersThenSilence:
