@@ -98,6 +98,7 @@ class _Exchange:
         "routing",
         "stream",
         "upstream_status",
+        "whitespace",
     )
 
     def __init__(
@@ -122,6 +123,7 @@ class _Exchange:
         self.content_type = next((v for n, v in scope["headers"] if n == b"content-type"), None)
         self.body = body
         self.stream = stream
+        self.whitespace = not stream and not scope.get(proxy.IN_PROCESS)  # may a hold keep it alive so
         self.reply = proxy.Reply(send)
         self.cold = False  # served by an instance that was not routable at arrival (see the module doc)
         self.cold_on: str | None = None  # that instance's id
@@ -366,7 +368,9 @@ class Activator:
         self._queue_length.inc()
         (queue_band := self._queue_bands[band(ex.priority)]).inc()
         held_at = self._clock()
-        interval = config.keepalive_interval_s if ex.stream else config.plain_keepalive_interval_s
+        interval = config.keepalive_interval_s if ex.stream else None
+        if ex.whitespace:
+            interval = config.plain_keepalive_interval_s
         next_keepalive = held_at + interval if interval is not None else math.inf
         taken = False
         try:

@@ -103,6 +103,10 @@ def error_event(message: str, type: str, code: str) -> bytes:
 # go-openai, which fails a stream after 300 lines that are not data, counts two lines for either.
 KEEPALIVE = b"\n\n"
 PLAIN_KEEPALIVE = b" "  # JSON allows whitespace before a value: the parser skips it
+# A scope key an in-process caller sets (the batch runner): no proxy stands between it and the
+# activator, so a held plain request of its gets no whitespace keep-alive, and its status stays
+# the answer's (a batch line refused while held must not land in the output file as a 200).
+IN_PROCESS = "stoker.in_process"
 
 
 class Reply:

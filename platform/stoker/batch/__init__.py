@@ -11,11 +11,12 @@
                    finalize: the two files become File objects; the record says completed
 
 The modules, one concept each: `config` (the settings and their bounds), `files` (the tenant's
-files on disk), `objects` (their bytes in object storage, where one is configured), `multipart` (the upload's streaming parser), `lines` (what a request body and an
-input line must be), `records` (the batch object and its store), `results` (the output and error
-files, which are also the journal of what is done), `pacing` (the pure decision of how many lines
-may go now), `cost` (a batch's share of its deployments' spend), `runner` (the loop), `routes`
-(HTTP), `schema` (the OpenAPI paths).
+files on disk), `objects` (their bytes in object storage, where one is configured), `multipart`
+(the upload's streaming parser), `lines` (what a request body and an input line must be),
+`records` (the batch object and its store), `results` (the output and error files, which are also
+the journal of what is done), `pacing` (the pure decision of how many lines may go now), `cost` (a
+batch's share of its deployments' spend), `runner` (the loop), `inprocess` (one line sent through
+the gateway's endpoint in this process), `routes` (HTTP), `schema` (the OpenAPI paths).
 
 A tenant is a key's tenant (`spec.keys.Principal.tenant`); the admin's files and batches are the
 admin's own. Nothing here imports the control plane.

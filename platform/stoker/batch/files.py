@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from snapshots.durable import hash_stream
 from stoker.batch.disk import (
     DiskError,
     create_new,
@@ -264,7 +265,7 @@ class FileStore:
         if fd is None:
             raise DiskError(f"{final} is missing: the batch's results were lost")
         with os.fdopen(fd, "rb") as f:
-            size, sha256 = await asyncio.to_thread(_hash, f)
+            size, sha256 = await asyncio.to_thread(hash_stream, f)
         return await self.publish(owner, file_id, size, sha256, filename, purpose)
 
     def _read(self, owner: str, file_id: str) -> FileObject | None:
@@ -339,9 +340,9 @@ class FileStore:
             return None
         directory = self.dir_of(owner)
         if found.stored == S3:
-            await asyncio.to_thread(self._write, owner, replace(found, state=DELETING))
-            if self.objects is None:
+            if self.objects is None:  # before the journal entry, which would hide the file
                 raise DiskError(f"{file_id} is in object storage, and no --files-store is configured")
+            await asyncio.to_thread(self._write, owner, replace(found, state=DELETING))
             await self.objects.delete(owner, file_id)
         (directory / f"{file_id}.json").unlink()
         fsync_dir(directory)
@@ -355,14 +356,6 @@ def _move_in(path: Path, final: Path) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.replace(path, final)
         fsync_dir(final.parent)
-
-
-def _hash(f) -> tuple[int, str]:
-    digest, size = hashlib.sha256(), 0
-    while chunk := f.read(READ_CHUNK):
-        digest.update(chunk)
-        size += len(chunk)
-    return size, digest.hexdigest()
 
 
 async def _read_chunks(fd: int) -> AsyncIterator[bytes]:

@@ -1,6 +1,7 @@
 """The batch runner: one task per unfinished batch, in the gateway's process (`stoker up`).
 
-Each line is sent through the gateway's own `InferenceEndpoint` as an ASGI request of its own: the
+Each line is sent through the gateway's own `InferenceEndpoint` as an ASGI request of its own
+(`stoker.batch.inprocess`): the
 caller is the batch's key (read again at each line, so a revoked key stops its batches), and the
 request takes every step an interactive one does (the key's deployments and limits, the cost
 meter, the request log, the split between revisions, the activator's hold queue, scale from zero).
@@ -32,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import time
@@ -49,17 +49,16 @@ from stoker.batch.config import BatchConfig
 from stoker.batch.cost import batch_cost, figures
 from stoker.batch.disk import DiskError
 from stoker.batch.files import FileStore
+from stoker.batch.inprocess import call, error
 from stoker.batch.lines import BadLine, Entry, TooManyLines, request_body, scan
 from stoker.batch.records import DONE, RUNNING, BatchRecord, BatchStore
 from stoker.batch.results import ResultLog
-from stoker.gateway.keys import SCOPE_KEY
 from stoker.spec import priority as priorities
 from stoker.spec.keys import Principal
 
 log = logging.getLogger("stoker.batch")
 BATCH_PRIORITY = 100  # behind the default class (0) and every interactive key's
 RETRY = (429, 503)
-MAX_ANSWER_BYTES = 64 << 20
 MAX_BACKOFF_S = 60.0
 INPUT_COPY = "input.jsonl"  # in the work dir: a copy of an input kept in object storage
 
@@ -358,7 +357,7 @@ class BatchRunner:
             log.exception("batch %s line %d", batch.record.id, entry.line)
             try:
                 await batch.results.answer(
-                    entry.line, entry.custom_id, 500, _error(f"Internal error: {type(exc).__name__}.")
+                    entry.line, entry.custom_id, 500, error(f"Internal error: {type(exc).__name__}.")
                 )
             except (DiskError, OSError) as failed:
                 batch.broken = failed
@@ -379,7 +378,7 @@ class BatchRunner:
                 [BATCH_PRIORITY, *(p for p in (limits.priority, limits.priority_min) if p is not None)]
             )
             body, _ = request_body(raw, min(level, priorities.HIGHEST))
-            status, headers, answer = await self._send(record, principal, body)
+            status, headers, answer = await call(self.endpoint, record.endpoint, body, principal, record.id)
             last = attempt == self.config.max_attempts or record.status != "in_progress"
             if status in RETRY and not last:
                 asked = headers.get("retry-after", "")
@@ -398,61 +397,6 @@ class BatchRunner:
                     if isinstance(usage.get(name), int):
                         self.metrics.tokens.labels(label, direction).inc(usage[name])
             return
-
-    async def _send(self, record: BatchRecord, principal: Principal, body: bytes) -> tuple[int, dict, Any]:
-        """One request through the gateway's endpoint, in this process: (status, headers, JSON)."""
-        scope = {
-            "type": "http",
-            "asgi": {"version": "3.0"},
-            "http_version": "1.1",
-            "method": "POST",
-            "scheme": "http",
-            "path": record.endpoint,
-            "raw_path": record.endpoint.encode(),
-            "query_string": b"",
-            "root_path": "",
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-                (b"x-stoker-batch", record.id.encode()),
-            ],
-            "client": None,
-            "server": None,
-            SCOPE_KEY: principal,
-        }
-        sent = False
-        never = asyncio.Event()
-
-        async def receive() -> dict:
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            await never.wait()  # the batch is the client, and never leaves; a cancel ends this
-            return {"type": "http.disconnect"}
-
-        status, headers, chunks, size = 0, {}, [], 0
-
-        async def send(message: dict) -> None:
-            nonlocal status, headers, size
-            if message["type"] == "http.response.start":
-                status = message["status"]
-                headers = {
-                    k.decode("latin-1").lower(): v.decode("latin-1") for k, v in message.get("headers", [])
-                }
-            elif message["type"] == "http.response.body":
-                chunk = message.get("body", b"")
-                size += len(chunk)
-                if size <= MAX_ANSWER_BYTES:
-                    chunks.append(chunk)
-
-        await self.endpoint(scope, receive, send)
-        if size > MAX_ANSWER_BYTES:
-            return 502, headers, _error(f"The answer is over {MAX_ANSWER_BYTES} bytes.")
-        try:
-            return status or 502, headers, json.loads(b"".join(chunks))
-        except ValueError:
-            return 502, headers, _error("The answer is not JSON.")
 
     async def _refuse_rest(self, batch: _Batch, entries: list[Entry]) -> None:
         """The lines a cancel or the window's end left unanswered, each in the error file."""
@@ -510,7 +454,3 @@ class BatchRunner:
         record.input_tokens, record.output_tokens = tally.input_tokens, tally.output_tokens
         if record.cost_base is not None:
             record.cost_usd = batch_cost(self._cost_figures(), record.cost_base, tally.by_model)
-
-
-def _error(message: str) -> dict[str, Any]:
-    return {"error": {"message": message, "type": "server_error", "param": None, "code": None}}
