@@ -4,8 +4,10 @@ Written out rather than derived: the routes are pure ASGI endpoints that read bo
 so no framework knows their shapes. It says what the platform accepts and answers, with the ranges
 its validation enforces (the engines' `protocol.py` for generation, `stoker.api.responses` for
 `/v1/responses`, `stoker.spec.deployment.FIELDS` for deploys), so a client generator or a fuzzer
-(schemathesis, in the tests) can be pointed at a running platform.
-Every error is OpenAI's error object.
+(schemathesis, in the tests) can be pointed at a running platform. Each feature writes its own
+paths where it is (`stoker.api.inference_schema` for chat, completions and embeddings,
+`stoker.api.responses`, `stoker.batch.schema`, …); this module holds the admin API's and puts them
+together. Every error is OpenAI's error object.
 """
 
 from __future__ import annotations
@@ -14,13 +16,11 @@ from typing import Any
 
 from stoker.api.cost import cost_paths
 from stoker.api.dashboard import dashboard_paths
+from stoker.api.inference_schema import inference_paths
 from stoker.api.logs import DEFAULT_TAIL
 from stoker.api.responses import responses_paths
 from stoker.api.revisions import revision_paths
 from stoker.batch.schema import batch_paths
-from stoker.engine.embed import FORMATS, MAX_INPUTS
-from stoker.engine.protocol import MAX_N, MAX_STOP_SEQUENCES
-from stoker.engine.tools import MAX_DESCRIPTION, MAX_TOOLS
 from stoker.gateway.drift import drift_paths
 from stoker.spec import priority
 from stoker.spec.deployment import NAME, deploy_schema
@@ -44,230 +44,7 @@ _ERROR = {
     },
 }
 
-# vLLM's `priority`: lower is served first; the key's default where absent, never below its floor.
-_PRIORITY = {
-    "type": "integer",
-    "minimum": priority.LOWEST,
-    "maximum": priority.HIGHEST,
-    "description": "lower is served first (default: the key's priority, else 0; a key's floor refuses less)",
-}
 _KEY_PRIORITY = {"type": ["integer", "null"], "minimum": priority.LOWEST, "maximum": priority.HIGHEST}
-
-_SAMPLING = {
-    "max_tokens": {"type": "integer", "minimum": 1},
-    "max_completion_tokens": {"type": "integer", "minimum": 1},
-    "temperature": {"type": "number", "minimum": 0, "maximum": 2},
-    "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
-    "stream": {"type": "boolean"},
-    "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
-    "stop": {
-        "oneOf": [
-            {"type": "string", "minLength": 1},
-            {
-                "type": "array",
-                "items": {"type": "string", "minLength": 1},
-                "minItems": 1,
-                "maxItems": MAX_STOP_SEQUENCES,
-            },
-        ]
-    },
-    "seed": {"type": "integer"},
-    "n": {"type": "integer", "minimum": 1, "maximum": MAX_N},
-    "priority": _PRIORITY,
-    "user": {"type": "string"},
-}
-
-_TEXT = {"type": "string", "minLength": 1}
-_CONTENT = {
-    "oneOf": [
-        {"type": "string"},
-        {
-            "type": "array",
-            "items": {
-                "type": "object",
-                "required": ["type", "text"],
-                "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
-            },
-        },
-    ]
-}
-
-_NAME = {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}
-_TOOL = {
-    "type": "object",
-    "required": ["type", "function"],
-    "properties": {
-        "type": {"const": "function"},
-        "function": {
-            "type": "object",
-            "required": ["name"],
-            "properties": {
-                "name": _NAME,
-                "description": {"type": "string", "maxLength": MAX_DESCRIPTION},
-                "parameters": {"type": "object", "description": "a JSON Schema of an object"},
-                "strict": {"type": "boolean"},
-            },
-        },
-    },
-}
-_TOOL_CALL = {
-    "type": "object",
-    "required": ["function"],
-    "properties": {
-        "id": {"type": "string"},
-        "type": {"const": "function"},
-        "function": {
-            "type": "object",
-            "required": ["name", "arguments"],
-            "properties": {
-                "name": {"type": "string"},
-                "arguments": {"type": "string", "description": "JSON"},
-            },
-        },
-    },
-}
-
-_CHAT_REQUEST = {
-    "type": "object",
-    "required": ["model", "messages"],
-    "properties": {
-        "model": _TEXT,
-        "messages": {
-            "type": "array",
-            "minItems": 1,
-            "items": {
-                "type": "object",
-                "required": ["role"],
-                "properties": {
-                    "role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
-                    "content": {"oneOf": [*_CONTENT["oneOf"], {"type": "null"}]},
-                    "name": {"type": "string"},
-                    "tool_calls": {"type": "array", "items": _TOOL_CALL},  # assistant messages
-                    "tool_call_id": {"type": "string"},  # tool messages: the call answered
-                },
-            },
-        },
-        "tools": {"type": "array", "minItems": 1, "maxItems": MAX_TOOLS, "items": _TOOL},
-        "tool_choice": {
-            "oneOf": [
-                {"enum": ["none", "auto", "required"]},
-                {
-                    "type": "object",
-                    "required": ["type", "function"],
-                    "properties": {
-                        "type": {"const": "function"},
-                        "function": {"type": "object", "required": ["name"], "properties": {"name": _NAME}},
-                    },
-                },
-            ]
-        },
-        "parallel_tool_calls": {"type": "boolean"},
-        **_SAMPLING,
-    },
-}
-
-_COMPLETION_REQUEST = {
-    "type": "object",
-    "required": ["model", "prompt"],
-    "properties": {
-        "model": _TEXT,
-        "prompt": {
-            "oneOf": [
-                {"type": "string", "minLength": 1},
-                {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
-            ]
-        },
-        **_SAMPLING,
-    },
-}
-
-_USAGE = {
-    "type": "object",
-    "properties": {
-        "prompt_tokens": {"type": "integer"},
-        "completion_tokens": {"type": "integer"},
-        "total_tokens": {"type": "integer"},
-    },
-}
-
-_COMPLETION_RESPONSE = {
-    "type": "object",
-    "required": ["id", "object", "choices"],
-    "properties": {
-        "id": {"type": "string"},
-        "object": {"type": "string"},
-        "created": {"type": "integer"},
-        "model": {"type": "string"},
-        "choices": {"type": "array"},
-        "usage": _USAGE,
-    },
-}
-
-
-_EMBEDDING_INPUT = {
-    "oneOf": [
-        {"type": "string", "minLength": 1},
-        {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": MAX_INPUTS},
-        {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
-        {
-            "type": "array",
-            "items": {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
-            "minItems": 1,
-            "maxItems": MAX_INPUTS,
-        },
-    ]
-}
-_EMBEDDING_REQUEST = {
-    "type": "object",
-    "required": ["model", "input"],
-    "properties": {
-        "model": _TEXT,
-        "input": _EMBEDDING_INPUT,
-        "encoding_format": {"enum": list(FORMATS)},
-        "dimensions": {"type": "integer", "minimum": 1},
-        "priority": _PRIORITY,
-        "user": {"type": "string"},
-    },
-}
-_EMBEDDING_RESPONSE = {
-    "type": "object",
-    "required": ["object", "data", "model", "usage"],
-    "properties": {
-        "object": {"const": "list"},
-        "data": {
-            "type": "array",
-            "items": {
-                "type": "object",
-                "required": ["object", "index", "embedding"],
-                "properties": {
-                    "object": {"const": "embedding"},
-                    "index": {"type": "integer"},
-                    "embedding": {
-                        "oneOf": [
-                            {"type": "array", "items": {"type": "number"}},
-                            {"type": "string", "description": "base64 of little-endian float32"},
-                        ]
-                    },
-                },
-            },
-        },
-        "model": {"type": "string"},
-        "usage": _USAGE,
-    },
-}
-
-
-def _embeddings() -> dict[str, Any]:
-    return {
-        "post": {
-            "summary": "Embeddings from the deployment named by `model` (deployed with `task: embed`)",
-            "requestBody": {"required": True, **_json(_EMBEDDING_REQUEST)},
-            "responses": {
-                "200": {"description": "one embedding per input, in order", **_json(_EMBEDDING_RESPONSE)},
-                **_errors(400, 401, 404, 413, 429, 500, 502, 503),
-            },
-        }
-    }
 
 
 def deploy_request() -> dict[str, Any]:
@@ -281,25 +58,6 @@ def _json(schema: dict[str, Any]) -> dict[str, Any]:
 
 def _errors(*codes: int) -> dict[str, Any]:
     return {str(c): {"description": "an error, in OpenAI's shape", **_json(_ERROR)} for c in codes}
-
-
-def _generation(summary: str, request: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "post": {
-            "summary": summary,
-            "requestBody": {"required": True, **_json(request)},
-            "responses": {
-                "200": {
-                    "description": "the answer; with `stream: true`, server-sent events ending in `data: [DONE]`",
-                    "content": {
-                        "application/json": {"schema": _COMPLETION_RESPONSE},
-                        "text/event-stream": {"schema": {"type": "string"}},
-                    },
-                },
-                **_errors(400, 401, 404, 413, 429, 500, 502, 503),
-            },
-        }
-    }
 
 
 def openapi_schema() -> dict[str, Any]:
@@ -319,14 +77,8 @@ def openapi_schema() -> dict[str, Any]:
             "description": "OpenAI-compatible serving and the admin API",
         },
         "paths": {
-            "/v1/chat/completions": _generation(
-                "Chat completion from the deployment named by `model`", _CHAT_REQUEST
-            ),
-            "/v1/completions": _generation(
-                "Text completion from the deployment named by `model`", _COMPLETION_REQUEST
-            ),
+            **inference_paths(_errors(400, 401, 404, 413, 429, 500, 502, 503)),
             **responses_paths(_errors(400, 401, 404, 413, 429, 500, 502, 503)),
-            "/v1/embeddings": _embeddings(),
             **batch_paths(),
             "/v1/models": {
                 "get": {
