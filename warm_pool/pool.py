@@ -61,7 +61,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
@@ -91,11 +90,6 @@ from warm_pool.pool_spec import Demand, PoolSpec
 from warm_pool.recycler import Recycler
 from warm_pool.states import Instance, InstanceState
 from warm_pool.tracker import ObservationTracker
-
-# A start a request was refused for (its hold deadline passed) is kept this long after: the client's
-# retry, typically within seconds to minutes, finds it on its way or READY (the activator's cap on a
-# hold, `ActivatorConfig.hold_deadline_max_s`, is the same 600 s).
-KEEP_STARTS_S = 600.0
 
 log = logging.getLogger("stoker.pool")
 
@@ -142,7 +136,6 @@ class Pool:
         )
         self.last_decision: Decision | None = None
         self._start_tier: Tier | None = None  # where the next start comes from, as last observed
-        self._refused_at = -math.inf  # when a request last left without an instance (held, refused)
         # The LoRA adapters the policy expects a request for soon (`Decision.adapters`), handed each
         # tick there is a READY instance to load them on: set by the platform, which knows them.
         self.on_adapters: Callable[[tuple[str, ...]], None] = lambda names: None
@@ -214,8 +207,6 @@ class Pool:
         return self._tracker.startup.of(self._start_tier)
 
     def request_finished(self, service_s: float | None, cold_on: str | None) -> None:
-        if service_s is None:
-            self._refused_at = self._clock()
         self._tracker.finished(self._clock(), service_s)
         if cold_on is not None:
             tier = self.lifecycle.tier_of(cold_on)
@@ -361,28 +352,11 @@ class Pool:
             leaving=self.lifecycle.stops.keys(),
         )
         self._start_tier = view.observation.start_tier
-        decision = self._keep_wanted_starts(self._decide(view, now), view, now)
+        decision = self._decide(view, now)
         granted, start_on = self._arbitrate(decision, view)
         census = self._recycle(view, decision.ready, granted.ready, now)
         actions = self._plan(granted, census, view.load.outstanding, now)
         self._apply(actions, granted, start_on, now)
-
-    def _keep_wanted_starts(self, decision: Decision, view: View, now: float) -> Decision:
-        """A start in flight that requests wait on, or that one was refused for within the last
-        `KEEP_STARTS_S` (or the start's expected time, if longer), is not cancelled for idleness: the client's retry finds it on its
-        way, or READY. (A held request refused at its deadline ended the deployment's last demand,
-        and its idle timeout then stopped the engine still starting: each retry began again from
-        nothing.) The instance then idles as any READY one does."""
-        coming = len(view.census.coming)
-        if not coming or decision.ready >= len(view.census.routing) + coming:
-            return decision
-        window = max(self.expected_start_s() or 0.0, KEEP_STARTS_S)
-        if view.load.queued == 0 and now - self._refused_at > window:
-            return decision
-        kept = len(view.census.routing) + coming
-        return replace(
-            decision, ready=kept, reason=f"{decision.reason}; kept: {coming} start(s) requests wait on"
-        )
 
     def _decide(self, view: View, now: float) -> Decision:
         """The policy (`warm_pool.policies`, pure), bound with the shared rules."""

@@ -60,6 +60,7 @@ class ObservationTracker:
         self._outstanding = 0
         self._last_arrival: float | None = None
         self._idle_since: float | None = None
+        self._refused_at: float | None = None
         self._arrivals = 0  # since the previous observation
         self._gaps: deque[float] = deque(maxlen=max_pending_gaps)
         self._pending: deque[SecondSample] = deque(maxlen=max_pending_seconds)
@@ -99,6 +100,8 @@ class ObservationTracker:
         self._outstanding = max(0, self._outstanding - 1)
         if self._outstanding == 0:
             self._idle_since = now
+        if service_s is None:
+            self._refused_at = now
         if service_s is not None and service_s >= 0 and math.isfinite(service_s):
             self._served += 1
             alpha = max(1.0 / self._served, LATENCY_ALPHA)
@@ -194,6 +197,7 @@ class ObservationTracker:
             arrivals=arrivals,
             seconds=seconds,
             idle_since=self._idle_since if self._outstanding == 0 else None,
+            refused_at=self._refused_at,
             idle_gaps=gaps,
             sleeping=sleeping,
             waking=waking,

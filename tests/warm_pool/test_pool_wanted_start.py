@@ -1,5 +1,5 @@
-"""A start that requests wait on, or were refused for, is not cancelled for idleness (`Pool.
-_keep_wanted_starts`), and the pool tells the activator how long such a start is expected to take
+"""A start that requests wait on, or were refused for, is not cancelled for idleness (the shared
+rules' rule 3, `warm_pool.policies.rules`), and the pool tells the activator how long such a start is expected to take
 (`Pool.expected_start_s`). On the pool's rig: the real pool and policy, a fake clock, and a start
 held open until the test lets it finish."""
 
@@ -44,7 +44,8 @@ async def test_a_start_a_request_was_refused_for_outlives_the_idle_timeout(tmp_p
         # Past the idle timeout: the reactive policy asks for none. The start is kept: the client's
         # retry will find it (before: cancelled, and the retry started again from nothing).
         await rig.tick(200.0)
-        assert rig.pool.last_decision.ready == 0
+        decision = rig.pool.last_decision
+        assert decision.ready == 1 and "keeping 1 start(s) requests wait on" in decision.reason
         assert rig.pool.counts()["STARTING"] == 1 and len(backend.alive) == 1
         backend.done.set()
         await eventually(lambda: rig.pool.counts()["READY"] == 1)

@@ -84,6 +84,20 @@ def test_going_to_sleep_waits_only_the_short_delay():
     assert run(ScalingConfig(max=4), answers, steps) == [(4, 0), (4, 0), (2, 0)]
 
 
+def test_a_start_requests_wait_on_or_were_refused_for_is_kept():
+    scaling = ScalingConfig(max=4)
+    policy = with_rules(scripted(*[(0, 0)] * 5), scaling, RulesConfig(keep_starts_s=600))
+    state = RuledState(inner=0)
+    refused = Observation(0, 0, 0, 1, None, refused_at=100.0)  # one starting, its request refused
+    for now, kept in ((101.0, 1), (700.0, 1), (700.5, 0)):  # kept for keep_starts_s after the refusal
+        d, state = policy(refused, RuledState(inner=state.inner), now)
+        assert d.ready == kept, now
+    d, _ = policy(Observation(0, 2, 1, 2, None), RuledState(inner=0), 0.0)  # two held: both starts kept
+    assert d.ready == 3 and "keeping 2 start(s)" in d.reason
+    d, _ = policy(Observation(0, 0, 0, 1, None), RuledState(inner=0), 0.0)  # nobody waits: let go
+    assert d.ready == 0
+
+
 def test_scale_up_is_never_delayed():
     answers = [(4, 0), (1, 0), (6, 0)]
     steps = [(0.0, obs()), (1.0, obs()), (1.5, obs())]

@@ -13,7 +13,7 @@ binds the config with `functools.partial`, wraps the result in `rules.with_rules
 initial state with it; `target_concurrency` and `max` come from the deployment's `ScalingConfig`
 (and kpa's stable window from its `stable_window_s`), anything else from keyword overrides. An
 engine without sleep mode (`Observation.can_sleep` False) gets no SLEEPING from any of them: the
-shared rules see to it (`rules.py`, rule 5), and predictive plans stops and starts instead.
+shared rules see to it (`rules.py`, rule 6), and predictive plans stops and starts instead.
 """
 
 from __future__ import annotations

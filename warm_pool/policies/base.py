@@ -116,6 +116,7 @@ class Observation:
     arrivals: int = 0  # requests that arrived since the previous observation
     seconds: tuple[SecondSample, ...] = ()  # whole seconds completed since the previous observation
     idle_since: float | None = None  # when the deployment last ran out of work; None while busy
+    refused_at: float | None = None  # when a request last left without an instance (held, then refused)
     idle_gaps: tuple[float, ...] = ()  # idle gaps (out of work → next arrival) ended since the last call
     sleeping: int = 0  # SLEEPING instances
     waking: int = 0  # instances waking up (SLEEPING → READY)

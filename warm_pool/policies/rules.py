@@ -18,8 +18,14 @@ In the order they apply to the policy's `ready`:
    before preemption begins. One instance per step: the figures are read every 5 s and a start
    takes tens of seconds, so the rule asks again only once the new one is READY and the figures
    still say full. No READY instance, no figures: the rule is then silent.
-3. Bounds: `min_warm` ≤ ready ≤ `max`.
-4. Flap suppression, for scale-down only (scale-up is never delayed):
+3. Wanted starts: while instances start, and requests are held or one was refused (its hold
+   deadline passed) within `keep_starts_s` (600 s), at least READY + starting: a start someone
+   waits on is not cancelled for idleness, so the client's retry finds it on its way or READY.
+   (A held request refused at its deadline ended the deployment's last demand, and its idle
+   timeout then stopped the engine still starting, a vLLM start that took 180 s of a 120 s hold:
+   each retry began again from nothing.) Once READY it idles as any instance does.
+4. Bounds: `min_warm` ≤ ready ≤ `max`.
+5. Flap suppression, for scale-down only (scale-up is never delayed):
    - no step down within `down_delay_s` (30 s) of the last step up. An instance let go sooner
      than a new one takes to start is a flap by definition, and the slowest local start here is
      ~28 s (GPU class, disk tier: `TierTimes.disk`); keeping an instance for one start-up time is
@@ -33,7 +39,7 @@ In the order they apply to the policy's `ready`:
    - at most one step down per `down_step_s` (2 s), and a step at most halves READY: Knative's
      max-scale-down-rate 2.0 per 2 s tick. A drained burst of 8 instances reaches 1 in 6 s
      (8 → 4 → 2 → 1), so the rate limit costs little, but one noisy sample cannot empty the pool.
-5. Sleeping: ready + sleeping ≤ `max` (the sleeping count gives way), and none at all when the
+6. Sleeping: ready + sleeping ≤ `max` (the sleeping count gives way), and none at all when the
    engine has no sleep mode (`Observation.can_sleep` False: vLLM's CPU build). Then what a policy
    would have put to sleep is stopped, after the long down delay since a start undoes it, instead
    of staying READY while waiting for a sleep that cannot happen.
@@ -42,12 +48,13 @@ Which decision uses which signal:
 
 | signal | measured by | decides |
 |---|---|---|
-| requests in flight and held (the activator's counts) | activator, `Demand.load` | the reactive floor and cold-start fast path (rule 1); reactive's count |
+| requests in flight and held (the activator's counts) | activator, `Demand.load` | the reactive floor and cold-start fast path (rule 1); the wanted starts (rule 3); reactive's count |
+| when a request last left without an instance | `ObservationTracker`, from the activator's events | the wanted starts (rule 3) |
 | arrivals and per-second concurrency | `ObservationTracker`, from the activator's events | every policy's desired count: kpa's windows, keepalive's and histogram's per-second needs, predictive's forecast and its service time, S = L_s / λ (the window's concurrency less the time held) |
 | idle gaps (out of work → next arrival) | `ObservationTracker` | histogram's and predictive's pre-warm and keep-until points for the last instance |
 | requests waiting inside the engines, KV-cache fill | engines' `/metrics`, `engine_signals.EngineScraper` | the saturation rule (rule 2) |
 | measured start-up time per tier, and the tier a start would come from | `ObservationTracker.started`; the pool's page-cache probe | predictive's forecast horizon and pre-warm lead; histogram's pre-warm lead |
-| can the engine sleep | the engine's reported sleep levels (the pool) | the sleeping target (rule 5); predictive's lead (a start, not a wake) and its stop-or-READY plan |
+| can the engine sleep | the engine's reported sleep levels (the pool) | the sleeping target (rule 6); predictive's lead (a start, not a wake) and its stop-or-READY plan |
 
 The wrapped state is `RuledState(inner=<the policy's own state>, ...)`; start from
 `RuledState(inner=<its initial state>)`.
@@ -72,9 +79,12 @@ class RulesConfig:
     max_down_rate: float = 2.0
     saturation_waiting: int = 1  # requests waiting inside the READY engines, summed
     saturation_kv_usage: float = 0.9  # the READY engines' mean KV-cache fill, 0..1
+    # A start a request was refused for is kept this long after (rule 3): the activator's longest
+    # hold (`ActivatorConfig.hold_deadline_max_s`) is the same 600 s.
+    keep_starts_s: float = 600.0
 
     def __post_init__(self) -> None:
-        for name in ("down_delay_s", "sleep_delay_s", "down_step_s"):
+        for name in ("down_delay_s", "sleep_delay_s", "down_step_s", "keep_starts_s"):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
                 raise InvalidConfig(name, f"{name} must be a finite number ≥ 0, got {value!r}")
@@ -124,6 +134,9 @@ def ruled(
             reason = f"reactive floor: ceil({demand}/{c.target_concurrency}) = {floor}"
     if o.ready > 0 and ready <= o.ready and (why := _saturated(o, rules)):
         ready, reason = o.ready + 1, f"saturated: {why}: {o.ready} READY + 1"
+    if o.starting and ready < o.ready + o.starting and _waited_on(o, rules, now):
+        ready = o.ready + o.starting
+        reason = f"keeping {o.starting} start(s) requests wait on ({reason})"
     if ready < c.min_warm:
         ready, reason = c.min_warm, f"min_warm {c.min_warm}"
     if ready > c.max:
@@ -151,6 +164,11 @@ def ruled(
     last_down = now if ready < prev else state.last_down
     out = Decision(ready, sleeping, decision.warm, reason, decision.forecast, decision.adapters)
     return out, RuledState(inner, ready, last_up, last_down)
+
+
+def _waited_on(o: Observation, rules: RulesConfig, now: float) -> bool:
+    """Whether requests wait on the starts in flight: held now, or one refused lately (rule 3)."""
+    return o.queued > 0 or (o.refused_at is not None and now - o.refused_at <= rules.keep_starts_s)
 
 
 def _saturated(o: Observation, rules: RulesConfig) -> str:
