@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import re
 import secrets
@@ -37,6 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from snapshots.durable import hash_stream
+from snapshots.errors import RemoteError
 from stoker.batch.disk import (
     DiskError,
     create_new,
@@ -53,6 +55,7 @@ from stoker.spec.keys import TENANT, Principal
 if TYPE_CHECKING:
     from stoker.batch.objects import FileObjects
 
+log = logging.getLogger("stoker.batch")
 FILE_ID = re.compile(r"file-[0-9a-f]{24}")
 ADMIN_OWNER = "_admin"
 UPLOAD_PURPOSES = ("batch",)  # what `POST /v1/files` takes; "batch_output" is the batches' own
@@ -187,7 +190,8 @@ class FileStore:
     async def sweep_objects(self, keep: Iterable[str] = ()) -> int:
         """At start, where the bytes go to a bucket: what a crash left half done there. A file
         `uploading` is removed (its object too, unless an unfinished batch is about to publish it
-        again), one `deleting` is deleted. How many were finished."""
+        again), one `deleting` is deleted. How many were finished; one the store fails is left
+        journalled for the next start, which a store that is down does not stop."""
         if self.objects is None or not self.root.is_dir():
             return 0
         keep, n = set(keep), 0
@@ -201,7 +205,13 @@ class FileStore:
                 if meta is None or meta.state == READY:
                     continue
                 if file_id not in keep:
-                    await self.objects.delete(owner, file_id)
+                    try:
+                        await self.objects.delete(owner, file_id)
+                    except RemoteError as exc:  # a store that is down must not stop the start
+                        log.warning(
+                            "%s is still journalled %s: %s; again at the next start", file_id, meta.state, exc
+                        )
+                        continue
                     with contextlib.suppress(FileNotFoundError):
                         (owner_dir / file_id).unlink()
                 meta_path.unlink()

@@ -174,6 +174,19 @@ def test_a_crash_half_way_is_finished_and_a_changed_object_is_refused(store, tmp
                 meta.write_text(json.dumps({**json.loads(meta.read_text()), "state": state}))
             (tmp_path / "files" / "_admin" / batch_output).write_bytes(b'{"d": 4}\n')  # its local bytes
             assert files.get("_admin", half_up) is None  # a journal entry is not a file
+            # A store that refuses the deletes does not stop the start: the entries wait for the next.
+            proxy.fail("/crash/", 20, 503, "SlowDown", method="DELETE")
+            assert await files.sweep_objects(keep=[batch_output]) == 1  # the kept one needs no delete
+            proxy.fail("/crash/", 0, 503, "SlowDown")
+            (tmp_path / "files" / "_admin" / f"{batch_output}.json").write_text(
+                json.dumps(
+                    {
+                        **json.loads((tmp_path / "files" / "_admin" / f"{kept}.json").read_text()),
+                        "id": batch_output,
+                        "state": UPLOADING,
+                    }
+                )
+            )
             assert await files.sweep_objects(keep=[batch_output]) == 3
             left = {k.rsplit("/", 1)[-1] for k in keys(s3) if k.startswith("crash/")}
             assert left == {kept, batch_output}
