@@ -3,6 +3,12 @@
 The composition root hands each deployment's `Activator` an `InstanceSource` (the warm pool, in
 production; a small in-memory one in tests). The activator never imports the pool: these two
 protocols and the `Load` value are the whole contract between them.
+
+A source may also offer `expected_start_s() -> float | None`: how long the start a held request
+waits on is expected to take (the pool's measured figure for the tier it comes from). The
+activator then holds its requests that long and more (`Activator._hold_for`); a source without it
+(a gateway's `RemoteSource`, which the controller does not tell yet) gets the fixed
+`hold_deadline_s`.
 """
 
 from __future__ import annotations
