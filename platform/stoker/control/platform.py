@@ -180,6 +180,7 @@ class Platform:
                 continue
             serving = {r: p for r, p in d.traffic.items() if r in d.units}
             self.rollout.publish(d, serving if serving != d.traffic and serving else None)
+            running = self.rollout.resume(d, running)  # a switch the last run left under way
         for spec in (s for s in revisions if s.base is not None):
             if spec.base in self._deployments:
                 self.adapters.restore(spec, latest[spec.name])

@@ -37,6 +37,10 @@ class DeploymentStore(Protocol):
 
     def set_traffic(self, name: str, traffic: dict[int, int]) -> None: ...
 
+    def pending_switch(self, name: str) -> tuple[int, int] | None: ...
+
+    def set_pending_switch(self, name: str, switch: tuple[int, int] | None) -> None: ...
+
     async def create_revision(
         self, spec: DeploymentSpec, *, take_traffic: bool = False
     ) -> DeploymentSpec: ...
@@ -73,6 +77,8 @@ class Registry:
             columns = {row[1] for row in self._db.execute("PRAGMA table_info(deployments)")}
             if "traffic" not in columns:
                 self._db.execute("ALTER TABLE deployments ADD COLUMN traffic TEXT")
+            if "pending" not in columns:  # a switch under way: [revision, percent]
+                self._db.execute("ALTER TABLE deployments ADD COLUMN pending TEXT")
             # Rows from before revisions: each becomes its revision 1, serving everything.
             for name, spec, created in self._db.execute(
                 "SELECT name, spec, created_at FROM deployments WHERE traffic IS NULL"
@@ -131,6 +137,19 @@ class Registry:
             "UPDATE deployments SET traffic = ?, updated_at = ? WHERE name = ?",
             (_traffic_json(traffic), time.time(), name),
         )
+
+    def set_pending_switch(self, name: str, switch: tuple[int, int] | None) -> None:
+        """The switch under way (revision, percent), kept until it ends, so that a controller
+        restarted meanwhile resumes it (`Platform.start`); None: none."""
+        text = None if switch is None else json.dumps([int(switch[0]), int(switch[1])])
+        self._db.execute("UPDATE deployments SET pending = ? WHERE name = ?", (text, name))
+
+    def pending_switch(self, name: str) -> tuple[int, int] | None:
+        row = self._db.execute("SELECT pending FROM deployments WHERE name = ?", (name,)).fetchone()
+        if not row or row[0] is None:
+            return None
+        revision, percent = json.loads(row[0])
+        return int(revision), int(percent)
 
     def traffic(self, name: str) -> dict[int, int]:
         row = self._db.execute("SELECT traffic FROM deployments WHERE name = ?", (name,)).fetchone()

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from stoker.control.cluster import RoutingTable
     from stoker.control.registry import Registry
     from stoker.gateway.revisions import RevisionMetrics
+    from warm_pool.backends.base import Running
     from warm_pool.policies.base import ScalingConfig
 
 
@@ -64,7 +65,9 @@ class Units(Protocol):
 
     def check_snapshot(self, spec: DeploymentSpec) -> None: ...
 
-    def new_unit(self, spec: DeploymentSpec, min_warm: int | None = None) -> Unit: ...
+    def new_unit(
+        self, spec: DeploymentSpec, adopt: list[Running] = (), min_warm: int | None = None
+    ) -> Unit: ...
 
     async def stop_unit(self, unit: Unit) -> None: ...
 
@@ -159,9 +162,36 @@ class Rollout:
             self._take_all(d, spec.revision)
             return
         d.notes[spec.revision] = "warming"
+        self._p.registry.set_pending_switch(d.name, (spec.revision, percent))
         d.switch = asyncio.create_task(
             self._switch(d, spec, percent), name=f"switch-{d.name}@{spec.revision}"
         )
+
+    def resume(self, d: Deployment, running: list[Running]) -> list[Running]:
+        """A switch a previous run began and did not end (the registry's `pending_switch`: a
+        controller killed while a canary warmed) begins again, adopting the engines it had
+        started. The engines left unclaimed are returned."""
+        registry = self._p.registry
+        pending = registry.pending_switch(d.name)
+        if pending is None:
+            return running
+        r, percent = pending
+        spec = registry.revision(d.name, r)
+        if spec is None or d.traffic.get(r, 0) >= percent:
+            registry.set_pending_switch(d.name, None)  # it ended before the restart
+            return running
+        try:
+            self._p.check_snapshot(spec)
+        except APIError as exc:
+            log.error("deployment %s: the switch to revision %d not resumed: %s", d.name, r, exc.message)
+            registry.set_pending_switch(d.name, None)
+            return running
+        mine = [x for x in running if (x.deployment, x.snapshot_id) == (d.name, spec.snapshot_id)]
+        if r not in d.units:
+            d.units[r] = self._p.new_unit(spec, adopt=mine)
+        log.info("deployment %s: resuming the switch of %d%% to revision %d", d.name, percent, r)
+        self.switch_to(d, spec, percent)
+        return [x for x in running if x not in mine]
 
     def split(self, d: Deployment, body: object, history: list[tuple[DeploymentSpec, float]]) -> None:
         """`stoker traffic`: percents per revision; it overrides a switch under way."""
@@ -235,10 +265,13 @@ class Rollout:
             log.error("deployment %s: revision %d failed to warm: %s; traffic stays", d.name, r, exc)
             d.notes[r] = f"failed: {exc}"
             d.switch = None
+            self._ended(d, r, percent)
             if not d.traffic.get(r):
                 self._retire(d, r)
             return
         except asyncio.CancelledError:
+            if not d.closing:  # superseded or overridden; a controller stopping leaves it to resume
+                self._ended(d, r, percent)
             if d.notes.get(r) == "warming":
                 d.notes.pop(r)
             if not d.traffic.get(r) and r in d.units and not d.closing:
@@ -253,6 +286,13 @@ class Rollout:
         else:
             rest = _to_100({rv: p for rv, p in d.traffic.items() if rv != r}, 100 - percent)
             self.publish(d, {**rest, r: percent})
+        self._ended(d, r, percent)
+
+    def _ended(self, d: Deployment, r: int, percent: int) -> None:
+        """The switch to `r` is over (done, failed or overridden): none to resume, unless a newer
+        one was recorded meanwhile."""
+        if self._p.registry.pending_switch(d.name) == (r, percent):
+            self._p.registry.set_pending_switch(d.name, None)
 
     async def _until_ready(self, unit: Unit, need: int) -> None:
         bound = self._p.unavailable_after or FAILED_STARTS

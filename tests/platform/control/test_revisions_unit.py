@@ -43,6 +43,22 @@ async def test_every_deploy_is_a_numbered_immutable_revision(tmp_path) -> None:
     assert [s.revision for s in registry.serving()] == [1, 3]
 
 
+async def test_a_switch_under_way_is_kept_until_it_ends_and_outlives_a_restart(tmp_path) -> None:
+    """What a controller restarted in the middle of a canary resumes (`Rollout.resume`)."""
+    registry = Registry(tmp_path / "stoker.db")
+    await registry.put(SPEC)
+    assert registry.pending_switch("chat") is None
+    registry.set_pending_switch("chat", (2, 50))
+    registry.close()
+    again = Registry(tmp_path / "stoker.db")
+    assert again.pending_switch("chat") == (2, 50)
+    again.set_pending_switch("chat", None)
+    assert again.pending_switch("chat") is None
+    again.set_pending_switch("chat", (3, 100))
+    await again.delete("chat")
+    assert again.pending_switch("chat") is None
+
+
 async def test_a_removed_deployment_takes_its_history_and_numbering_restarts(tmp_path) -> None:
     registry = Registry(tmp_path / "stoker.db")
     await registry.put(SPEC)
@@ -242,11 +258,16 @@ async def test_back_to_a_revision_still_draining_warms_a_fresh_unit_once_it_is_g
     async def stop_unit(u):
         await stopped.wait()
 
+    pending: dict = {}  # the registry's switch under way
     platform = SimpleNamespace(
         unavailable_after=3,
         clock=lambda: 0.0,
         hold_deadline_s=1.0,
-        registry=SimpleNamespace(set_traffic=lambda name, traffic: None),
+        registry=SimpleNamespace(
+            set_traffic=lambda name, traffic: None,
+            pending_switch=pending.get,
+            set_pending_switch=pending.__setitem__,
+        ),
         revision_metrics=SimpleNamespace(set_traffic=lambda *a: None),
         routes=SimpleNamespace(bump=lambda: None),
         new_unit=new_unit,
@@ -269,4 +290,5 @@ async def test_back_to_a_revision_still_draining_warms_a_fresh_unit_once_it_is_g
             break
         await asyncio.sleep(0.01)
     assert made == [1] and d.traffic == {1: 100} and d.units[1] is not draining
+    assert pending == {"chat": None}  # the switch ended: none to resume
     await asyncio.gather(*d.leaving.values())

@@ -95,6 +95,7 @@ class ResourceRegistry:
         self.deployments = Mirror(client, StokerDeployment, namespace, retry_s=retry_s)
         self._revisions = Mirror(client, StokerRevision, namespace, labels=MANAGED, retry_s=retry_s)
         self._traffic: dict[str, dict[int, int]] = {}  # set here, not yet in a status the mirror holds
+        self._pending: dict[str, tuple[int, int]] = {}  # a switch under way (revision, percent)
         self._on_traffic: Callable[[str], None] = lambda name: None
 
     def bind(self, on_change: Callable[[str], None], on_traffic: Callable[[str], None]) -> None:
@@ -192,6 +193,17 @@ class ResourceRegistry:
     def set_traffic(self, name: str, traffic: dict[int, int]) -> None:
         self._traffic[name] = dict(traffic)
         self._on_traffic(name)
+
+    def set_pending_switch(self, name: str, switch: tuple[int, int] | None) -> None:
+        """Kept in memory only: on a cluster a controller restarted in the middle of a switch
+        leaves the traffic where it was (the declared resource is applied again)."""
+        if switch is None:
+            self._pending.pop(name, None)
+        else:
+            self._pending[name] = switch
+
+    def pending_switch(self, name: str) -> tuple[int, int] | None:
+        return self._pending.get(name)
 
     def traffic_written(self, name: str, traffic: dict[int, int]) -> None:
         """The status now holds `traffic` (the status loop wrote it)."""
