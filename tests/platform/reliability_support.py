@@ -14,7 +14,19 @@ Each request is one of three outcomes, judged from what the client received and 
 `Load` keeps `concurrency` requests in flight (plain and streaming, completions and chat, in turn)
 until it is told to stop, so a fault lands on requests in every phase: held, waiting for headers,
 mid-stream. Raw HTTP (httpx) rather than the `openai` client, so nothing is retried or reparsed
-behind the count's back.
+behind the count's back. Both shapes use it: one `stoker up` (one URL), or the split planes (the
+gateways' URLs, taken in turn as a load balancer would). With several URLs:
+
+    unreached  a connection refused before anything was sent (a gateway stopped or killed): the
+               request never reached a gateway, so it is not an outcome; it goes to the next URL,
+               as a load balancer sends it. (Every URL refusing is a LOST outcome.)
+    retried    with `retry_elsewhere`, a request that failed on the wire after it reached a gateway
+               (that gateway was killed under it) is recorded as it failed, LOST with
+               `transport_error`, and sent once more to the next URL, as a client retries; the
+               retry is an outcome of its own (`retry_of` names the first).
+
+`mark(phase)` starts a named phase: each outcome belongs to the phase it started in, so a test
+asserts per phase (`phase(name)`, `by_phase()`) what the fault allowed there.
 """
 
 from __future__ import annotations
@@ -43,6 +55,9 @@ class Outcome:
     instance: str | None = None  # x-stoker-instance: which instance answered
     reason: str = ""  # for a refusal or a loss: what the client saw
     transport_error: bool = False  # the connection failed (reset, refused, cut mid-body)
+    url: str = ""  # where it was sent (a gateway, with several)
+    phase: str = ""  # the load's phase when it started (`Load.mark`)
+    retry_of: Outcome | None = None  # the attempt it retries (`Load.retry_elsewhere`)
 
     @property
     def seconds(self) -> float:
@@ -63,15 +78,28 @@ def request_body(i: int, model: str, max_tokens: int) -> tuple[str, dict, bool]:
     )
 
 
+class Unreached(Exception):
+    """The connection was refused before anything was sent: no server took the request."""
+
+
 async def send(
-    client: httpx.AsyncClient, url: str, path: str, body: dict, stream: bool, bound_s: float
+    client: httpx.AsyncClient,
+    url: str,
+    path: str,
+    body: dict,
+    stream: bool,
+    bound_s: float,
+    headers: dict | None = None,
+    *,
+    raise_unreached: bool = False,
 ) -> Outcome:
-    """One request, classified. Never raises: a hang past `bound_s` is a LOST outcome."""
+    """One request, classified. Never raises (but `Unreached` where asked): a hang past `bound_s`
+    is a LOST outcome."""
     began = time.monotonic()
-    out = Outcome(LOST, stream, began, began)
+    out = Outcome(LOST, stream, began, began, url=url)
     try:
         async with asyncio.timeout(bound_s):
-            async with client.stream("POST", url + path, json=body) as r:
+            async with client.stream("POST", url + path, json=body, headers=headers) as r:
                 out.status, out.instance = r.status_code, r.headers.get("x-stoker-instance")
                 if r.status_code == 200 and stream:
                     _judge_stream(out, [line async for line in r.aiter_lines()])
@@ -79,6 +107,10 @@ async def send(
                     _judge_whole(out, r, await r.aread())
     except TimeoutError:
         out.kind, out.reason = LOST, f"hang: no end within {bound_s:g} s"
+    except httpx.ConnectError as exc:
+        if raise_unreached:  # no connection: nothing was sent
+            raise Unreached(str(exc)) from exc
+        out.kind, out.reason, out.transport_error = LOST, f"{type(exc).__name__}: {exc}", True
     except httpx.TransportError as exc:
         out.kind, out.reason, out.transport_error = LOST, f"{type(exc).__name__}: {exc}", True
     out.ended = time.monotonic()
@@ -136,23 +168,47 @@ def _judge_stream(out: Outcome, lines: list[str]) -> None:
 
 @dataclass
 class Load:
-    """`concurrency` requests in flight at a time until `stop()`, each bounded by `bound_s`."""
+    """`concurrency` requests in flight at a time until `stop()`, each bounded by `bound_s`, sent
+    to `url` (one platform) or to each of `url` in turn (the gateways)."""
 
-    url: str
+    url: str | list[str]
     concurrency: int
     max_tokens: int = 16
     bound_s: float = 60.0
     model: str = "tiny"
+    headers: dict = field(default_factory=dict)  # the caller's key, with the planes' admin key set
+    retry_elsewhere: bool = False  # a request cut on the wire is sent once more to the next URL
     outcomes: list[Outcome] = field(default_factory=list)
+    marks: list[tuple[str, float]] = field(default_factory=list)  # (phase, monotonic start)
+    unreached: int = 0  # connections refused, each sent on to the next URL (not outcomes)
     _stopping: asyncio.Event = field(default_factory=asyncio.Event)
     _next: int = 0
     _done: asyncio.Condition = field(default_factory=asyncio.Condition)
 
+    @property
+    def urls(self) -> list[str]:
+        return [self.url] if isinstance(self.url, str) else list(self.url)
+
+    def mark(self, phase: str) -> float:
+        """From now on, requests that start belong to `phase`; its start (monotonic) is returned."""
+        at = time.monotonic()
+        self.marks.append((phase, at))
+        return at
+
+    def phase(self, name: str) -> list[Outcome]:
+        return [o for o in self.outcomes if o.phase == name]
+
+    def by_phase(self) -> dict[str, Counter]:
+        """Each phase's outcomes by kind, in the order the phases began (for a failure's message)."""
+        return {name: tally(self.phase(name)) for name, _ in self.marks}
+
     async def __aenter__(self) -> Load:
         # One connection per request at most, none reused across a fault: a pooled connection to
         # a killed server would fail for reasons of the client's own pool, not the platform's.
-        limits = httpx.Limits(max_connections=self.concurrency, max_keepalive_connections=0)
+        limits = httpx.Limits(max_connections=2 * self.concurrency, max_keepalive_connections=0)
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(self.bound_s), limits=limits)
+        if not self.marks:
+            self.mark("start")
         self._workers = [asyncio.create_task(self._worker()) for _ in range(self.concurrency)]
         return self
 
@@ -185,10 +241,36 @@ class Load:
         while not self._stopping.is_set():
             i, self._next = self._next, self._next + 1
             path, body, stream = request_body(i, self.model, self.max_tokens)
-            outcome = await send(self._client, self.url, path, body, stream, self.bound_s)
-            async with self._done:
-                self.outcomes.append(outcome)
-                self._done.notify_all()
+            phase = self.marks[-1][0]
+            outcome = await self._send(i, path, body, stream)
+            outcome.phase = phase
+            await self._record(outcome)
+            if self.retry_elsewhere and outcome.transport_error and len(self.urls) > 1:
+                retry = await self._send(i + 1, path, body, stream)
+                retry.phase, retry.retry_of = phase, outcome
+                await self._record(retry)
+
+    async def _send(self, i: int, path: str, body: dict, stream: bool) -> Outcome:
+        """To the i-th URL (in turn), or the next that takes the connection."""
+        urls = self.urls
+        several = len(urls) > 1
+        for k in range(len(urls)):
+            url = urls[(i + k) % len(urls)]
+            try:
+                return await send(
+                    self._client, url, path, body, stream, self.bound_s, self.headers, raise_unreached=several
+                )
+            except Unreached:
+                self.unreached += 1
+        now = time.monotonic()
+        return Outcome(
+            LOST, stream, now, now, reason="every URL refused the connection", transport_error=True
+        )
+
+    async def _record(self, outcome: Outcome) -> None:
+        async with self._done:
+            self.outcomes.append(outcome)
+            self._done.notify_all()
 
 
 async def burst(
