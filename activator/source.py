@@ -6,9 +6,9 @@ protocols and the `Load` value are the whole contract between them.
 
 A source may also offer `expected_start_s() -> float | None`: how long the start a held request
 waits on is expected to take (the pool's measured figure for the tier it comes from). The
-activator then holds its requests that long and more (`Activator._hold_for`); a source without it
-(a gateway's `RemoteSource`, which the controller does not tell yet) gets the fixed
-`hold_deadline_s`.
+activator then holds its requests that long and more (`Activator._hold_for`); a source without it,
+or without a figure yet, gets the fixed `hold_deadline_s`. A gateway's `RemoteSource` has the
+controller's figure, sent with the routing table.
 """
 
 from __future__ import annotations

@@ -136,6 +136,7 @@ class Pool:
         )
         self.last_decision: Decision | None = None
         self._start_tier: Tier | None = None  # where the next start comes from, as last observed
+        self._told_start: float | None = None  # the expected start a demand elsewhere was last told
         # The LoRA adapters the policy expects a request for soon (`Decision.adapters`), handed each
         # tick there is a READY instance to load them on: set by the platform, which knows them.
         self.on_adapters: Callable[[tuple[str, ...]], None] = lambda names: None
@@ -205,6 +206,15 @@ class Pool:
         if self._start_tier is None:
             return None
         return self._tracker.startup.of(self._start_tier)
+
+    def _tell_expected_start(self) -> None:
+        """A demand in other processes (the controller's `GatewayLoad`: the gateways hold requests
+        by it) is told when the figure changes: after a start is measured, or the tier changes."""
+        tell = getattr(self._demand, "expected_start_changed", None)
+        seconds = self.expected_start_s()
+        if tell is not None and seconds != self._told_start:
+            self._told_start = seconds
+            tell()
 
     def request_finished(self, service_s: float | None, cold_on: str | None) -> None:
         self._tracker.finished(self._clock(), service_s)
@@ -352,6 +362,7 @@ class Pool:
             leaving=self.lifecycle.stops.keys(),
         )
         self._start_tier = view.observation.start_tier
+        self._tell_expected_start()
         decision = self._decide(view, now)
         granted, start_on = self._arbitrate(decision, view)
         census = self._recycle(view, decision.ready, granted.ready, now)

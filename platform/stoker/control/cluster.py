@@ -7,8 +7,12 @@
 
 As Knative's activators feed its autoscaler, each gateway reports its own load, and the controller
 sums the live gateways' reports into the `Demand` each pool reads (`GatewayLoad`). A gateway whose
-last report is older than `stale_after_s` is gone: its load no longer counts, and its share of
-every instance's concurrency goes to the others.
+last report is older than `stale_after_s` is no longer live: its share of every instance's
+concurrency goes to the others. Silence is not idleness, though: a gateway that was busy (requests
+in flight or held) when it went silent may be cut off from the controller by the network, or the
+controller stopped, while it goes on serving by its last table. For `silent_grace_s` its last load
+still counts, as arriving now, so that no instance it routes to is scaled down meanwhile; after
+that it is taken for gone, and its load no longer counts at all.
 
 Per-instance concurrency is split between the live gateways (`share`): each routes at most its
 share to an instance, so together they never send an instance more than it takes. An instance
@@ -31,6 +35,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from activator.source import Load
+
+# A gateway busy when it went silent counts as busy this long (or 10 x the staleness bound): a
+# partition or a stopped controller shorter than that scales nothing down under it.
+SILENT_GRACE_S = 60.0
 
 
 @dataclass
@@ -59,18 +67,30 @@ class GatewayLoad:
     # -- the pool's Demand ---------------------------------------------------------------------
 
     def load(self) -> Load:
+        now = self._clock()
         live = self._live()
+        fresh = {id(r) for r in live}
+        # Busy when last heard of, silent since (within the grace): taken as busy, arriving now.
+        silent = [
+            r
+            for r in self._reports.values()
+            if id(r) not in fresh
+            and (r.in_flight or r.queued)
+            and now - r.received_at < self._table.silent_grace_s
+        ]
         routed = {i.id for i in self.pool.endpoints()} if self.pool is not None else set()
         outstanding: dict[str, int] = {}
-        last = None
-        for report in live:
+        last = now if silent else None
+        for report in (*live, *silent):
             for ident, n in report.outstanding.items():
                 outstanding[ident] = outstanding.get(ident, 0) + n
             for ident in report.routing - routed:  # it has not seen the instance leave yet
                 outstanding[ident] = max(outstanding.get(ident, 0), 1)
+        for report in live:
             if report.since_arrival_s is not None:
                 at = report.received_at - report.since_arrival_s
                 last = at if last is None else max(last, at)
+        live = [*live, *silent]
         return Load(
             in_flight=sum(r.in_flight for r in live),
             queued=sum(r.queued for r in live),
@@ -79,6 +99,10 @@ class GatewayLoad:
         )
 
     def capacity_changed(self) -> None:
+        self._table.bump()
+
+    def expected_start_changed(self) -> None:
+        """The pool's expected start changed (`Pool.expected_start_s`): the gateways' table carries it."""
         self._table.bump()
 
     def set_unavailable(self, reason: str | None) -> None:
@@ -122,10 +146,20 @@ class GatewayLoad:
 class RoutingTable:
     """The version gateways wait on, and which gateways are live (for the concurrency split)."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic, *, stale_after_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        stale_after_s: float = 5.0,
+        silent_grace_s: float | None = None,
+    ) -> None:
         self.epoch = secrets.token_hex(8)
         self.version = 0
         self.stale_after_s = stale_after_s
+        # how long a gateway busy when it went silent still counts as busy (`GatewayLoad.load`)
+        self.silent_grace_s = (
+            max(SILENT_GRACE_S, 10 * stale_after_s) if silent_grace_s is None else silent_grace_s
+        )
         self._clock = clock
         self._changed = asyncio.Event()
         self._seen: dict[str, float] = {}  # gateway → when it last polled or reported

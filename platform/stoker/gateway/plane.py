@@ -85,9 +85,21 @@ class RemoteSource:
         # Adapter deployments requests arrived for, each once (their forecast: `Pool.adapter_arrived`).
         self.adapters: dict[str, None] = {}
         self.poked = False
+        self._expected_start_s: float | None = None
 
     def endpoints(self) -> Sequence[RemoteEndpoint]:
         return self._endpoints
+
+    def expected_start_s(self) -> float | None:
+        """The controller's figure for the start a held request waits on (`Pool.expected_start_s`),
+        as last sent: the activator holds requests by it, as in one process."""
+        return self._expected_start_s
+
+    def set_expected_start(self, seconds: object) -> None:
+        """From the table: a positive finite number of seconds, or None (absent from an older
+        controller, or no start known yet); anything else is None, and the hold deadline applies."""
+        ok = isinstance(seconds, (int, float)) and not isinstance(seconds, bool)
+        self._expected_start_s = float(seconds) if ok and math.isfinite(seconds) and seconds > 0 else None
 
     def set_endpoints(self, endpoints: list[RemoteEndpoint]) -> None:
         self._endpoints = endpoints
@@ -384,6 +396,7 @@ class GatewayPlane:
                     for e in u["endpoints"]
                 ]
                 unit.source.set_endpoints(endpoints)
+                unit.source.set_expected_start(u.get("expected_start_s"))
                 unit.activator.set_balance(Balance(u["balance"], u["affinity_bound"]))
                 # absent from an older controller: then no priority goes upstream, which every engine takes
                 unit.activator.set_engine_priority(bool(u.get("engine_priority", False)))

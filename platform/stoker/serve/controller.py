@@ -84,6 +84,9 @@ def routing_table(
                 "engine_priority": unit.spec.engine_settings.takes_priority(unit.spec.engine),
                 "log_requests": unit.spec.log_requests,  # the gateway's request log
                 "log_content": unit.spec.log_content,
+                # how long the start a held request waits on should take: the gateway holds it
+                # that long and more (`activator.Activator._hold_for`), as the pool's own would
+                "expected_start_s": unit.pool.expected_start_s(),
                 "endpoints": endpoints,
             }
         deployments[d.name] = {

@@ -69,7 +69,7 @@ def report(**fields) -> dict:
 
 def test_gateways_reports_add_up_and_a_silent_gateway_stops_counting():
     clock = [100.0]
-    table = RoutingTable(lambda: clock[0], stale_after_s=5)
+    table = RoutingTable(lambda: clock[0], stale_after_s=5, silent_grace_s=0)
     demand = GatewayLoad("m", table, lambda: clock[0])
     demand.pool = pool = Pool(routing=["i1"])
     demand.report(
@@ -82,6 +82,28 @@ def test_gateways_reports_add_up_and_a_silent_gateway_stops_counting():
     clock[0] = 106.0  # a's report is 6 s old: a is gone
     assert (demand.load().in_flight, demand.load().outstanding) == (1, {"i1": 1})
     assert pool.heard == []
+
+
+def test_a_gateway_busy_when_it_went_silent_counts_as_busy_for_the_grace():
+    """Cut off by the network (or the controller stopped), a gateway goes on serving by its last
+    table: its requests in flight must not let the instance under them scale down as idle. An
+    idle one stops counting when it goes stale; a busy one after the grace."""
+    clock = [100.0]
+    table = RoutingTable(lambda: clock[0], stale_after_s=5, silent_grace_s=30)
+    demand = GatewayLoad("m", table, lambda: clock[0])
+    demand.pool = Pool(routing=["i1"])
+    demand.report("a", report(in_flight=2, outstanding={"i1": 2}, routing=["i1"], since_arrival_s=1), 100)
+    demand.report("b", report(routing=["i1"], since_arrival_s=50), 100)
+    clock[0] = 120.0  # both stale: b was idle, a busy
+    load = demand.load()
+    assert (load.in_flight, load.outstanding, load.last_arrival) == (2, {"i1": 2}, 120.0)
+    clock[0] = 131.0  # past the grace: a is taken for gone
+    load = demand.load()
+    assert (load.in_flight, load.outstanding, load.last_arrival) == (0, {}, None)
+    assert (
+        RoutingTable(stale_after_s=5).silent_grace_s == 60
+        and RoutingTable(stale_after_s=10).silent_grace_s == 100
+    )
 
 
 def test_an_instance_out_of_routing_is_busy_until_every_gateway_has_seen_it_go():

@@ -24,9 +24,11 @@ $STOKER_PLANE_FAULTS_OUT when set (docs/operations/planes.md's table is made fro
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -364,3 +366,180 @@ def engines_of(home: Path) -> set[int]:
         if str(home) in cmdline and " engine" in cmdline and state != "Z":
             found.add(int(proc.name))
     return found
+
+
+async def test_the_controller_stopped_past_the_staleness_bound(make_planes, tiny_model_dir: Path) -> None:
+    """SIGSTOP to the controller for longer than the gateways' staleness bound, under load: the
+    gateways route on to the READY instance (every request complete). A request to a deployment at
+    zero is held as long as the controller said its start takes (1.5 × `expected_start_s`, from
+    the routing table, not the 1 s `--hold-deadline`) and then refused with Retry-After. On SIGCONT
+    all recovers: that deployment scales from zero through a gateway."""
+    began = time.monotonic()
+    planes = make_planes("--hold-deadline", "1s")
+    c, (a, b) = planes.controller, planes.gateways
+    async with asyncio.timeout(SCENARIO_S):
+        await deploy(c.url, "m", tiny_model_dir, min_warm=1, max=1, idle_timeout_s=600)
+        await deploy(c.url, "z", tiny_model_dir, min_warm=0, max=1, idle_timeout_s=600)
+        await until(lambda: ready(c.url, "m"), "m READY")
+        for g in planes.urls:
+            await until(lambda g=g: routed(g, "m") and routed(g, "z"), f"m and z in {g}'s table")
+        expected = await until_value(lambda: expected_start(c, "z"), "z's expected start in the table")
+        async with load(planes) as traffic:
+            await traffic.wait_finished(8)
+            stopped_at = traffic.mark("controller stopped")
+            os.kill(c.proc.pid, signal.SIGSTOP)
+            try:
+                held = await one(b.url, "z")  # at zero, the controller away: held, then refused
+                await traffic.wait_finished(8, since=stopped_at)
+                assert time.monotonic() - stopped_at > 2 * STALE_S
+            finally:
+                os.kill(c.proc.pid, signal.SIGCONT)
+            resumed_at = traffic.mark("controller resumed")
+            await traffic.wait_finished(8, since=resumed_at)
+        after = await retried(lambda: one(a.url, "z"))
+    outcomes = [*traffic.outcomes, held, *after]
+    row("controller stopped", f"SIGSTOP past the {STALE_S} s staleness bound, then SIGCONT", outcomes, began,
+        notes=f"a request at zero held {held.seconds:.1f} s (1.5 x the expected {expected:.1f} s start), "
+              "then refused with Retry-After")  # fmt: skip
+    assert not lost(outcomes), (traffic.by_phase(), describe(outcomes))
+    assert all(o.kind == COMPLETE for o in traffic.outcomes), traffic.by_phase()
+    assert held.kind == REFUSED and held.reason == "503 hold_deadline", held.reason
+    assert held.seconds >= 1.5 * expected * 0.95, (held.seconds, expected)  # not the 1 s flag
+    assert after[-1].kind == COMPLETE, [o.reason for o in after]
+
+
+async def expected_start(c: PlatformProcess, name: str) -> float | None:
+    table = await get(c.url, "/cluster/v1/routes?gateway=gw-0")
+    return table["deployments"][name]["units"]["1"].get("expected_start_s")
+
+
+async def until_value(read: Callable[[], object], what: str) -> float:
+    box: list = []
+
+    async def got() -> bool:
+        box[:] = [await read()]
+        return box[0] is not None
+
+    await until(got, what)
+    return box[0]
+
+
+async def retried(ask: Callable[[], object], tries: int = 5) -> list[Outcome]:
+    """A client that honours Retry-After: asks again after each clean refusal, up to `tries`."""
+    outcomes = []
+    for _ in range(tries):
+        outcomes.append(await ask())
+        if outcomes[-1].kind != REFUSED:
+            break
+        await asyncio.sleep(1)
+    return outcomes
+
+
+class CutRelay:
+    """127.0.0.1:port → the controller, in a thread of its own, which the test cuts and heals. Cut,
+    it closes every connection and black-holes new ones (accepted, nothing forwarded: a partition,
+    not a refusal); healed, it closes those and forwards again."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.upstream = 0
+        self._cut = False
+        self._open: set[asyncio.StreamWriter] = set()
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self, upstream_port: int) -> str:
+        self.upstream = upstream_port
+        self._thread.start()
+        self._ready.wait()
+        return f"http://127.0.0.1:{self.port}"
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+
+    def cut(self) -> None:
+        self._loop.call_soon_threadsafe(self._set, True)
+
+    def heal(self) -> None:
+        self._loop.call_soon_threadsafe(self._set, False)
+
+    def _set(self, cut: bool) -> None:
+        self._cut = cut
+        for w in list(self._open):
+            w.close()
+        self._open.clear()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        server = self._loop.run_until_complete(asyncio.start_server(self._client, "127.0.0.1", self.port))
+        self._ready.set()
+        self._loop.run_forever()
+        server.close()
+
+    async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._open.add(writer)
+        if self._cut:  # held open, silent, until healed
+            return
+        try:
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream)
+        except OSError:
+            writer.close()
+            return
+        self._open.add(up_writer)
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(ConnectionError, OSError):
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            dst.close()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+
+@pytest.fixture
+def relay():
+    r = CutRelay()
+    yield r
+    r.close()
+
+
+async def test_the_network_between_gateways_and_controller_cut_then_healed(
+    make_planes, relay: CutRelay, tiny_model_dir: Path
+) -> None:
+    """The gateways reach the controller through a relay the test black-holes for longer than the
+    staleness bound and the deployment's idle timeout, under load: warm traffic all complete (the
+    gateways route by their last table, and the controller takes their silence for the load they
+    had, not for idleness: before, it scaled the instance under them to zero, and their requests
+    hung). A deployment made on the controller during the cut reaches the gateways once it heals,
+    and scales from zero through them."""
+    began = time.monotonic()
+    planes = make_planes(controller_url=relay.start)
+    c, (a, b) = planes.controller, planes.gateways
+    idle_s = 4  # m's idle timeout: the cut lasts longer
+    async with asyncio.timeout(SCENARIO_S):
+        await deploy(c.url, "m", tiny_model_dir, min_warm=0, max=1, idle_timeout_s=idle_s)
+        for g in planes.urls:
+            await until(lambda g=g: routed(g, "m"), f"m in {g}'s table")
+        async with load(planes) as traffic:
+            await traffic.wait_finished(8)  # m came up from zero for them
+            cut_at = traffic.mark("cut")
+            relay.cut()
+            await deploy(c.url, "late", tiny_model_dir, min_warm=0, max=1, idle_timeout_s=600)
+            await traffic.wait_finished(8, since=cut_at)
+            await until(lambda: time.monotonic() - cut_at > idle_s + 3 * STALE_S, "past the idle timeout")
+            assert not await routed(a.url, "late")  # the cut holds: nothing new reached them
+            healed_at = traffic.mark("healed")
+            relay.heal()
+            for g in planes.urls:
+                await until(lambda g=g: routed(g, "late"), f"the late deployment in {g}'s table")
+            await traffic.wait_finished(8, since=healed_at)
+        after = await one(b.url, "late")
+    outcomes = [*traffic.outcomes, after]
+    row("network cut", "gateways cut off the controller past the staleness bound and the idle timeout, then healed",
+        outcomes, began, notes="a deployment made during the cut reached the gateways after it and scaled from zero")  # fmt: skip
+    assert not lost(outcomes), (traffic.by_phase(), describe(outcomes))
+    assert all(o.kind == COMPLETE for o in outcomes), (traffic.by_phase(), [o.reason for o in outcomes])
