@@ -3,8 +3,9 @@
     serve ─▶ slot free? ──yes──────────────────────────▶ forward ─▶ done
                │ no                                        │ failed before the first byte
                ▼                                           ▼
-             hold (bounded, deadline, poke the pool,     report_failure, then once more on
-             SSE keep-alive for streams)                 another instance (held again if none)
+             hold (bounded, deadline, poke the pool,     report_failure, then on another
+             SSE keep-alive for streams)                 instance (held again if none), up to
+                                                         ATTEMPTS instances in all
 
 Held requests wait on a future that `Slots` resolves, lowest priority first, and within a class in
 arrival order for each owner (API key) and in turns between owners, when `capacity_changed()` is
@@ -75,6 +76,11 @@ log = logging.getLogger("activator")
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 CLIENT_LEFT = 499  # nginx's "client closed request", for the metrics only
 START_SLACK = 1.5  # a held request waits this many times the start it waits on is expected to take
+# Instances a request is tried on, each failing before its first byte (refused, reset, ejected
+# while it waited for headers) excluded from the next: two instances failing at once (one killed,
+# one stopped) ended the request 502 when it was tried on two only; a third (held for, if need be)
+# answers it, or its hold ends in a clean 503.
+ATTEMPTS = 3
 
 
 class _Exchange:
@@ -285,8 +291,8 @@ class Activator:
                 # along, so a request it serves is held, not a cold start.
                 ex.routing = frozenset(key(e) for e in self._source.endpoints())
                 ex.cold = not ex.routing  # nothing READY: whatever serves it is a cold start
-                # The bound is on requests held at arrival; a retry (at most one per request in
-                # flight, so bounded by the instances' concurrency) is held past it.
+                # The bound is on requests held at arrival; a retry (at most ATTEMPTS - 1 per
+                # request in flight, so bounded by the instances' concurrency) is held past it.
                 if self._slots.held >= self._config.max_queued and not self._slots.displace(
                     ex.owner, self._queue_full, ex.priority
                 ):
@@ -298,9 +304,14 @@ class Activator:
             failed: tuple[Key, ...] = ()
             reloaded = again = False  # an adapter the engine had evicted is loaded again, once
             while True:
-                last = bool(failed)
                 acquired_at = self._clock()
                 k = key(endpoint)
+                # The last try, whose retryable status (503...) is passed through as the answer:
+                # the ATTEMPTS-th, or a retry with no other instance left to try.
+                tried = {*failed, k}
+                last = len(failed) >= ATTEMPTS - 1 or (
+                    bool(failed) and all(key(e) in tried for e in self._source.endpoints())
+                )
                 waits = self._routing.waits(k)
                 try:
                     if ex.adapter is not None:
@@ -329,17 +340,17 @@ class Activator:
                     # The engine evicted the adapter since it was loaded there: again, once.
                     self.adapters.forget(endpoint.id, ex.adapter.name)
                     reloaded = again = True
-                except proxy.Failed as exc:
+                except proxy.Failed as exc:  # no answer at all (refused, reset, silent): tried elsewhere
                     self._source.report_failure(endpoint.id)
                     self._routing.outcome(k, ok=False)
-                    if last:
+                    if len(failed) >= ATTEMPTS - 1:
                         raise UpstreamError(str(exc)) from None
                 finally:
                     self._routing.done_waiting(k)
                     self._slots.release(endpoint.id)
                     ex.held_s = (ex.held_s or 0.0) + max(0.0, self._clock() - acquired_at)
                 if not again:  # an instance that failed: the retry goes elsewhere
-                    failed = (key(endpoint),)
+                    failed = (*failed, key(endpoint))
                 again = False
                 endpoint = self._slots.try_acquire(failed, ex.prefix) or await self._hold(
                     ex, exclude=failed, front=True

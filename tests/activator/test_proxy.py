@@ -124,18 +124,21 @@ async def test_retry_never_goes_back_to_the_instance_that_failed(rig: Rig) -> No
     assert len(rig.a.requests) >= 1 and source.failures == ["a"] * len(rig.a.requests)
 
 
-async def test_two_refusals_are_an_upstream_error(rig: Rig) -> None:
+async def test_three_refusals_are_an_upstream_error(rig: Rig) -> None:
+    """A request no instance answered at all is held for another after each, up to three (two
+    failing at once, one killed and one stopped, must not end it: their replacement answers)."""
     source = MemorySource([Ep("x", f"http://127.0.0.1:{closed_port()}")])
     activator = rig.activator(source)
     call = asyncio.ensure_future(rig.client.post("/v1/completions", json=PLAIN))
-    await eventually(lambda: activator.load().queued == 1)
-    source.eps.append(Ep("y", f"http://127.0.0.1:{closed_port()}"))
-    activator.capacity_changed()
+    for name in ("y", "z"):
+        await eventually(lambda: activator.load().queued == 1)
+        source.eps.append(Ep(name, f"http://127.0.0.1:{closed_port()}"))
+        activator.capacity_changed()
     response = await call
     assert response.status_code == 502
     error = response.json()["error"]
     assert error["code"] == "upstream_failed" and "cannot connect" in error["message"]
-    assert source.failures == ["x", "y"]
+    assert source.failures == ["x", "y", "z"]
     assert rig.sample("stoker_requests_total", code="502") == 1
 
 

@@ -39,7 +39,7 @@ import pytest
 
 from tests.conftest import build_tiny_model
 from tests.deadlines import COLD_ANSWER, deadline, flag
-from tests.platform.conftest import PlatformProcess, pid_alive  # noqa: F401
+from tests.platform.conftest import PlatformProcess, pid_alive
 from tests.platform.engine.conftest import free_port
 from tests.platform.reliability_support import (
     COMPLETE,
@@ -344,7 +344,8 @@ def traffic_of(revisions: dict) -> dict[int, int]:
 async def settled(url: str, want: dict[int, int]) -> bool:
     """The traffic is `want`, and every revision given traffic has a READY instance."""
     rows = (await get(url, "/admin/v1/deployments/m/revisions"))["data"]
-    if traffic_of({"data": rows}) == want and all(r["ready"] >= 1 for r in rows if r["traffic_percent"]):
+    given = {r: p for r, p in traffic_of({"data": rows}).items() if p}
+    if given == want and all(r["ready"] >= 1 for r in rows if r["traffic_percent"]):
         return True
     raise Unsettled(str([{k: r[k] for k in ("revision", "traffic_percent", "state", "ready")} for r in rows]))
 
@@ -543,3 +544,70 @@ async def test_the_network_between_gateways_and_controller_cut_then_healed(
         outcomes, began, notes="a deployment made during the cut reached the gateways after it and scaled from zero")  # fmt: skip
     assert not lost(outcomes), (traffic.by_phase(), describe(outcomes))
     assert all(o.kind == COMPLETE for o in outcomes), (traffic.by_phase(), [o.reason for o in outcomes])
+
+
+# A stopped engine: each gateway's probes (every 0.5 s) eject it after two failures; a stream's
+# headers within 2 s or it is tried elsewhere (as in the single box's reliability suite).
+SICK_FLAGS = (
+    "--stream-headers-timeout", "2",
+    "--eject-after", "2",
+    "--eject-time", "120",
+    "--health-interval", "0.5",
+    "--health-timeout", "0.5",
+)  # fmt: skip
+
+
+async def test_engines_killed_and_stopped_during_a_revision_switch(
+    make_planes, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A new revision warms two instances to take over from the two of the old one; meanwhile one
+    old engine is SIGKILLed and the other SIGSTOPped, under load. None lost (a stream mid-answer on
+    the killed one may end with an error event: refused); the switch completes, every request
+    after it answered by the new revision, and no engine of the old one is left running."""
+    began = time.monotonic()
+    planes = make_planes(*SICK_FLAGS)
+    c = planes.controller
+    new_model = build_tiny_model(tmp_path / "tiny-b", seed=1)
+    flags = {"min_warm": 2, "max": 2, "idle_timeout_s": 600, "grace_period_s": 5}
+    async with asyncio.timeout(SCENARIO_S):
+        await deploy(c.url, "m", tiny_model_dir, **flags)
+        await until(lambda: ready(c.url, "m", 2), "two READY instances of revision 1")
+        for g in planes.urls:
+            await until(lambda g=g: routed(g, "m"), f"m in {g}'s table")
+        old = dict(c.engine_pids())
+        killed, stopped = (old[i] for i in sorted(old))
+        async with load(planes) as traffic:
+            await traffic.wait_finished(8)
+            await deploy(c.url, "m", new_model, **flags)  # revision 2 warms, then takes over
+            await until(lambda: len(engines_of(c.home)) > 2, "revision 2's engines spawned")
+            faulted_at = traffic.mark("faults")
+            os.kill(killed, signal.SIGKILL)
+            os.kill(stopped, signal.SIGSTOP)
+            try:
+                await until(lambda: settled(c.url, {2: 100}), "revision 2 serving all", deadline(180))
+                await until(lambda: not pid_alive(killed) and not pid_alive(stopped), "the old engines gone")
+            finally:
+                if pid_alive(stopped):
+                    os.kill(stopped, signal.SIGCONT)
+            new = set(c.engine_pids()) - set(old)
+            switched_at = traffic.mark("switched")
+            await until(
+                lambda: {o.instance for o in traffic.outcomes if o.started >= switched_at} >= new,
+                "answers from both new instances",
+            )
+        after = await scales_from_zero(planes, tiny_model_dir)
+    outcomes = traffic.outcomes
+    row("engines during a switch", "1 old engine SIGKILLed, 1 SIGSTOPped while revision 2 warms", outcomes,
+        began, notes="the switch completed; no old engine left")  # fmt: skip
+    assert not lost(outcomes), (traffic.by_phase(), describe(outcomes))
+    assert all(o.kind == COMPLETE for o in outcomes if o.ended < faulted_at), traffic.by_phase()
+    # Only a stream mid-answer on the killed or stopped engine ends with an error event (its tokens
+    # so far reached the client, so it cannot be retried); everything else was retried or held.
+    assert all(o.stream and o.started < faulted_at for o in outcomes if o.kind == REFUSED), [
+        (o.reason, o.phase) for o in outcomes if o.kind != COMPLETE
+    ]
+    assert all(o.kind == COMPLETE and o.instance in new for o in traffic.phase("switched")), (
+        traffic.by_phase()
+    )
+    assert engines_of(c.home) == set(c.engine_pids().values()) and not set(old) & set(c.engine_pids())
+    assert after.kind == COMPLETE, after.reason
