@@ -48,7 +48,9 @@ class TlsProcess(PlatformProcess):
         return self
 
     def get(self, path: str, **params: str) -> httpx.Response:
-        return httpx.get(f"{self.url}{path}", params=params, headers=H, verify=self.verify(), timeout=HTTP_READ)
+        return httpx.get(
+            f"{self.url}{path}", params=params, headers=H, verify=self.verify(), timeout=HTTP_READ
+        )
 
 
 def tls_args(d: Path, *, serve: bool = True) -> tuple[str, ...]:
@@ -101,7 +103,11 @@ def test_a_request_goes_end_to_end_over_tls(planes, tiny_model_dir: Path) -> Non
     gateway.wait_for(lambda: "m" in [m["id"] for m in gateway.get("/v1/models").json()["data"]])
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     r = httpx.post(
-        f"{gateway.url}/v1/chat/completions", json=body, headers=H, verify=gateway.verify(), timeout=COLD_ANSWER
+        f"{gateway.url}/v1/chat/completions",
+        json=body,
+        headers=H,
+        verify=gateway.verify(),
+        timeout=COLD_ANSWER,
     )
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"] is not None
@@ -124,7 +130,9 @@ def test_a_gateway_given_another_ca_refuses_the_controller(planes) -> None:
 
     def refused() -> bool:
         health = stranger.get("/healthz").json()
-        return health["controller"] == "unreachable" and "certificate" in (health.get("controller_error") or "")
+        return health["controller"] == "unreachable" and "certificate" in (
+            health.get("controller_error") or ""
+        )
 
     stranger.wait_for(refused, WAIT, "the gateway to refuse the controller's certificate")
     assert "certificate verify failed" in stranger.log_tail(20_000)
