@@ -1,5 +1,5 @@
 """`stoker tls init DIR`: a self-signed CA and a server certificate for one box or a test
-(`stoker.certs`), what `--tls-cert DIR/tls.crt --tls-key DIR/tls.key --tls-ca DIR/ca.crt` take.
+(`stoker.tls.certs`), what `--tls-cert DIR/tls.crt --tls-key DIR/tls.key --tls-ca DIR/ca.crt` take.
 On a cluster the Helm chart makes its own, or takes a Secret (docs/operations/planes.md)."""
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "init",
         help="write a CA (ca.crt, ca.key) and a server certificate it signs (tls.crt, tls.key) into DIR",
     )
-    init.add_argument("dir", type=Path, metavar="DIR", help="where the files go (made, mode 0700, if missing)")
+    init.add_argument(
+        "dir", type=Path, metavar="DIR", help="where the files go (made, mode 0700, if missing)"
+    )
     init.add_argument(
         "--san",
         action="append",
@@ -38,7 +40,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_init(args: argparse.Namespace) -> int:
-    from stoker.certs import CA_CERT, CERT, KEY, CertError, init
+    from stoker.tls.certs import CA_CERT, CERT, KEY, CertError, init
 
     try:
         issued = init(args.dir, args.san, days=args.days, renew=args.renew, force=args.force)

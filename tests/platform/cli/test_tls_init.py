@@ -1,4 +1,4 @@
-"""`stoker tls init DIR` (`stoker.certs`): a CA and a server certificate it signs, for the default
+"""`stoker tls init DIR` (`stoker.tls.certs`): a CA and a server certificate it signs, for the default
 names and those asked for; keys mode 0600; files replaced whole, never through a link; a CA kept by
 `--renew` and refused to be replaced without `--force`; bad input one line. And the flags of the
 planes that take the files refuse wrong combinations in one line, before anything starts."""
@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from cryptography import x509
 
-from stoker.certs import CertError, check_name, init
 from stoker.cli.main import main
 from stoker.tls import TlsSettings
+from stoker.tls.certs import CertError, check_name, init
 from warm_pool.engine_tls import ENGINE_NAME
 
 

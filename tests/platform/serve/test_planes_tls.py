@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from stoker.certs import init
+from stoker.tls.certs import init
 from tests.deadlines import COLD_ANSWER, HTTP_READ, PLATFORM_START, WAIT, deadline, flag
 from tests.platform.conftest import PlatformProcess
 from tests.platform.engine.conftest import free_port

@@ -20,9 +20,9 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.x509.oid import NameOID
 
-from stoker.certs import init
 from stoker.errors import CLIError
 from stoker.tls import TlsSettings, controller_url, own_server_context
+from stoker.tls.certs import init
 from warm_pool.engine_tls import ENGINE_NAME, client_ssl, scheme
 
 
