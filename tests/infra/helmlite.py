@@ -12,7 +12,7 @@ raises `TemplateError` on anything else, so the chart cannot drift beyond what i
 - pipes `a | f x`, which pass `a` as f's last argument, as Go's text/template does;
 - `define "name"` (in any file), `if` / `else if` / `else`, `with` / `else`, `end`;
 - functions: include, required, default, quote, toYaml, indent, nindent, printf (%s of strings),
-  trunc (n >= 0), trimSuffix, not, list, index (of a map), b64enc; lookup, which answers from the
+  trunc (n >= 0), trimSuffix, not, and, int (of a number), list, dict, index (of a map), b64enc; lookup, which answers from the
   objects `render_chart` is given as the cluster's (none: an empty map, as `helm template` and an
   install answer); genCA and genSignedCert, which make real certificates (ECDSA P-256 keys here,
   where Helm's are RSA 2048: what reads them takes either).
@@ -341,6 +341,25 @@ def _trunc(n: int, text: str) -> str:
     return text[:n]
 
 
+def _and(*values: Any) -> Any:
+    """Go's: the first false argument, else the last (every argument is evaluated here)."""
+    if len(values) < 2:
+        raise TemplateError("helmlite's and takes two arguments or more")
+    return next((v for v in values if not truthy(v)), values[-1])
+
+
+def _int(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TemplateError(f"helmlite's int takes a number, not {value!r}")
+    return int(value)
+
+
+def _dict(*pairs: Any) -> dict:
+    if len(pairs) % 2 or not all(isinstance(k, str) for k in pairs[::2]):
+        raise TemplateError(f"helmlite's dict takes key-value pairs with string keys: {pairs!r}")
+    return dict(zip(pairs[::2], pairs[1::2], strict=True))
+
+
 def _index(collection: Any, key: Any) -> Any:
     if not isinstance(collection, dict) or isinstance(collection, Struct):
         raise TemplateError(f"helmlite's index takes a map, not {collection!r}")
@@ -411,7 +430,10 @@ FUNCTIONS = {
     "trunc": _arity(2, _trunc),
     "trimSuffix": _arity(2, lambda suffix, text: text.removesuffix(suffix)),
     "not": _arity(1, lambda v: not truthy(v)),
+    "and": _and,
+    "int": _arity(1, _int),
     "list": lambda *items: list(items),
+    "dict": _dict,
     "index": _arity(2, _index),
     "b64enc": _arity(1, lambda text: base64.b64encode(go_string(text).encode()).decode()),
     "lookup": None,  # the cluster's objects: handled in Renderer._call

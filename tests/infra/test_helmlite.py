@@ -65,7 +65,14 @@ RENDERS = [
         "stoker",
     ),
     ("index of a map", '{{ index .Values.map "a" }}', "x"),
+    ("dict", '{{ $d := dict "k" .Values.name "n" 1 }}{{ $d.k }}{{ toYaml $d }}', "stokerk: stoker\nn: 1"),
     ("b64enc", "{{ .Values.name | b64enc }}", "c3Rva2Vy"),
+    (
+        "and",
+        "{{ and .Values.on .Values.name }}|{{ if and .Values.on .Values.off }}y{{ else }}n{{ end }}",
+        "stoker|n",
+    ),
+    ("int", "{{ int .Values.port }}", "8080"),
     ("list", '{{ list "a" "b" | toYaml }}', "- a\n- b"),
     (
         "lookup finds nothing at an install",
@@ -131,6 +138,8 @@ REFUSED = [
         "undefined variable",
     ),
     ("index of a list", "{{ index .Values.list 0 }}", "index takes a map"),
+    ("dict of an odd count", '{{ dict "k" }}', "key-value pairs"),
+    ("int of a string", '{{ int "3" }}', "int takes a number"),
     ("lookup of too little", '{{ lookup "v1" "Secret" }}', "lookup takes"),
     ("an unknown function", "{{ .Values.name | upper }}", "upper"),
     ("a field of nothing", "{{ .Values.missing.deeper }}", "nil pointer"),

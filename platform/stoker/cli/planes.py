@@ -121,8 +121,9 @@ def cmd_controller(args: argparse.Namespace) -> int:
 
     if args.data_dir:
         os.environ["STOKER_HOME"] = args.data_dir
+    # Local engines serve the controller's own certificate; engine pods, the --engine-tls-secret's.
     options = ControllerOptions(
-        listen_of(args),
+        listen_of(args, launches_engines=args.backend == "local"),
         platform_settings(args),
         gateway_stale_after_s=args.gateway_stale_after,
         leave_instances=not args.stop_instances_on_exit,
@@ -132,6 +133,8 @@ def cmd_controller(args: argparse.Namespace) -> int:
         raise CLIError(
             "--tls-cert with --backend kubernetes needs --engine-tls-secret: the Secret engine pods serve"
         )
+    if options.kube is not None and options.listen.tls is not None and options.listen.tls.ca is None:
+        raise CLIError("--tls-cert needs --tls-ca: engine pods are verified against that CA")
     if options.kube is not None and options.kube.engine_tls_secret is not None and options.listen.tls is None:
         raise CLIError(
             "--engine-tls-secret needs --tls-cert, --tls-key and --tls-ca: engines are verified against the CA"
