@@ -147,3 +147,32 @@ def test_plain_http_to_the_controller_gets_no_routing_table(planes) -> None:
         httpx.get(plain, params={"gateway": "plain"}, headers=H, timeout=deadline(10))
     # The same port over TLS, verified, answers it.
     assert controller.get("/cluster/v1/routes", gateway="tls").status_code == 200
+
+
+def test_one_process_serves_https_and_reaches_its_engines_over_tls(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """`stoker up` with the same three files: its port on HTTPS, its activator's proxy, health
+    probes and the engines' metrics (`/metrics/engines`) over TLS to an engine it started so."""
+    init(tmp_path / "tls")
+    ca = tmp_path / "tls" / "ca.crt"
+    up = TlsProcess(
+        tmp_path / "up",
+        free_port(),
+        tls_args(tmp_path / "tls"),
+        extra_env={"STOKER_ADMIN_KEY": ADMIN, "STOKER_CA": str(ca)},
+        ca=ca,
+    ).start()
+    try:
+        up.deploy("m", tiny_model_dir, "--min-warm", "0", "--max", "1")
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        r = httpx.post(
+            f"{up.url}/v1/chat/completions", json=body, headers=H, verify=up.verify(), timeout=COLD_ANSWER
+        )
+        assert r.status_code == 200, r.text
+        engines = up.get("/metrics/engines")
+        assert engines.status_code == 200 and 'deployment="m"' in engines.text
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"http://127.0.0.1:{up.port}/healthz", timeout=deadline(10))
+    finally:
+        up.stop()
