@@ -134,3 +134,9 @@ def test_the_planes_flags_refuse_wrong_combinations(tmp_path: Path, capsys, monk
     node = ["node", "--store", str(tmp_path), "--controller", "https://c:8081", "--node-name", "n"]
     assert "missing.crt: no such file" in _error(capsys, [*node, *missing, *key, *ca])
     assert "is plain HTTP" in _error(capsys, [*node, "--controller", "http://c:8081", *ca])
+
+
+def test_the_cli_names_a_ca_it_cannot_read(tmp_path: Path, capsys, monkeypatch) -> None:
+    monkeypatch.setenv("STOKER_URL", "https://127.0.0.1:9")
+    monkeypatch.setenv("STOKER_CA", str(tmp_path / "nope.crt"))
+    assert f"$STOKER_CA {tmp_path / 'nope.crt'}: cannot read a PEM CA bundle" in _error(capsys, ["ls"])
