@@ -16,8 +16,9 @@ from dataclasses import dataclass
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from warm_pool import reconcile
+from warm_pool import engine_tls, reconcile
 from warm_pool.backends.base import Backend
+from warm_pool.engine_tls import EngineTls, connector
 from warm_pool.errors import PoolError
 from warm_pool.reconcile import Observed
 from warm_pool.vllm import startup_phases
@@ -72,20 +73,23 @@ class HttpEngines:
 
     def __init__(self, backend: Backend) -> None:
         self._backend = backend
+        self._tls = engine_tls.of(backend)  # its engines on HTTPS, verified so
 
     async def sleep(self, url: str, level: int, timeout_s: float, headers: Headers = None) -> None:
         """Put the engine at `url` to sleep (level 1: weights to host RAM, accelerator freed)."""
-        await _post(url, f"/sleep?level={level}", timeout_s, headers)
+        await _post(url, f"/sleep?level={level}", timeout_s, headers, self._tls)
 
     async def wake_up(self, url: str, timeout_s: float, headers: Headers = None) -> None:
         """Wake the engine at `url`: weights back, ready for requests when this returns."""
-        await _post(url, "/wake_up", timeout_s, headers)
+        await _post(url, "/wake_up", timeout_s, headers, self._tls)
 
     async def observe_sleep(self, url: str, headers: Headers = None) -> Observed:
         """Whether the engine sleeps (`GET /is_sleeping`, `warm_pool.reconcile.read_answer`); an
         engine without sleep mode serves no such route, and one that answers `/health` is awake."""
         try:
-            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+            async with aiohttp.ClientSession(
+                connector=connector(self._tls), timeout=aiohttp.ClientTimeout(total=10)
+            ) as session:
                 async with session.get(url + reconcile.PATH, headers=headers) as r:
                     observed = reconcile.read_answer(
                         r.status, await r.content.read(reconcile.MAX_BODY_BYTES + 1)
@@ -116,7 +120,7 @@ class HttpEngines:
         either) cannot be put to sleep."""
         try:
             async with (
-                aiohttp.ClientSession() as session,
+                aiohttp.ClientSession(connector=connector(self._tls)) as session,
                 session.get(
                     url + "/server_info",
                     params={"config_format": "json"},
@@ -134,7 +138,7 @@ class HttpEngines:
     async def _phases_from_metrics(self, url: str, headers: Headers = None) -> dict[str, float]:
         try:
             async with (
-                aiohttp.ClientSession() as session,
+                aiohttp.ClientSession(connector=connector(self._tls)) as session,
                 session.get(url + "/metrics", headers=headers, timeout=aiohttp.ClientTimeout(total=5)) as r,
             ):
                 if r.status != 200:
@@ -155,10 +159,12 @@ class HttpEngines:
         return phases
 
 
-async def _post(url: str, path: str, timeout_s: float, headers: Headers = None) -> None:
+async def _post(
+    url: str, path: str, timeout_s: float, headers: Headers = None, tls: EngineTls | None = None
+) -> None:
     try:
         async with (
-            aiohttp.ClientSession() as session,
+            aiohttp.ClientSession(connector=connector(tls)) as session,
             session.post(url + path, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)) as r,
         ):
             if r.status != 200:

@@ -40,6 +40,7 @@ from types import MappingProxyType
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from warm_pool.engine_tls import EngineTls, connector
 from warm_pool.errors import InvalidConfig, PoolError
 
 log = logging.getLogger("stoker.pool.engines")
@@ -138,6 +139,7 @@ class EngineScraper:
         timeout_s: float = 2.0,
         max_body_bytes: int = 2 * 1024 * 1024,
         concurrency: int = 8,
+        tls: EngineTls | None = None,  # engines on HTTPS (`warm_pool.engine_tls`)
     ) -> None:
         # 5 s: the rules act on a signal only to add an instance, which takes seconds to tens of
         # seconds to start, so fresher figures would buy nothing; vLLM updates these gauges every
@@ -156,6 +158,7 @@ class EngineScraper:
         self.max_body_bytes, self.concurrency = max_body_bytes, concurrency
         self._tried: dict[str, float] = {}  # instance id → when its last scrape began
         self._loads: dict[str, EngineLoad] = {}
+        self._tls = tls
         self._session: aiohttp.ClientSession | None = None  # made in the loop, on the first scrape
         self._closed = False
 
@@ -192,7 +195,7 @@ class EngineScraper:
             self._tried[instance_id] = now  # a failed read waits its interval too: no retry storm
         if self._session is None:
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=self.concurrency),
+                connector=connector(self._tls, limit=self.concurrency),
                 timeout=aiohttp.ClientTimeout(total=self.timeout_s),
             )
         gate = asyncio.Semaphore(self.concurrency)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from snapshots.pins import Pin
+from warm_pool import engine_tls
 from warm_pool.backends.base import Backend, Handle, Placement, Running
 from warm_pool.engine_calls import EngineCapabilities, HttpEngines
 from warm_pool.engine_settings import EngineSettings
@@ -174,6 +175,8 @@ class InstanceOps:
 
     async def _spec(self, inst: Instance, snapshot_dir: Path) -> LaunchSpec:
         s, engine = self.settings, self.settings.engine_settings
+        tls = engine_tls.of(self.backend)  # the engine serves HTTPS with the backend's files
+        ssl_files = (tls.cert, tls.key) if tls is not None else None
         if s.engine == "vllm":
             share = self.share_of(inst.device) if inst.device is not None else None
             if share is not None and inst.device.startswith("gpu") and not self._vllm.cpu_build:
@@ -182,11 +185,11 @@ class InstanceOps:
                     [int(inst.device.removeprefix("gpu"))],
                     ("--gpu-memory-utilization", f"{share:.3f}"),
                 )
-                return await self._vllm.spec(inst, snapshot_dir, gpus, s.host, engine, extra)
+                return await self._vllm.spec(inst, snapshot_dir, gpus, s.host, engine, extra, ssl_files)
             n = engine.devices("vllm", self._vllm.cpu_build)
             # Tensor parallel: all of them or none, released together when the instance stops.
             gpus = self._gpus.acquire(n, inst.id) if n else []
-            return await self._vllm.spec(inst, snapshot_dir, gpus, s.host, engine)
+            return await self._vllm.spec(inst, snapshot_dir, gpus, s.host, engine, ssl_files=ssl_files)
         n = engine.devices("cpu")
         gpus = self._gpus.acquire(n, inst.id) if n else []
         extra = ("--max-num-seqs", str(s.instance_concurrency), "--grace-period", f"{s.grace_period_s:g}")
@@ -200,6 +203,8 @@ class InstanceOps:
             extra += ("--max-lora-rank", str(engine.max_adapter_rank))
         if engine.task != "generate":
             extra += ("--task", engine.task)
+        if tls is not None:
+            extra += tls.engine_args()
         return cpu_engine_spec(
             snapshot_dir,
             inst.port,

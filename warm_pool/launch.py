@@ -134,6 +134,7 @@ def vllm_spec(
     extra_args: Sequence[str] = (),
     vllm_command: Sequence[str] = ("vllm",),
     api_key: str | None = None,
+    ssl_files: tuple[str, str] | None = None,
 ) -> LaunchSpec:
     """`vllm serve` on a snapshot. With GPUs: `CUDA_VISIBLE_DEVICES`, tensor parallel over them, and
     sleep mode (served only in vLLM's dev mode). Without (vLLM's CPU build): a KV cache of
@@ -152,6 +153,8 @@ def vllm_spec(
     argv += ["--served-model-name", served_name, "--dtype", dtype]
     if max_model_len is not None:
         argv += ["--max-model-len", str(max_model_len)]
+    if ssl_files is not None:  # HTTPS (`warm_pool.engine_tls`): the certificate, and its key
+        argv += ["--ssl-certfile", ssl_files[0], "--ssl-keyfile", ssl_files[1]]
     # vLLM reports usage statistics to its project's server unless told not to: a platform that
     # serves its users' models does not send out what they run.
     env = {**_UNBUFFERED, "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1"}
@@ -220,6 +223,7 @@ def vllm_pod_spec(
     cpu_kv_cache_gib: float = 1.0,
     extra_args: Sequence[str] = (),
     api_key: str | None = None,
+    ssl_files: tuple[str, str] | None = None,
 ) -> LaunchSpec:
     """vLLM in an engine pod, decided in the pod: `stoker vllm-serve` asks the image's own vLLM which
     build it is (`vllm --version`) and starts it as `vllm_spec` starts that build here (a GPU
@@ -230,6 +234,8 @@ def vllm_pod_spec(
     argv += ["--cpu-kv-cache", f"{cpu_kv_cache_gib:g}"]
     if max_model_len is not None:
         argv += ["--max-model-len", str(max_model_len)]
+    if ssl_files is not None:
+        argv += ["--tls-cert", ssl_files[0], "--tls-key", ssl_files[1]]
     argv += ["--", *extra_args]
     env = {**_UNBUFFERED, **({VLLM_KEY_ENV: api_key} if api_key else {})}
     return LaunchSpec(

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from cachetools import LRUCache
 
 from snapshots import SnapshotError
+from warm_pool import engine_tls
 from warm_pool.backends.base import Running, start_tier
 from warm_pool.backoff import restart_delay
 from warm_pool.census import Phase
@@ -71,7 +72,9 @@ class Lifecycle:
         # False once an engine reports no sleep levels (vLLM's CPU build): then nothing is put to sleep.
         self.can_sleep: bool = True
         # What the settled engines say of their sleep, asked in the background (`reconcile`).
-        self.sleep_states = SleepStates(clock, interval_s=spec.reconcile_interval_s, name=spec.deployment)
+        self.sleep_states = SleepStates(
+            clock, interval_s=spec.reconcile_interval_s, name=spec.deployment, tls=engine_tls.of(ops.backend)
+        )
 
     # ---- what the pool reads -------------------------------------------------------------------------
 

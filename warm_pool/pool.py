@@ -66,7 +66,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 
 from snapshots import WarmReport
-from warm_pool import plan
+from warm_pool import engine_tls, plan
 from warm_pool.arbiter import Wish
 from warm_pool.backends.base import Backend, Running
 from warm_pool.census import Census, Member
@@ -144,7 +144,13 @@ class Pool:
         # The observe stage (`warm_pool.observe`): the load, the census, the READY engines' own queue
         # and KV-cache figures (read in the background, each engine at most every 5 s of this pool's
         # clock) and the tracker, into the policy's observation.
-        self._observer = Observer(self._tracker, EngineScraper(clock), self._page, backend, self._recycler)
+        self._observer = Observer(
+            self._tracker,
+            EngineScraper(clock, tls=engine_tls.of(backend)),
+            self._page,
+            backend,
+            self._recycler,
+        )
         if self._fleet is not None:
             self._fleet.register(self)
             devices = self._fleet.devices

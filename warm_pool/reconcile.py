@@ -42,6 +42,7 @@ from enum import StrEnum
 
 import aiohttp
 
+from warm_pool.engine_tls import EngineTls, connector
 from warm_pool.errors import InvalidConfig
 from warm_pool.states import Instance, InstanceState
 
@@ -120,6 +121,7 @@ class SleepStates:
         timeout_s: float = 2.0,
         concurrency: int = 8,
         name: str = "",
+        tls: EngineTls | None = None,  # engines on HTTPS (`warm_pool.engine_tls`)
     ) -> None:
         # 5 s: as often as the activator probes /health; a mismatch costs requests (READY but
         # asleep) or memory (SLEEPING but awake) for at most an interval and a round. 2 s: an
@@ -135,6 +137,7 @@ class SleepStates:
         self._name = name
         self._last_round = -math.inf
         self._round: asyncio.Task[list[Seen]] | None = None
+        self._tls = tls
         self._session: aiohttp.ClientSession | None = None  # made in the loop, at the first round
         self._closed = False
 
@@ -179,7 +182,7 @@ class SleepStates:
     async def _ask_all(self, asked: Sequence[tuple[str, int, str, Mapping[str, str]]]) -> list[Seen]:
         if self._session is None:
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=self.concurrency),
+                connector=connector(self._tls, limit=self.concurrency),
                 timeout=aiohttp.ClientTimeout(total=self.timeout_s),
             )
         gate = asyncio.Semaphore(self.concurrency)

@@ -84,6 +84,7 @@ class VllmStarts:
         host: str,
         settings: EngineSettings | None = None,
         extra: tuple[str, ...] = (),
+        ssl_files: tuple[str, str] | None = None,  # the certificate and key it serves HTTPS with
     ) -> LaunchSpec:
         """vLLM on the snapshot, with the deployment's settings (`settings`; dtype and context length
         default from what the snapshot says) and a copy of the snapshot's compile cache for this vLLM
@@ -93,7 +94,7 @@ class VllmStarts:
             raise StartFailed(f"deployment {self.deployment}: no vLLM on this machine")
         settings = settings or EngineSettings()
         if vllm.runtime.in_image:  # a pod, which asks its own vLLM its build (`vllm_pod_spec`)
-            return await self._pod_spec(inst, snapshot_dir, len(gpus), host, settings, extra)
+            return await self._pod_spec(inst, snapshot_dir, len(gpus), host, settings, extra, ssl_files)
         manifest = self.snapshot.store.manifest(self.snapshot.snapshot_id)
         config = await asyncio.to_thread(_read_json, snapshot_dir / "config.json")
         shape = snapshot_shape(manifest.dtype, config)
@@ -119,10 +120,18 @@ class VllmStarts:
             extra_args=(*extra, *args),
             vllm_command=vllm.runtime.command,
             api_key=inst.secret,
+            ssl_files=ssl_files,
         )
 
     async def _pod_spec(
-        self, inst: Instance, snapshot_dir: Path, gpus: int, host: str, settings: EngineSettings, extra: tuple
+        self,
+        inst: Instance,
+        snapshot_dir: Path,
+        gpus: int,
+        host: str,
+        settings: EngineSettings,
+        extra: tuple,
+        ssl_files: tuple[str, str] | None = None,
     ) -> LaunchSpec:
         """An engine pod's: the deployment's settings; what they leave to the snapshot (dtype, context
         length) the pod reads from its node's copy, which this controller need not have. No compile
@@ -139,6 +148,7 @@ class VllmStarts:
             cpu_kv_cache_gib=vllm.cpu_kv_cache_gib,
             extra_args=(*extra, *settings.vllm_args(), *vllm.args),
             api_key=inst.secret,
+            ssl_files=ssl_files,
         )
 
     async def keep(self, inst: Instance) -> None:

@@ -8,6 +8,8 @@ what may import it; imports point down only):
     gateway/  one request: auth, limits, split, cascade, taps, the hand-off to the activator
     engine/   the CPU engine        node/  the node agent
     spec/     every field's type, default, range and validation; what the planes send each other
+    tls/      TLS between the planes and to the engines: the files, one context per kind of peer,
+              and a self-signed set (`stoker tls init`)
 
 and three shared helpers: `errors` (ours, and the one HTTP shape), `http` (pure-ASGI pieces),
 `paths` (where data lives).

@@ -375,8 +375,9 @@ class ServerStopping:
         return self._server is not None and bool(self._server.should_exit)
 
 
-def make_server(app, *, host: str, port: int, log_level: str, grace_period_s: float):
-    """A uvicorn server for `app`: no access log, in-flight requests get `grace_period_s` on SIGTERM."""
+def make_server(app, *, host: str, port: int, log_level: str, grace_period_s: float, tls=None):
+    """A uvicorn server for `app`: no access log, in-flight requests get `grace_period_s` on SIGTERM;
+    HTTPS only where `tls` (a `stoker.tls.TlsSettings`) holds a certificate."""
     import uvicorn
 
     config = uvicorn.Config(
@@ -387,6 +388,7 @@ def make_server(app, *, host: str, port: int, log_level: str, grace_period_s: fl
         access_log=False,
         timeout_graceful_shutdown=grace_period_s,
         timeout_keep_alive=30,
+        **(tls.server_options() if tls is not None else {}),
     )
     return uvicorn.Server(config)
 

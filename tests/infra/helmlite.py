@@ -6,12 +6,16 @@ raises `TemplateError` on anything else, so the chart cannot drift beyond what i
 
 - actions `{{ pipeline }}`, with `{{-` / `-}}` trimming the whitespace beside them, and comments
   `{{/* ... */}}`;
-- operands: fields `.Values.a.b`, `.`, `$`, `$.Values.a`; strings in double quotes; integers;
-  `true`, `false`; parenthesised pipelines;
+- operands: fields `.Values.a.b`, `.`, `$`, `$.Values.a`; variables `$x`, `$x.a.b`, set by
+  `{{ $x := pipeline }}` and seen to the end of the block that set them (an include starts with
+  none); strings in double quotes; integers; `true`, `false`; parenthesised pipelines;
 - pipes `a | f x`, which pass `a` as f's last argument, as Go's text/template does;
 - `define "name"` (in any file), `if` / `else if` / `else`, `with` / `else`, `end`;
 - functions: include, required, default, quote, toYaml, indent, nindent, printf (%s of strings),
-  trunc (n >= 0), trimSuffix, not.
+  trunc (n >= 0), trimSuffix, not, and, int (of a number), list, dict, index (of a map), b64enc; lookup, which answers from the
+  objects `render_chart` is given as the cluster's (none: an empty map, as `helm template` and an
+  install answer); genCA and genSignedCert, which make real certificates (ECDSA P-256 keys here,
+  where Helm's are RSA 2048: what reads them takes either).
 
 Semantics follow Helm 3: a missing key of `.Values` is empty and prints as nothing; a field of an
 empty value is an error (Helm's "nil pointer evaluating"); `.Release` has only Name, Namespace and
@@ -22,6 +26,7 @@ Helm, so 1000000 prints as 1e+06); maps and lists are printed only through toYam
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 from dataclasses import dataclass, field
@@ -43,7 +48,9 @@ class RequiredError(TemplateError):
 
 _TOKEN = re.compile(
     r"""\s*(?:
-        (?P<string>"(?:[^"\\]|\\.)*")
+        (?P<assign>\$[A-Za-z_]\w*\s*:=)
+      | (?P<var>\$[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)
+      | (?P<string>"(?:[^"\\]|\\.)*")
       | (?P<number>-?\d+)(?![\w.])
       | (?P<field>\$?(?:\.[A-Za-z_]\w*)+|\.|\$)
       | (?P<ident>[A-Za-z_]\w*)
@@ -122,6 +129,18 @@ class Field:
 
 
 @dataclass(frozen=True)
+class Var:
+    name: str
+    path: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Assign:
+    name: str
+    value: Pipeline
+
+
+@dataclass(frozen=True)
 class Literal:
     value: Any
 
@@ -178,6 +197,11 @@ def _parse_pipeline(tokens: list[Token], pos: int, nested: bool) -> tuple[Pipeli
             operands.append(Literal(json.loads(tok.text)))
         elif tok.kind == "number":
             operands.append(Literal(int(tok.text)))
+        elif tok.kind == "var":
+            name, *path = tok.text[1:].split(".")
+            operands.append(Var(name, tuple(path)))
+        elif tok.kind == "assign":
+            raise TemplateError("helmlite: ':=' only as `{{ $x := pipeline }}`")
         elif tok.kind == "field":
             from_root = tok.text.startswith("$")
             operands.append(Field(from_root, tuple(p for p in tok.text.lstrip("$").split(".") if p)))
@@ -248,6 +272,11 @@ def parse(source: str, name: str) -> tuple[list, dict[str, list]]:
             if kind_ == "define":
                 defines[what] = current
             current = outer
+        elif (tokens := _tokens(text)) and tokens[0].kind == "assign":
+            value, pos = _parse_pipeline(tokens, 1, nested=False)
+            if pos != len(tokens):
+                raise TemplateError(f"helmlite: unexpected {tokens[pos].text!r} in {{{{ {text} }}}}")
+            current.append(Assign(tokens[0].text[1:].rstrip(":= "), value))
         else:
             current.append(parse_pipeline(text))
     if stack:
@@ -312,6 +341,74 @@ def _trunc(n: int, text: str) -> str:
     return text[:n]
 
 
+def _and(*values: Any) -> Any:
+    """Go's: the first false argument, else the last (every argument is evaluated here)."""
+    if len(values) < 2:
+        raise TemplateError("helmlite's and takes two arguments or more")
+    return next((v for v in values if not truthy(v)), values[-1])
+
+
+def _int(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TemplateError(f"helmlite's int takes a number, not {value!r}")
+    return int(value)
+
+
+def _dict(*pairs: Any) -> dict:
+    if len(pairs) % 2 or not all(isinstance(k, str) for k in pairs[::2]):
+        raise TemplateError(f"helmlite's dict takes key-value pairs with string keys: {pairs!r}")
+    return dict(zip(pairs[::2], pairs[1::2], strict=True))
+
+
+def _index(collection: Any, key: Any) -> Any:
+    if not isinstance(collection, dict) or isinstance(collection, Struct):
+        raise TemplateError(f"helmlite's index takes a map, not {collection!r}")
+    return collection.get(key)
+
+
+def _certificate(cn: str, ips: list, names: list, days: int, ca: Struct | None) -> Struct:
+    """Sprig's genCA (`ca` None) and genSignedCert: `.Cert` and `.Key` in PEM; a CA is one only for
+    signing, the signed certificate names `ips` and `names` (DNS), not `cn` unless listed."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    if not (isinstance(cn, str) and isinstance(days, int) and days > 0):
+        raise TemplateError(
+            f"helmlite: genCA/genSignedCert take a name and a number of days: {cn!r} {days!r}"
+        )
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.UTC)
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=days))
+    )
+    if ca is None:
+        builder = builder.issuer_name(subject).add_extension(
+            x509.BasicConstraints(ca=True, path_length=None), True
+        )
+        signer = key
+    else:
+        issuer = x509.load_pem_x509_certificate(ca["Cert"].encode())
+        signer = serialization.load_pem_private_key(ca["Key"].encode(), None)
+        alt = [x509.IPAddress(ipaddress.ip_address(i)) for i in ips or []]
+        alt += [x509.DNSName(n) for n in names or []]
+        builder = builder.issuer_name(issuer.subject).add_extension(x509.SubjectAlternativeName(alt), False)
+    cert = builder.sign(signer, hashes.SHA256())
+    pem = serialization.Encoding.PEM
+    plain = serialization.PrivateFormat.TraditionalOpenSSL, serialization.NoEncryption()
+    return Struct(Cert=cert.public_bytes(pem).decode(), Key=key.private_bytes(pem, *plain).decode())
+
+
 def _arity(n: int, fn):
     def call(*args):
         if len(args) != n:
@@ -333,56 +430,78 @@ FUNCTIONS = {
     "trunc": _arity(2, _trunc),
     "trimSuffix": _arity(2, lambda suffix, text: text.removesuffix(suffix)),
     "not": _arity(1, lambda v: not truthy(v)),
+    "and": _and,
+    "int": _arity(1, _int),
+    "list": lambda *items: list(items),
+    "dict": _dict,
+    "index": _arity(2, _index),
+    "b64enc": _arity(1, lambda text: base64.b64encode(go_string(text).encode()).decode()),
+    "lookup": None,  # the cluster's objects: handled in Renderer._call
+    "genCA": _arity(2, lambda cn, days: _certificate(cn, [], [], days, None)),
+    "genSignedCert": _arity(5, lambda cn, ips, names, days, ca: _certificate(cn, ips, names, days, ca)),
 }
 
 
 @dataclass
 class Renderer:
     defines: dict[str, list]
+    cluster: dict[tuple[str, str, str, str], dict] = field(default_factory=dict)  # lookup's objects
 
-    def render(self, nodes: list, dot: Any, root: Any) -> str:
+    def render(self, nodes: list, dot: Any, root: Any, scope: dict | None = None) -> str:
+        scope = {} if scope is None else scope  # this block's variables; an inner block copies them
         out = []
         for node in nodes:
             if isinstance(node, str):
                 out.append(node)
+            elif isinstance(node, Assign):
+                scope[node.name] = self.pipeline(node.value, dot, root, scope)
             elif isinstance(node, Pipeline):
-                out.append(go_string(self.pipeline(node, dot, root)))
+                out.append(go_string(self.pipeline(node, dot, root, scope)))
             else:
-                out.append(self.block(node, dot, root))
+                out.append(self.block(node, dot, root, scope))
         return "".join(out)
 
-    def block(self, block: Block, dot: Any, root: Any) -> str:
+    def block(self, block: Block, dot: Any, root: Any, scope: dict) -> str:
         for branch in block.branches:
-            value = self.pipeline(branch.condition, dot, root)
+            value = self.pipeline(branch.condition, dot, root, scope)
             if truthy(value):
-                return self.render(branch.body, value if branch.keyword == "with" else dot, root)
-        return self.render(block.otherwise or [], dot, root)
+                return self.render(branch.body, value if branch.keyword == "with" else dot, root, dict(scope))
+        return self.render(block.otherwise or [], dot, root, dict(scope))
 
-    def pipeline(self, pipeline: Pipeline, dot: Any, root: Any) -> Any:
+    def pipeline(self, pipeline: Pipeline, dot: Any, root: Any, scope: dict) -> Any:
         piped, first = None, True
         for command in pipeline.commands:
             head, *args = command
-            values = [self.operand(a, dot, root) for a in args] + ([] if first else [piped])
+            values = [self.operand(a, dot, root, scope) for a in args] + ([] if first else [piped])
             if isinstance(head, Function):
                 piped = self._call(head.name, values)
             elif values:
                 raise TemplateError(f"helmlite: {head} is not a function, so it takes no arguments")
             else:
-                piped = self.operand(head, dot, root)
+                piped = self.operand(head, dot, root, scope)
             first = False
         return piped
 
-    def operand(self, operand: Any, dot: Any, root: Any) -> Any:
+    def operand(self, operand: Any, dot: Any, root: Any, scope: dict) -> Any:
         if isinstance(operand, Literal):
             return operand.value
         if isinstance(operand, Pipeline):
-            return self.pipeline(operand, dot, root)
-        value = root if operand.from_root else dot
+            return self.pipeline(operand, dot, root, scope)
+        if isinstance(operand, Var):
+            if operand.name not in scope:
+                raise TemplateError(f"helmlite: undefined variable ${operand.name}")
+            value = scope[operand.name]
+        else:
+            value = root if operand.from_root else dot
         for i, name in enumerate(operand.path):
             value = _field(value, name, operand.path[:i])
         return value
 
     def _call(self, name: str, args: list) -> Any:
+        if name == "lookup":
+            if len(args) != 4 or not all(isinstance(a, str) for a in args):
+                raise TemplateError("helmlite: lookup takes apiVersion, kind, namespace and name")
+            return self.cluster.get(tuple(args), {})
         if name != "include":
             return FUNCTIONS[name](*args)
         if len(args) != 2 or args[0] not in self.defines:
@@ -416,9 +535,14 @@ def merge(base: dict, override: dict) -> dict:
 
 
 def render_chart(
-    chart: Path, values: dict | None = None, release: str = "stoker", namespace: str = "default"
+    chart: Path,
+    values: dict | None = None,
+    release: str = "stoker",
+    namespace: str = "default",
+    cluster: list[dict] = (),
 ) -> dict[str, str]:
     """Every template file's output, by file name (helper files, whose names start with `_`, omitted).
+    `cluster`: the objects `lookup` finds (an upgrade's); none, as at an install or `helm template`.
 
     Only templates/ is read: Helm installs a chart's crds/ as plain YAML, before the templates and
     never rendered, so its files are no part of what this returns (tests/infra/test_crds.py checks them)."""
@@ -435,7 +559,11 @@ def render_chart(
             raise TemplateError(f"{path.name}: templates defined twice: {sorted(clash)}")
         defines |= found
         files[path.name] = body
-    renderer = Renderer(defines)
+    found = {
+        (o["apiVersion"], o["kind"], o["metadata"].get("namespace", ""), o["metadata"]["name"]): o
+        for o in cluster
+    }
+    renderer = Renderer(defines, found)
     return {name: renderer.render(body, top, top) for name, body in files.items() if not name.startswith("_")}
 
 

@@ -76,6 +76,12 @@ def one(objects: list[dict], kind: str, component: str | None = None) -> dict:
     return found[0]
 
 
+def admin_secret(objects: list[dict]) -> dict:
+    """The admin key's Secret: the one Secret that is not a TLS one (tls.yaml)."""
+    (found,) = [o for o in objects if o["kind"] == "Secret" and o["type"] != "kubernetes.io/tls"]
+    return found
+
+
 def workloads(objects: list[dict]) -> list[dict]:
     return [o for o in objects if o["kind"] in ("StatefulSet", "Deployment", "DaemonSet")]
 
@@ -187,6 +193,29 @@ SERVICE_MONITOR = {
                                 "type": "string",
                                 "pattern": "^(0|(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$",
                             },
+                            "scheme": {"enum": ["http", "https"]},
+                            "tlsConfig": {
+                                "type": "object",
+                                "additionalProperties": False,
+                                "properties": {
+                                    "serverName": {"type": "string"},
+                                    "ca": {
+                                        "type": "object",
+                                        "additionalProperties": False,
+                                        "properties": {
+                                            "secret": {
+                                                "type": "object",
+                                                "required": ["key"],
+                                                "additionalProperties": False,
+                                                "properties": {
+                                                    "name": {"type": "string"},
+                                                    "key": {"type": "string"},
+                                                },
+                                            }
+                                        },
+                                    },
+                                },
+                            },
                             "authorization": {
                                 "type": "object",
                                 "required": ["credentials"],
@@ -215,20 +244,31 @@ def test_the_service_monitor_is_off_by_default():
 
 
 def test_the_service_monitor_scrapes_the_controller_and_gateways_with_the_admin_key(everything):
-    monitor = one(everything, "ServiceMonitor")
-    jsonschema.validate(monitor, SERVICE_MONITOR)
-    assert monitor["metadata"]["labels"]["release"] == "prometheus"
-    scraped = [s for s in everything if s["kind"] == "Service" and selects(monitor["spec"]["selector"], s)]
-    components = sorted(s["metadata"]["labels"]["app.kubernetes.io/component"] for s in scraped)
-    assert components == ["controller", "gateway"]
-    (endpoint,) = monitor["spec"]["endpoints"]
-    assert all(endpoint["port"] in [p["name"] for p in s["spec"]["ports"]] for s in scraped)
-    assert endpoint["path"] == "/metrics" and endpoint["authorization"]["type"] == "Bearer"
-    secret = one(everything, "Secret")
-    assert endpoint["authorization"]["credentials"] == {
-        "name": secret["metadata"]["name"],
-        "key": "token",
+    monitors = [o for o in everything if o["kind"] == "ServiceMonitor"]
+    secret = admin_secret(everything)
+    scraped = {}
+    for monitor in monitors:
+        jsonschema.validate(monitor, SERVICE_MONITOR)
+        assert monitor["metadata"]["labels"]["release"] == "prometheus"
+        (endpoint,) = monitor["spec"]["endpoints"]
+        for s in everything:
+            if s["kind"] == "Service" and selects(monitor["spec"]["selector"], s):
+                assert endpoint["port"] in [p["name"] for p in s["spec"]["ports"]]
+                scraped[s["metadata"]["labels"]["app.kubernetes.io/component"]] = endpoint
+        assert endpoint["path"] == "/metrics" and endpoint["authorization"]["type"] == "Bearer"
+        assert endpoint["authorization"]["credentials"] == {
+            "name": secret["metadata"]["name"],
+            "key": "token",
+        }
+    assert sorted(scraped) == ["controller", "gateway"] and len(monitors) == 2  # each scraped once
+    # The controller serves HTTPS (TLS is on by default): verified against the CA, by its Service name.
+    controller = scraped["controller"]
+    assert controller["scheme"] == "https"
+    assert controller["tlsConfig"] == {
+        "serverName": one(everything, "Service", "controller")["metadata"]["name"],
+        "ca": {"secret": {"name": "stoker-tls", "key": "ca.crt"}},
     }
+    assert "scheme" not in scraped["gateway"]
 
 
 def selects(selector: dict, obj: dict) -> bool:
@@ -256,14 +296,14 @@ def test_values_yaml_holds_no_admin_key():
 
 def test_an_existing_secret_is_used_and_none_is_created():
     objects = render(DEFAULTS)
-    assert not [o for o in objects if o["kind"] == "Secret"]
+    assert not [o for o in objects if o["kind"] == "Secret" and o["type"] != "kubernetes.io/tls"]
     for workload in workloads(objects):
         ref = env(container(workload))["STOKER_ADMIN_KEY"]["valueFrom"]["secretKeyRef"]
         assert ref == {"name": "stoker-admin", "key": "admin-key"}
 
 
 def test_a_given_value_becomes_a_chart_secret_every_process_reads(everything):
-    secret = one(everything, "Secret")
+    secret = admin_secret(everything)
     assert secret["stringData"] == {"token": "sk-admin-test"}
     for workload in workloads(everything):
         ref = env(container(workload))["STOKER_ADMIN_KEY"]["valueFrom"]["secretKeyRef"]
@@ -287,6 +327,10 @@ def test_the_controller_runs_on_kubernetes_with_the_engine_image(everything):
         "--store-path", "/nvme0/stoker",
         "--owner", "stoker",
         "--s3-secret", "s3-creds",
+        "--tls-cert", "/etc/stoker/tls/tls.crt",
+        "--tls-key", "/etc/stoker/tls/tls.key",
+        "--tls-ca", "/etc/stoker/tls/ca.crt",
+        "--engine-tls-secret", "stoker-engine-tls",
     ]  # fmt: skip
 
 
@@ -351,16 +395,18 @@ def test_engine_pods_and_the_node_agent_share_the_nodes_store(everything):
 
 def test_gateways_and_node_agents_reach_the_controller_through_its_service(everything):
     service = one(everything, "Service", "controller")
-    url = f"http://{service['metadata']['name']}:{service['spec']['ports'][0]['port']}"
+    url = f"https://{service['metadata']['name']}:{service['spec']['ports'][0]['port']}"
     gateway = container(one(everything, "Deployment", "gateway"))
     node = container(one(everything, "DaemonSet", "node"))
-    assert gateway["args"] == ["gateway", "--host", "0.0.0.0", "--port", "8080", "--controller", url]
+    ca = ["--tls-ca", "/etc/stoker/tls/ca.crt"]
+    assert gateway["args"] == ["gateway", "--host", "0.0.0.0", "--port", "8080", "--controller", url, *ca]
     assert node["args"] == [
         "node",
         "--store", "/var/lib/stoker-store",
         "--controller", url,
         "--node-name", "$(NODE_NAME)",
         "--port", "8082",
+        *ca,
     ]  # fmt: skip
 
 
@@ -556,7 +602,9 @@ def test_every_container_is_probed_on_healthz_of_its_own_port(objects):
         component = workload["metadata"]["labels"]["app.kubernetes.io/component"]
         probes = ("readinessProbe",) if component == "controller" else ("readinessProbe", "livenessProbe")
         for probe in probes:
-            assert c[probe]["httpGet"] == {"path": "/healthz", "port": port["name"]}
+            # The controller serves HTTPS (TLS on by default); the kubelet does not verify a probe's certificate.
+            https = {"scheme": "HTTPS"} if component == "controller" else {}
+            assert c[probe]["httpGet"] == {"path": "/healthz", "port": port["name"], **https}
 
 
 def test_a_standby_controller_is_never_killed_for_standing_by(objects):

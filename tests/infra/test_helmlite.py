@@ -58,6 +58,27 @@ RENDERS = [
     ),
     ("indent pads every line", '{{ "a\\nb" | indent 2 }}', "  a\n  b"),
     ("printf", '{{ printf "%s-%s" .Values.name "x" }}', "stoker-x"),
+    ("a variable", "{{ $n := .Values.nested }}{{ $n.inner }}-{{ $n.inner | quote }}", 'deep-"deep"'),
+    (
+        "a variable seen in an inner block",
+        "{{ $x := .Values.name }}{{ if .Values.on }}{{ $x }}{{ end }}",
+        "stoker",
+    ),
+    ("index of a map", '{{ index .Values.map "a" }}', "x"),
+    ("dict", '{{ $d := dict "k" .Values.name "n" 1 }}{{ $d.k }}{{ toYaml $d }}', "stokerk: stoker\nn: 1"),
+    ("b64enc", "{{ .Values.name | b64enc }}", "c3Rva2Vy"),
+    (
+        "and",
+        "{{ and .Values.on .Values.name }}|{{ if and .Values.on .Values.off }}y{{ else }}n{{ end }}",
+        "stoker|n",
+    ),
+    ("int", "{{ int .Values.port }}", "8080"),
+    ("list", '{{ list "a" "b" | toYaml }}', "- a\n- b"),
+    (
+        "lookup finds nothing at an install",
+        '{{ if lookup "v1" "Secret" "ns" "x" }}found{{ else }}none{{ end }}',
+        "none",
+    ),
     ("trunc", '{{ "abcdef" | trunc 3 }}', "abc"),
     ("trunc past the end", '{{ "ab" | trunc 63 }}', "ab"),
     ("trimSuffix", '{{ "abc-" | trimSuffix "-" }}', "abc"),
@@ -109,7 +130,17 @@ def test_required_fails_with_its_message(tmp_path):
 
 REFUSED = [
     ("range", "{{ range .Values.list }}x{{ end }}", "range"),
-    ("variables", "{{ $x := .Values.name }}", "does not understand"),
+    ("reassigning a variable", "{{ $x := 1 }}{{ $x = 2 }}", "does not understand"),
+    ("an undefined variable", "{{ $x }}", "undefined variable"),
+    (
+        "a variable out of its block",
+        "{{ if .Values.on }}{{ $x := 1 }}{{ end }}{{ $x }}",
+        "undefined variable",
+    ),
+    ("index of a list", "{{ index .Values.list 0 }}", "index takes a map"),
+    ("dict of an odd count", '{{ dict "k" }}', "key-value pairs"),
+    ("int of a string", '{{ int "3" }}', "int takes a number"),
+    ("lookup of too little", '{{ lookup "v1" "Secret" }}', "lookup takes"),
     ("an unknown function", "{{ .Values.name | upper }}", "upper"),
     ("a field of nothing", "{{ .Values.missing.deeper }}", "nil pointer"),
     ("an unknown Release field", "{{ .Release.Revision }}", "Release.Revision"),
@@ -133,3 +164,37 @@ REFUSED = [
 def test_refuses_what_it_does_not_implement(template, error, tmp_path):
     with pytest.raises(TemplateError, match=error):
         render(template, tmp_path=tmp_path)
+
+
+def test_lookup_answers_from_the_cluster_it_is_given(tmp_path):
+    chart = tmp_path / "chart"
+    render("", tmp_path=tmp_path)  # writes the chart
+    (chart / "templates" / "t.yaml").write_text(
+        '{{ with lookup "v1" "Secret" .Release.Namespace "old" }}{{ index .data "k" }}{{ end }}'
+    )
+    old = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": "old", "namespace": "ns"},
+        "data": {"k": "dg=="},
+    }
+    assert render_chart(chart, VALUES, release="rel", namespace="ns", cluster=[old])["t.yaml"] == "dg=="
+    assert render_chart(chart, VALUES, release="rel", namespace="other", cluster=[old])["t.yaml"] == ""
+
+
+def test_gen_ca_and_gen_signed_cert_make_a_certificate_the_ca_signed(tmp_path):
+    from cryptography import x509
+
+    template = (
+        '{{ $ca := genCA "demo-ca" 30 }}{{ $c := genSignedCert "svc" (list "10.0.0.1") (list "svc" "svc.ns") 30 $ca }}'
+        "{{ $ca.Cert | b64enc }} {{ $c.Cert | b64enc }} {{ $c.Key | b64enc }}"
+    )
+    import base64
+
+    ca_pem, cert_pem, key_pem = (base64.b64decode(p) for p in render(template, tmp_path=tmp_path).split())
+    ca, cert = x509.load_pem_x509_certificate(ca_pem), x509.load_pem_x509_certificate(cert_pem)
+    cert.verify_directly_issued_by(ca)
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert names.get_values_for_type(x509.DNSName) == ["svc", "svc.ns"]
+    assert [str(i) for i in names.get_values_for_type(x509.IPAddress)] == ["10.0.0.1"]
+    assert key_pem.startswith(b"-----BEGIN EC PRIVATE KEY-----")

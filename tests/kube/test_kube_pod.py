@@ -110,3 +110,29 @@ def test_a_vllm_pod_loads_the_guard_from_its_image_not_from_the_controllers_path
     assert container["args"][container["args"].index("--middleware") + 1] == "stoker_vllm_guard.EngineGuard"
     assert "PYTHONPATH" not in {e["name"] for e in container["env"]}
     assert not [a for a in container["args"] if spec.python_path[0] in a]
+
+
+def test_an_engine_pod_on_tls_mounts_its_secret_read_only_and_is_probed_over_https() -> None:
+    from dataclasses import replace
+
+    from warm_pool.engine_tls import MOUNT_DIR
+    from warm_pool.launch import vllm_pod_spec
+
+    settings = replace(SETTINGS, tls_secret="stoker-engine-tls")
+    files = (f"{MOUNT_DIR}/tls.crt", f"{MOUNT_DIR}/tls.key")
+    spec = vllm_pod_spec(Path(SETTINGS.store_path) / SNAPSHOT, 8000, "chat", 1, api_key=KEY, ssl_files=files)
+    pod = pod_manifest(settings, placement(1, None), spec, started_at=1.5)
+    kubernetes_validate.validate(pod, "1.33.0", strict=True)
+    [container] = pod["spec"]["containers"]
+    # `stoker vllm-serve` takes the files (and hands vLLM its --ssl-* flags), before the `--`.
+    args = container["args"]
+    assert args[args.index("--tls-cert") + 1] == files[0] and args.index("--tls-key") < args.index("--")
+    assert {"name": "engine-tls", "mountPath": MOUNT_DIR, "readOnly": True} in container["volumeMounts"]
+    [volume] = [v for v in pod["spec"]["volumes"] if v["name"] == "engine-tls"]
+    assert volume["secret"]["secretName"] == "stoker-engine-tls"
+    assert [i["key"] for i in volume["secret"]["items"]] == ["tls.crt", "tls.key"]  # never the CA's key
+    assert container["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
+    # Without a Secret: plain HTTP, nothing mounted.
+    plain = pod_manifest(SETTINGS, placement(1, None), spec, started_at=1.5)
+    assert plain["spec"]["containers"][0]["readinessProbe"]["httpGet"]["scheme"] == "HTTP"
+    assert [v["name"] for v in plain["spec"]["volumes"]] == ["snapshots"]

@@ -108,3 +108,32 @@ async def test_stokers_engine_takes_its_adapter_settings_as_its_own_flags(source
         instance(5), source.path
     )
     assert "--task embed" in " ".join(embed.argv)
+
+
+class _TlsBackend:
+    """A backend whose engines serve TLS (`warm_pool.engine_tls`): its files go into every launch."""
+
+    def __init__(self, mount: str = "/etc/tls") -> None:
+        import ssl
+
+        from warm_pool.engine_tls import EngineTls
+
+        self.engine_tls = EngineTls(f"{mount}/tls.crt", f"{mount}/tls.key", ssl.create_default_context())
+
+
+async def test_engines_are_launched_with_the_backends_tls_files(source):
+    backend = _TlsBackend()
+    cpu = InstanceSettings(
+        "big", source, "cpu", 30.0, 8, 300.0, 10.0, "127.0.0.1", None, None, EngineSettings()
+    )
+    spec = await InstanceOps(cpu, backend=backend, engines=object())._spec(instance(1), source.path)
+    assert " ".join(spec.args).endswith("--tls-cert /etc/tls/tls.crt --tls-key /etc/tls/tls.key")
+    vllm = InstanceSettings(
+        "big", source, "vllm", 30.0, 8, 300.0, 10.0, "127.0.0.1", None, GPU_BUILD, EngineSettings()
+    )
+    ops = InstanceOps(vllm, backend=backend, engines=object(), gpus=GpuInventory([0]))
+    args = " ".join((await ops._spec(instance(2), source.path)).args)
+    assert "--ssl-certfile /etc/tls/tls.crt --ssl-keyfile /etc/tls/tls.key" in args
+    # Without TLS, nothing of it.
+    plain = await InstanceOps(cpu, backend=None, engines=object())._spec(instance(3), source.path)
+    assert "--tls-cert" not in plain.args

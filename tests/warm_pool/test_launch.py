@@ -183,3 +183,11 @@ def test_an_instances_key_travels_in_its_environment_never_its_command_line():
     assert cpu.env["STOKER_ENGINE_API_KEY"] == "k1" and "k1" not in cpu.argv
     assert vllm.env["VLLM_API_KEY"] == "k2" and "k2" not in vllm.argv
     assert "STOKER_ENGINE_API_KEY" not in cpu_engine_spec(SNAP, 8001, "m").env
+
+
+def test_vllm_serves_https_with_the_files_it_is_given():
+    spec = vllm_spec(Path("/s/snap"), 8001, "m", [], sleep_mode=False, ssl_files=("/t/tls.crt", "/t/tls.key"))
+    args = list(spec.args)
+    assert args[args.index("--ssl-certfile") + 1] == "/t/tls.crt"
+    assert args[args.index("--ssl-keyfile") + 1] == "/t/tls.key"
+    assert "--ssl-certfile" not in vllm_spec(Path("/s/snap"), 8001, "m", [], sleep_mode=False).args

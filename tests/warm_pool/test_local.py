@@ -239,3 +239,26 @@ def test_free_port_can_be_bound():
     port = free_port()
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
+
+
+async def test_an_engine_recorded_with_the_other_scheme_is_replaced_not_adopted(tmp_path):
+    """TLS turned on between two runs: the plain-HTTP engine the first left is stopped, not adopted
+    (and the other way round), so no engine goes on serving in clear."""
+    import ssl
+
+    from warm_pool.backends.records import InstanceRecords
+    from warm_pool.engine_tls import EngineTls
+
+    records = InstanceRecords(tmp_path / "instances")
+    plain = LocalBackend(tmp_path, records=records)
+    handle = await plain.start(at("e-1", 8123, secret="k"), LaunchSpec(python(SLEEPER)))
+    assert [r.url for r in records.all()] == ["http://127.0.0.1:8123"]
+    tls = EngineTls("/t/tls.crt", "/t/tls.key", ssl.create_default_context())
+    assert await LocalBackend(tmp_path, records=records, engine_tls=tls).running() == []
+    assert await wait_gone(handle.pid) and records.all() == []
+    # The same run's scheme is adopted as before.
+    again = await plain.start(at("e-2", 8124, secret="k"), LaunchSpec(python(SLEEPER)))
+    try:
+        assert [r.instance_id for r in await LocalBackend(tmp_path, records=records).running()] == ["e-2"]
+    finally:
+        await plain.stop(again, 5.0)

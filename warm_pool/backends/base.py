@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from warm_pool.engine_settings import EngineSettings
+from warm_pool.engine_tls import EngineTls
 from warm_pool.launch import LaunchSpec
 from warm_pool.policies.base import Tier
 from warm_pool.snapshot import Acquired, SnapshotSource
@@ -61,6 +62,8 @@ class Running:
 
 class Backend(Protocol):
     kind: str  # "local" | "kubernetes": shown to operators, never branched on by the pool
+    # How its engines serve TLS and are verified (`warm_pool.engine_tls`); None: plain HTTP.
+    engine_tls: EngineTls | None
 
     def engine_port(self, host: str) -> int:
         """The port the next engine listens on: a free local port, or a pod's fixed port."""
@@ -81,7 +84,7 @@ class Backend(Protocol):
         ...
 
     async def wait_ready(self, handle: Handle, timeout_s: float, *, health_path: str) -> str:
-        """Wait until the engine answers 200 on `health_path`; its base URL (http://host:port).
+        """Wait until the engine answers 200 on `health_path`; its base URL (http(s)://host:port).
         `StartFailed` (with the log's tail and the phase it reached) if it exits or times out."""
         ...
 

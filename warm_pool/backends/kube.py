@@ -10,7 +10,7 @@ A pod's lifecycle as the pool sees it:
 
     start      create the Secret, then the Pod, then make the Pod the Secret's owner (GC)
     wait_ready the pod's Ready condition (the kubelet's readiness probe on the health path)
-               → http://<podIP>:<port>; StartFailed if it fails, is deleted, or time runs out,
+               → http(s)://<podIP>:<port>; StartFailed if it fails, is deleted, or time runs out,
                with the reason from its status (Unschedulable, ErrImagePull, an exit code)
     stop       delete with the grace period; wait until it is gone; the engine's exit code
     running    this owner's Running pods and their Secrets: a restarted controller adopts them
@@ -64,6 +64,7 @@ from warm_pool.backends.kube_pod import (
 )
 from warm_pool.backends.kube_status import alive, held_up, is_ready, pending_reason, terminated, waiting
 from warm_pool.backends.kube_watch import PodWatch
+from warm_pool.engine_tls import EngineTls, scheme
 from warm_pool.errors import InvalidConfig, PoolError, StartFailed
 from warm_pool.launch import LaunchSpec
 from warm_pool.log_text import FAILURE_LOG_LINES, meaningful_lines
@@ -150,6 +151,7 @@ class KubeBackend:
         watch_retry_s: float = 1.0,
         sync_timeout_s: float = 30.0,
         wall_clock: Callable[[], float] = time.time,
+        engine_tls: EngineTls | None = None,  # engine pods mount its Secret and serve HTTPS with it
     ) -> None:
         if not _LABEL_VALUE.match(owner):
             raise InvalidConfig(
@@ -174,7 +176,9 @@ class KubeBackend:
             probe_period_s=probe_period_s,
             pull_env=dict(pull_env or {}),
             pull_secret=pull_secret,
+            tls_secret=engine_tls.secret if engine_tls is not None else None,
         )
+        self.engine_tls = engine_tls
         self._labels = owner_labels(owner)
         self._wall_clock = wall_clock
         # This owner's pods as last seen; a pod that ends has its log read while it is still there.
@@ -349,7 +353,7 @@ class KubeBackend:
         if pod.metadata.deletionTimestamp is not None:
             return StartFailed(f"{handle.name} is being deleted", phase="process_start")
         if is_ready(pod) and alive(pod):
-            return f"http://{pod.status.podIP}:{self.settings.engine_port}"
+            return f"{scheme(self.engine_tls)}://{pod.status.podIP}:{self.settings.engine_port}"
         if (ended := terminated(pod)) is not None and not alive(pod):
             container, state = ended
             what = f"container {container} exited with status {state.exitCode}"
@@ -490,7 +494,7 @@ class KubeBackend:
             deployment=labels.get(DEPLOYMENT_LABEL, ""),
             snapshot_id=notes[SNAPSHOT_ANNOTATION],
             handle=PodHandle(self.namespace, meta.name, meta.uid),
-            url=f"http://{pod.status.podIP}:{self.settings.engine_port}",
+            url=f"{scheme(self.engine_tls)}://{pod.status.podIP}:{self.settings.engine_port}",
             secret=key,
             started_at=started_at,
         )

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from warm_pool.backends.base import Placement
+from warm_pool.engine_tls import MOUNT_DIR
 from warm_pool.launch import LaunchSpec
 
 SNAPSHOT_LABEL_PREFIX = "snapshots.stoker.dev/"
@@ -34,6 +35,7 @@ ENGINE_CONTAINER = "engine"
 PULL_CONTAINER = "snapshot-pull"
 KEY_ITEM = "key"  # the Secret's item holding the engine's key itself (`Running.secret`)
 STORE_VOLUME = "snapshots"
+TLS_VOLUME = "engine-tls"  # the engine's TLS Secret, at `warm_pool.engine_tls.MOUNT_DIR`
 RUN_AS = 10001  # the images' user (infra/docker): runAsNonRoot needs a numeric uid to check
 
 
@@ -68,6 +70,7 @@ class PodSettings:
     image_pull_policy: str = "IfNotPresent"
     pull_env: Mapping[str, str] = field(default_factory=dict)  # the init pull's settings (endpoint URL)
     pull_secret: str | None = None  # a Secret whose items become the init pull's env (S3 credentials)
+    tls_secret: str | None = None  # a TLS Secret the engine serves HTTPS with, mounted read-only
 
 
 def bind_anywhere(args: tuple[str, ...]) -> list[str]:
@@ -152,7 +155,12 @@ def _engine_container(settings: PodSettings, placement: Placement, spec: LaunchS
         "env": _env(placement, spec),
         "ports": [{"name": "http", "containerPort": settings.engine_port, "protocol": "TCP"}],
         "readinessProbe": {
-            "httpGet": {"path": spec.health_path, "port": "http"},
+            # the kubelet does not verify an HTTPS probe's certificate; the pool's callers do
+            "httpGet": {
+                "path": spec.health_path,
+                "port": "http",
+                "scheme": "HTTPS" if settings.tls_secret else "HTTP",
+            },
             "periodSeconds": settings.probe_period_s,
             "timeoutSeconds": 1,
             "failureThreshold": 3,
@@ -160,6 +168,8 @@ def _engine_container(settings: PodSettings, placement: Placement, spec: LaunchS
         "volumeMounts": [{"name": STORE_VOLUME, "mountPath": settings.store_path}],
         "securityContext": _security(),
     }
+    if settings.tls_secret:
+        container["volumeMounts"].append({"name": TLS_VOLUME, "mountPath": MOUNT_DIR, "readOnly": True})
     if spec.cwd is not None:
         container["workingDir"] = str(spec.cwd)
     resources: dict = {}
@@ -200,6 +210,11 @@ def pod_manifest(settings: PodSettings, placement: Placement, spec: LaunchSpec, 
         "containers": [_engine_container(settings, placement, spec)],
         "volumes": [{"name": STORE_VOLUME, "hostPath": {"path": settings.store_path, "type": "Directory"}}],
     }
+    if settings.tls_secret:
+        # tls.crt and tls.key only, readable by the engine's user alone (fsGroup owns them)
+        items = [{"key": k, "path": k} for k in ("tls.crt", "tls.key")]
+        secret = {"secretName": settings.tls_secret, "items": items, "defaultMode": 0o440}
+        pod_spec["volumes"].append({"name": TLS_VOLUME, "secret": secret})
     if placement.snapshot_uri:
         pod_spec["initContainers"] = [_pull_container(settings, placement.snapshot_uri)]
     tolerations = [dict(t) for t in placement.engine_settings.tolerations]

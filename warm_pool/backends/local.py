@@ -37,6 +37,7 @@ import aiohttp
 from warm_pool.backends.base import Placement, Running
 from warm_pool.backends.procs import OWNER_ENV, ProcessHandle, killpg, read_start_ticks
 from warm_pool.backends.records import InstanceRecord, InstanceRecords, marked
+from warm_pool.engine_tls import EngineTls, connector, scheme
 from warm_pool.errors import StartFailed
 from warm_pool.handoff import HandoffError
 from warm_pool.launch import LaunchSpec
@@ -98,8 +99,10 @@ class LocalBackend:
         owner: str | None = None,
         records: InstanceRecords | None = None,
         runtimes: RuntimeKeeper | None = None,
+        engine_tls: EngineTls | None = None,
     ) -> None:
-        """`owner`, when given, goes into every engine's environment as `OWNER_ENV`, so a later run
+        """`engine_tls`: the engines serve HTTPS with its files (the pool adds them to each launch)
+        and are verified with its context. `owner`, when given, goes into every engine's environment as `OWNER_ENV`, so a later run
         finds the engines of this one even where no record was written. Without `records` nothing
         is recorded and `running()` finds nothing (tests, benchmarks)."""
         self.log_dir = log_dir
@@ -107,6 +110,7 @@ class LocalBackend:
         self._owner_name = owner
         self._owner = {OWNER_ENV: owner} if owner else {}
         self._records = records
+        self.engine_tls = engine_tls
         self.runtimes = runtimes  # warm runtimes a start takes first (`warm_pool.runtimes`), if any
         self._children: dict[ProcessHandle, _Child] = {}  # processes this backend started and has not reaped
         self._urls: dict[ProcessHandle, str] = {}  # where each engine it started or adopted answers
@@ -144,7 +148,7 @@ class LocalBackend:
             # start_new_session makes the child a session and group leader: its pgid is its pid.
             handle = ProcessHandle(process.pid, process.pid, -1 if ticks is None else ticks, instance_id)
         host = f"[{placement.host}]" if ":" in placement.host else placement.host
-        url = f"http://{host}:{placement.port}"
+        url = f"{scheme(self.engine_tls)}://{host}:{placement.port}"
         self._children[handle] = _Child(process, log_path, url)
         self._urls[handle] = url
         if self._records is not None:
@@ -188,8 +192,16 @@ class LocalBackend:
         found, recorded = [], set()
         for record in self._records.all():
             handle = record.handle
-            if not self.is_alive(handle) or not record.secret:
+            # TLS turned on or off since it started: it speaks the other, and is replaced.
+            other_scheme = not record.url.startswith(scheme(self.engine_tls) + "://")
+            if not self.is_alive(handle) or not record.secret or other_scheme:
                 if self.is_alive(handle):  # a record from before keys were recorded: unreachable
+                    if other_scheme:
+                        log.warning(
+                            "stopping engine %s: it serves %s, not what this run speaks",
+                            record.id,
+                            record.url,
+                        )
                     await self.stop(handle, 10.0)
                 self._records.remove(record.id)
                 continue
@@ -257,7 +269,7 @@ class LocalBackend:
         deadline = self._clock() + timeout_s
         last = "no answer yet"
         answered = False
-        async with aiohttp.ClientSession() as session:
+        async with aiohttp.ClientSession(connector=connector(self.engine_tls)) as session:
             while True:
                 if not self.is_alive(handle):
                     code = await self._exit_code(handle)

@@ -24,6 +24,7 @@ class MemoryBackend:
     told to fail. It is also the pool's engine calls (`Pool(engines=...)`)."""
 
     kind = "memory"
+    engine_tls = None  # its engines take no connections
     alive: set[ProcessHandle] = field(default_factory=set)
     calls: list[tuple[str, str]] = field(default_factory=list)  # (action, url)
     fail: set[str] = field(default_factory=set)  # "sleep", "wake"

@@ -1,9 +1,10 @@
 """The CLI's side of the admin API: where the platform is, and one call or one stream to it.
 
 The address is `--url`, else `$STOKER_URL`, else http://127.0.0.1:8080; `$STOKER_ADMIN_KEY`, when
-set, is sent as the bearer key. Every failure is a `CLIError` of one line: the platform's own
-message for an HTTP error (OpenAI's error shape), or that it cannot be reached and where it was
-looked for.
+set, is sent as the bearer key. An https:// address (here, and for `stoker eval` and `stoker
+bench`) is verified against `$STOKER_CA` (a PEM CA bundle, e.g. `stoker tls init`'s ca.crt) when
+set, else the system's CAs. Every failure is a `CLIError` of one line: the platform's own message
+for an HTTP error (OpenAI's error shape), or that it cannot be reached and where it was looked for.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from stoker.errors import CLIError
 
 DEFAULT_URL = "http://127.0.0.1:8080"
 URL_ENV = "STOKER_URL"
+CA_ENV = "STOKER_CA"
 CALL_TIMEOUT_S = 600  # a deploy imports a model directory before it answers
 
 
@@ -81,7 +83,7 @@ def _open(args: argparse.Namespace, method: str, path: str, body: dict | None, t
         headers["authorization"] = f"Bearer {admin_key}"
     request = urllib.request.Request(base + path, data=data, method=method, headers=headers)
     try:
-        return urllib.request.urlopen(request, timeout=timeout)
+        return urllib.request.urlopen(request, timeout=timeout, context=tls_context())
     except urllib.error.HTTPError as exc:
         try:
             message = json.loads(exc.read())["error"]["message"]
@@ -91,3 +93,16 @@ def _open(args: argparse.Namespace, method: str, path: str, body: dict | None, t
     except (urllib.error.URLError, OSError) as exc:
         reason = getattr(exc, "reason", exc)
         raise CLIError(f"cannot reach the platform at {base} ({reason}); is `stoker up` running?") from None
+
+
+def tls_context():
+    """`$STOKER_CA`'s context for an https:// platform; None: the system's CAs (or plain HTTP)."""
+    ca = os.environ.get(CA_ENV)
+    if not ca:
+        return None
+    import ssl
+
+    try:
+        return ssl.create_default_context(cafile=ca)
+    except (OSError, ssl.SSLError) as exc:
+        raise CLIError(f"${CA_ENV} {ca}: cannot read a PEM CA bundle from it ({exc})") from None

@@ -81,6 +81,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--grace-period", type=_positive_float, default=30.0, help="seconds in-flight requests get on SIGTERM"
     )
+    p.add_argument("--tls-cert", metavar="FILE", help="serve HTTPS with this PEM certificate (chain)")
+    p.add_argument("--tls-key", metavar="FILE", help="the certificate's PEM private key")
     p.add_argument(
         "--log-level",
         default="info",
@@ -107,6 +109,9 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(str(exc)) from None
     check_weights(snapshot_dir)
     name = args.served_model_name or snapshot_dir.name
+    from stoker.tls import TlsSettings
+
+    tls = TlsSettings.load(args.tls_cert, args.tls_key, None)  # checked before the weights load
 
     import torch
 
@@ -156,10 +161,11 @@ def run(args: argparse.Namespace) -> int:
             server.should_exit = True
             return
         log.info(
-            "ready: serving %r from %s on %s at http://%s:%d (imports %.2fs, weights %.2fs, warm-up %.2fs)",
+            "ready: serving %r from %s on %s at %s://%s:%d (imports %.2fs, weights %.2fs, warm-up %.2fs)",
             name,
             snapshot_dir,
             config.device,
+            "https" if tls is not None else "http",
             args.host,
             args.port,
             engine.phases["imports"],
@@ -175,7 +181,12 @@ def run(args: argparse.Namespace) -> int:
         api_key=os.environ.get(API_KEY_ENV) or None,
     )
     server = make_server(
-        app, host=args.host, port=args.port, log_level=args.log_level, grace_period_s=args.grace_period
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        grace_period_s=args.grace_period,
+        tls=tls,
     )
     started = run_server(server)
     if failure:

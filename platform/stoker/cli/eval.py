@@ -27,7 +27,7 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
-from stoker.cli.admin_client import add_url_args, base_url
+from stoker.cli.admin_client import add_url_args, base_url, tls_context
 from stoker.errors import CLIError
 
 MAX_SET_BYTES = 16 << 20
@@ -177,7 +177,7 @@ def ask(args: argparse.Namespace, case: Case) -> tuple[str, str | None, str | No
         base + "/v1/chat/completions", data=json.dumps(body).encode(), method="POST", headers=headers
     )
     try:
-        with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
+        with urllib.request.urlopen(request, timeout=TIMEOUT_S, context=tls_context()) as response:
             answer = json.loads(response.read())
             revision = response.headers.get("x-stoker-revision")
     except urllib.error.HTTPError as exc:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from stoker.cli.admin_client import tls_context
 from stoker.cli.plan import Sample
 from stoker.errors import CLIError
 
@@ -118,8 +119,9 @@ async def replay(
             if gate is not None:
                 gate.release()
 
+    connector = aiohttp.TCPConnector(limit=0, ssl=tls_context() or True)  # an https:// one: $STOKER_CA
     try:
-        async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+        async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
             async with asyncio.TaskGroup() as group:
                 for index, arrival in enumerate(arrivals):
                     if (delay := t0 + arrival.t - clock()) > 0:

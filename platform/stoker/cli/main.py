@@ -33,6 +33,7 @@ COMMANDS = (
     "routes",
     "planes",
     "node",
+    "tls",
     "simulate",
     "eval",
     "bench",

@@ -43,7 +43,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--controller",
         required=True,
         metavar="URL",
-        help="the controller, e.g. http://stoker-controller:8081",
+        help="the controller, e.g. https://stoker-controller:8081 (with --tls-ca)",
     )
     node.add_argument(
         "--node-name",
@@ -63,6 +63,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     node.add_argument(
         "--kubeconfig", metavar="PATH", help="a kubeconfig file (default: the pod's service account)"
     )
+    from stoker.cli.up import add_tls_args
+
+    add_tls_args(node)  # its own /healthz and /metrics on HTTPS; the controller verified against the CA
     node.add_argument(
         "--log-level",
         default="info",
@@ -74,14 +77,16 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def cmd_node(args: argparse.Namespace) -> int:
     from stoker.node.agent import AgentConfig
+    from stoker.tls import TlsSettings, controller_url
 
     admin_key = os.environ.get("STOKER_ADMIN_KEY", "")
     if not admin_key:
         raise CLIError(
             "STOKER_ADMIN_KEY is not set: `stoker node` asks the controller with it, and /metrics requires it"
         )
+    tls = TlsSettings.load(args.tls_cert, args.tls_key, args.tls_ca)
     try:
-        config = AgentConfig(args.controller, args.node_name, args.interval, args.warm)
+        config = AgentConfig(controller_url(args.controller, tls), args.node_name, args.interval, args.warm)
     except ValueError as exc:
         raise CLIError(str(exc)) from None
     kube_config = _kube_config(args.kubeconfig)
@@ -91,14 +96,14 @@ def cmd_node(args: argparse.Namespace) -> int:
     # uvicorn re-raises SIGTERM once it has drained; ignored, a clean stop exits 0 (stoker.http.run_server).
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
-        asyncio.run(_main(args, config, kube_config, admin_key))
+        asyncio.run(_main(args, config, kube_config, admin_key, tls))
     except SystemExit:  # uvicorn's startup exits this way when it cannot bind, having logged why
         raise CLIError(f"could not serve on {args.host}:{args.port}") from None
     return 0
 
 
 async def _main(
-    args: argparse.Namespace, config: AgentConfig, kube_config: KubeConfig, admin_key: str
+    args: argparse.Namespace, config: AgentConfig, kube_config: KubeConfig, admin_key: str, tls=None
 ) -> None:
     """Build the agent and its server inside the event loop (lightkube's client belongs to one), and
     run both."""
@@ -111,9 +116,12 @@ async def _main(
 
     kube = AsyncClient(config=kube_config)
     try:
-        agent = NodeAgent(config, SnapshotStore(Path(args.store)), kube, RemoteConfig.from_env(), admin_key)
+        store = SnapshotStore(Path(args.store))
+        agent = NodeAgent(config, store, kube, RemoteConfig.from_env(), admin_key, tls=tls)
         app = build_app(agent, admin_key)
-        server = make_server(app, host=args.host, port=args.port, log_level=args.log_level, grace_period_s=5)
+        server = make_server(
+            app, host=args.host, port=args.port, log_level=args.log_level, grace_period_s=5, tls=tls
+        )
         await serve_node(agent, server)
     finally:
         await kube.close()

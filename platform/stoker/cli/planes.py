@@ -7,7 +7,6 @@ import argparse
 import os
 import secrets
 import socket
-from urllib.parse import urlsplit
 
 from stoker.cli.up import (
     activator_config,
@@ -71,6 +70,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--s3-secret", metavar="NAME", help="a Secret with the S3 credentials snapshot pulls use"
     )
     kube.add_argument(
+        "--engine-tls-secret",
+        metavar="NAME",
+        help="a TLS Secret (tls.crt naming stoker-engine, tls.key) engine pods serve HTTPS with, verified "
+        "against --tls-ca; needed with --tls-cert",
+    )
+    kube.add_argument(
         "--lease-name", default="stoker-controller", help="the Lease that elects one controller"
     )
     kube.add_argument("--identity", help="this replica's name in the Lease (default: <hostname>_<random>)")
@@ -88,7 +93,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     for add in (add_serve_args, add_activator_args, add_limit_args, add_request_log_args):
         add(gateway)
-    gateway.add_argument("--controller", required=True, metavar="URL", help="the controller's base URL")
+    gateway.add_argument(
+        "--controller",
+        required=True,
+        metavar="URL",
+        help="the controller's base URL (https:// with --tls-ca: the routing table carries the engines' keys)",
+    )
     gateway.add_argument(
         "--gateway-id",
         help="this gateway's name in the controller's reports (default: <hostname>-<pid>)",
@@ -111,13 +121,24 @@ def cmd_controller(args: argparse.Namespace) -> int:
 
     if args.data_dir:
         os.environ["STOKER_HOME"] = args.data_dir
+    # Local engines serve the controller's own certificate; engine pods, the --engine-tls-secret's.
     options = ControllerOptions(
-        listen_of(args),
+        listen_of(args, launches_engines=args.backend == "local"),
         platform_settings(args),
         gateway_stale_after_s=args.gateway_stale_after,
         leave_instances=not args.stop_instances_on_exit,
         kube=_kubernetes(args) if args.backend == "kubernetes" else None,
     )
+    if options.listen.tls is not None and options.kube is not None and options.kube.engine_tls_secret is None:
+        raise CLIError(
+            "--tls-cert with --backend kubernetes needs --engine-tls-secret: the Secret engine pods serve"
+        )
+    if options.kube is not None and options.listen.tls is not None and options.listen.tls.ca is None:
+        raise CLIError("--tls-cert needs --tls-ca: engine pods are verified against that CA")
+    if options.kube is not None and options.kube.engine_tls_secret is not None and options.listen.tls is None:
+        raise CLIError(
+            "--engine-tls-secret needs --tls-cert, --tls-key and --tls-ca: engines are verified against the CA"
+        )
     try:
         return run_controller(options)
     except InvalidConfig as exc:  # a setting the backend refuses, before anything is served
@@ -153,18 +174,21 @@ def _kubernetes(args: argparse.Namespace):
         lease_s=args.lease_duration,
         pull_secret=args.s3_secret,
         pull_env={k: os.environ[k] for k in ("AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION") if k in os.environ},
+        engine_tls_secret=args.engine_tls_secret,
     )
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
     from stoker.serve.gateway import run_gateway
     from stoker.serve.options import GatewayOptions
+    from stoker.tls import controller_url
 
     if args.data_dir:
         os.environ["STOKER_HOME"] = args.data_dir
+    listen = listen_of(args, launches_engines=False)
     options = GatewayOptions(
-        listen_of(args),
-        _controller_url(args.controller),
+        listen,
+        controller_url(args.controller, listen.tls),
         gateway_id=args.gateway_id or f"{socket.gethostname()}-{os.getpid()}",
         holding=activator_config(args),
         limits=default_limits(args),
@@ -172,10 +196,3 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         logging=request_logging(args),
     )
     return run_gateway(options)
-
-
-def _controller_url(url: str) -> str:
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/"):
-        raise CLIError(f"--controller must be a base URL like http://controller:8081, got {url!r}")
-    return url.rstrip("/")

@@ -49,6 +49,41 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         choices=["debug", "info", "warning", "error"],
         help="what the log shows",
     )
+    add_tls_args(p)
+
+
+def add_tls_args(p: argparse.ArgumentParser, *, serves: bool = True) -> None:
+    """TLS (`stoker.tls`): this process's certificate and key, and the CA its peers are verified
+    against. `serves`: the process has a port of its own to serve them on."""
+    group = p.add_argument_group("TLS (default: plain HTTP; `stoker tls init DIR` makes a self-signed set)")
+    if serves:
+        group.add_argument(
+            "--tls-cert",
+            metavar="FILE",
+            help="serve HTTPS with this PEM certificate (chain); a controller's engines serve it too",
+        )
+        group.add_argument(
+            "--tls-key", metavar="FILE", help="the certificate's PEM private key (unencrypted)"
+        )
+    group.add_argument(
+        "--tls-ca",
+        metavar="FILE",
+        help="the PEM CA bundle the controller and the engines are verified against (always verified)",
+    )
+
+
+def tls_of(args: argparse.Namespace, *, launches_engines: bool):
+    """The checked TLS files (`stoker.tls.TlsSettings`), or None; one line naming the flag of a bad one.
+    `launches_engines`: the process starts engines, which serve its certificate and are verified
+    by its CA, so TLS here means all three files."""
+    from stoker.tls import TlsSettings
+
+    cert, key, ca = getattr(args, "tls_cert", None), getattr(args, "tls_key", None), args.tls_ca
+    if launches_engines and ca is not None and cert is None:
+        raise CLIError(
+            "--tls-ca needs --tls-cert and --tls-key here: this process serves them, and its engines too"
+        )
+    return TlsSettings.load(cert, key, ca, engines=launches_engines)
 
 
 def add_activator_args(p: argparse.ArgumentParser) -> None:
@@ -347,9 +382,9 @@ def duration_or_off(value: str) -> float | None:
     return duration(value) or None
 
 
-def listen_of(args: argparse.Namespace):
-    """Where the process serves and its admin key (`STOKER_ADMIN_KEY`); a non-loopback address needs
-    one, or `--allow-open`."""
+def listen_of(args: argparse.Namespace, *, launches_engines: bool = True):
+    """Where the process serves, its admin key (`STOKER_ADMIN_KEY`) and its TLS (`tls_of`); a
+    non-loopback address needs a key, or `--allow-open`."""
     from stoker.http import is_loopback
     from stoker.serve.options import Listen
 
@@ -359,7 +394,9 @@ def listen_of(args: argparse.Namespace):
             f"refusing to serve {args.host} without STOKER_ADMIN_KEY (anyone reaching it could deploy "
             "and call models): set STOKER_ADMIN_KEY, or pass --allow-open"
         )
-    return Listen(args.host, args.port, args.log_level, admin_key)
+    return Listen(
+        args.host, args.port, args.log_level, admin_key, tls=tls_of(args, launches_engines=launches_engines)
+    )
 
 
 def activator_config(args: argparse.Namespace):

@@ -44,6 +44,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="auto", help="vLLM's --dtype (auto: the snapshot's)")
     p.add_argument("--max-model-len", type=int, help="vLLM's --max-model-len (default: the model's)")
     p.add_argument("--cpu-kv-cache", type=float, default=1.0, metavar="GIB", help="a CPU build's KV cache")
+    p.add_argument(
+        "--tls-cert", metavar="FILE", help="serve HTTPS with this certificate (vLLM's --ssl-certfile)"
+    )
+    p.add_argument("--tls-key", metavar="FILE", help="the certificate's key (vLLM's --ssl-keyfile)")
     p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="-- then further vLLM arguments")
     p.add_argument(
         "--dry-run", action="store_true", help="print the command and its environment, start nothing"
@@ -53,10 +57,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def cmd_vllm_serve(args: argparse.Namespace) -> int:
     from snapshots import SnapshotError, SnapshotStore
+    from stoker.tls import TlsSettings
     from warm_pool.errors import EngineUnavailable
     from warm_pool.launch import VLLM_KEY_ENV, vllm_spec
     from warm_pool.vllm import probe_vllm, snapshot_shape, vllm_command
     from warm_pool.vllm_starts import compile_key
+
+    tls = TlsSettings.load(args.tls_cert, args.tls_key, None)  # a bad file: one line, before vLLM starts
 
     extra = [a for a in args.vllm_args if a != "--"] if args.vllm_args[:1] == ["--"] else args.vllm_args
     try:
@@ -93,6 +100,7 @@ def cmd_vllm_serve(args: argparse.Namespace) -> int:
         extra_args=tuple(extra),
         vllm_command=runtime.command,
         api_key=os.environ.get(VLLM_KEY_ENV),
+        ssl_files=(str(tls.cert), str(tls.key)) if tls is not None else None,
     )
     build = "CPU" if runtime.cpu_build else f"GPU, {len(gpus)} device(s)"
     cache = f"compile cache {key.digest[:12]} {'kept' if hit else 'new'}"
@@ -107,7 +115,8 @@ def cmd_vllm_serve(args: argparse.Namespace) -> int:
         print(json.dumps({**out, "compile_key": key.digest}))
         return 0
     try:
-        return _supervise(spec, args.host, args.port, lambda: None if hit else caches.commit(key, work))
+        on_ready = lambda: None if hit else caches.commit(key, work)  # noqa: E731
+        return _supervise(spec, args.host, args.port, on_ready, tls.cert if tls is not None else None)
     finally:
         caches.discard(work)
 
@@ -128,15 +137,19 @@ def _checkout(store_root: Path, key, *, dry_run: bool):
     return caches, work, hit
 
 
-def _supervise(spec, host: str, port: int, on_ready) -> int:
-    """Run vLLM with its signals passed on; `on_ready` once it answers /health. Its exit status."""
+def _supervise(spec, host: str, port: int, on_ready, cert: Path | None = None) -> int:
+    """Run vLLM with its signals passed on; `on_ready` once it answers /health (over HTTPS, verified
+    by its own certificate, with `cert`). Its exit status."""
+    from stoker.tls import own_server_context
+
+    context = own_server_context(cert) if cert is not None else None
     proc = subprocess.Popen(list(spec.argv), env=spec.environ(os.environ), cwd=spec.cwd)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda number, _frame: proc.send_signal(number))
-    health = f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{port}/health"
+    health = f"{'https' if cert else 'http'}://{'127.0.0.1' if host == '0.0.0.0' else host}:{port}/health"
     ready = False
     while proc.poll() is None:
-        if not ready and _answers(health):
+        if not ready and _answers(health, context):
             ready = True
             try:
                 on_ready()
@@ -148,9 +161,9 @@ def _supervise(spec, host: str, port: int, on_ready) -> int:
     return 128 - code if code < 0 else code  # killed by a signal: as a shell reports it
 
 
-def _answers(url: str) -> bool:
+def _answers(url: str, context=None) -> bool:
     try:
-        with urllib.request.urlopen(url, timeout=1.0) as r:
+        with urllib.request.urlopen(url, timeout=1.0, context=context) as r:
             return r.status == 200
     except OSError:
         return False

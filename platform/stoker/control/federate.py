@@ -40,6 +40,8 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
+from warm_pool.engine_tls import EngineTls, connector
+
 TARGET_LABELS = ("deployment", "revision", "instance")
 REVISION_DIGITS = 12
 METRICS_PATH = "/metrics"
@@ -158,8 +160,14 @@ class _Families:
 class EngineFederation:
     """Reads the instances' /metrics for one scrape and federates them (`federate`)."""
 
-    def __init__(self, registry: CollectorRegistry, limits: FederationLimits | None = None) -> None:
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        limits: FederationLimits | None = None,
+        engine_tls: EngineTls | None = None,
+    ) -> None:
         self.limits = limits or FederationLimits()
+        self._tls = engine_tls  # a `warm_pool.engine_tls.EngineTls`: engines that serve HTTPS
         self._skipped = Counter(
             "stoker_engine_scrapes_skipped",
             "Instances left out of a GET /metrics/engines answer, by deployment and reason "
@@ -174,7 +182,7 @@ class EngineFederation:
         limits = self.limits
         if self._session is None:
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=limits.concurrency),
+                connector=connector(self._tls, limit=limits.concurrency),
                 timeout=aiohttp.ClientTimeout(total=limits.timeout_s),
                 auto_decompress=True,
             )

@@ -45,6 +45,8 @@ from stoker.spec.deployment import DeploymentSpec, not_found, validate
 from warm_pool.backends.base import Backend, Running
 from warm_pool.backends.local import LocalBackend
 from warm_pool.backends.records import InstanceRecords
+from warm_pool.engine_tls import EngineTls
+from warm_pool.engine_tls import connector as engine_connector
 from warm_pool.errors import PoolError
 from warm_pool.fleet import Devices, Fleet, Footprint, footprint
 from warm_pool.launch import GpuInventory
@@ -79,6 +81,7 @@ class Platform:
         max_instance_age_s: float | None = None,  # `stoker up --max-instance-age`; a deployment's own wins
         warm_runtimes: int = 0,  # CPU-engine runtimes kept ahead of need (`stoker up --warm-runtimes`)
         stopping: Callable[[], bool] | None = None,  # the server draining (`stoker.http.ServerStopping`)
+        engine_tls: EngineTls | None = None,  # engines serve HTTPS, verified so (`warm_pool.engine_tls`)
         registry: DeploymentStore
         | None = None,  # default: SQLite in the data dir; on a cluster, the API server
     ) -> None:
@@ -101,13 +104,21 @@ class Platform:
         )
         self._keeper = keeper  # vLLM's runtimes join it at the first vLLM deployment
         self.backend: Backend = backend or LocalBackend(
-            data_dir / "logs", clock=clock, owner=owner, records=self.records, runtimes=keeper
+            data_dir / "logs",
+            clock=clock,
+            owner=owner,
+            records=self.records,
+            runtimes=keeper,
+            engine_tls=engine_tls,
         )
+        self.engine_tls = self.backend.engine_tls  # the backend's: how its engines are reached
         self.gpus = gpus or GpuInventory.from_env()
         self._kv_bytes = instance_kv_bytes
         self._activator_metrics = ActivatorMetrics(self.metrics_registry)
         self._pool_metrics = PoolMetrics(self.metrics_registry)
-        self._federation = EngineFederation(self.metrics_registry)  # GET /metrics/engines
+        self._federation = EngineFederation(
+            self.metrics_registry, engine_tls=self.engine_tls
+        )  # GET /metrics/engines
         self.revision_metrics = RevisionMetrics(self.metrics_registry)
         # Instance-seconds priced per revision, tokens, idle share, the arrival log (`stoker.control.cost`).
         self.cost = CostMeter.of_platform(prices, self.metrics_registry, clock, self.store, data_dir)
@@ -143,7 +154,7 @@ class Platform:
     async def start(self) -> None:
         # One connection pool for every upstream request; no total timeout (long generations are
         # normal), the activator sets connect, first-byte and between-chunk deadlines itself.
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30)
+        connector = engine_connector(self.engine_tls, limit=0, keepalive_timeout=30)
         self._session = aiohttp.ClientSession(
             connector=connector, timeout=aiohttp.ClientTimeout(total=None), auto_decompress=False
         )

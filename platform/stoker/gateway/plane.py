@@ -41,6 +41,7 @@ from stoker.gateway.revisions import RevisionMetrics, RevisionStats, answer_on, 
 from stoker.gateway.routes import SyncedRoutes
 from stoker.spec.keys import KeyRecord, Limits, hash_key
 from stoker.spec.planes import MAX_REPORT_EVENTS, MAX_REPORT_FINISHED
+from stoker.tls import TlsSettings, client_context, engines_context
 
 log = logging.getLogger("stoker.gateway")
 POLL_TIMEOUT_S = 20.0  # the controller holds a routes request this long when nothing changes
@@ -257,6 +258,7 @@ class GatewayPlane:
     metrics_registry: CollectorRegistry
     report_interval_s: float = 1.0
     clock: Callable[[], float] = time.monotonic
+    tls: TlsSettings | None = None  # verifies the controller and the engines (`stoker.tls`)
     keys: KeyTable = field(default_factory=KeyTable)
     cascade_routes: SyncedRoutes = field(default_factory=SyncedRoutes)  # the controller's, as last sent
     adapters: RemoteAdapters | None = None  # the LoRA adapter deployments, as last sent
@@ -273,6 +275,7 @@ class GatewayPlane:
     _version: int = -1
     synced: asyncio.Event = field(default_factory=asyncio.Event)  # a first table arrived
     controller_reachable: bool = False
+    controller_error: str | None = None  # why the last poll failed, for /healthz (a refused certificate)
     cost: GatewayMeter | None = None  # answers' tokens, reported (`stoker.gateway.metering`)
     _sent: dict = field(default_factory=dict)  # the dashboard's series as the controller has them
 
@@ -298,13 +301,20 @@ class GatewayPlane:
         self.metrics = ActivatorMetrics(self.metrics_registry)
         self.revision_metrics = RevisionMetrics(self.metrics_registry)
         self.adapter_metrics = AdapterMetrics(self.metrics_registry)
-        self._passthrough = aiohttp.ClientSession(auto_decompress=False)
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30)
+        to_controller = client_context(self.tls)  # the one context for every call to the controller
+        self._passthrough = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(ssl=to_controller), auto_decompress=False
+        )
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30, ssl=engines_context(self.tls))
         self._session = aiohttp.ClientSession(
             connector=connector, timeout=aiohttp.ClientTimeout(total=None), auto_decompress=False
         )
         headers = {"authorization": f"Bearer {self.admin_key}"} if self.admin_key else {}
-        self._control = aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=None))
+        self._control = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(ssl=to_controller),
+            headers=headers,
+            timeout=aiohttp.ClientTimeout(total=None),
+        )
         self._tasks = [
             asyncio.create_task(self._follow(), name="gateway-routes"),
             asyncio.create_task(self._report_loop(), name="gateway-reports"),
@@ -333,7 +343,7 @@ class GatewayPlane:
             with attempt:
                 while True:
                     table = await self._poll()
-                    self.controller_reachable = True
+                    self.controller_reachable, self.controller_error = True, None
                     try:
                         self._apply(table)
                     except (KeyError, TypeError, AttributeError) as exc:  # retried, as a failed poll
@@ -341,7 +351,12 @@ class GatewayPlane:
             if attempt.retry_state.outcome is not None and attempt.retry_state.outcome.failed:
                 self.controller_reachable = False
                 exc = attempt.retry_state.outcome.exception()
-                log.warning("controller %s unreachable (%s); routing by the last table", self.controller, exc)
+                self.controller_error = _why(exc)
+                log.warning(
+                    "controller %s unreachable (%s); routing by the last table",
+                    self.controller,
+                    self.controller_error,
+                )
 
     async def _poll(self) -> dict[str, Any]:
         params = {"gateway": self.gateway_id, "after": str(self._version)}
@@ -461,3 +476,12 @@ class GatewayPlane:
             log.debug("report not delivered: %s", exc)
             for key, news in taken.items():
                 units[key].source.give_back(news)
+
+
+def _why(exc: BaseException) -> str:
+    """A failed poll's cause in one line; a certificate the CA does not vouch for says so."""
+    if isinstance(exc, aiohttp.ClientConnectorCertificateError):
+        return f"TLS: the controller's certificate was refused: {exc.certificate_error}"
+    if isinstance(exc, aiohttp.ClientSSLError):
+        return f"TLS: {exc}"
+    return f"{type(exc).__name__}: {exc}"[:300]

@@ -41,6 +41,7 @@ from snapshots.remote import RemoteConfig, pull
 from snapshots.s3 import S3Uri
 from stoker.http import BearerAuth, nesting_exceeds
 from stoker.node.gpu_metrics import register_gpu_metrics
+from stoker.tls import TlsSettings, client_context
 from warm_pool.backends.kube import snapshot_label
 from warm_pool.backends.kube_access import calls
 from warm_pool.backends.kube_pod import SNAPSHOT_LABEL_PREFIX
@@ -206,8 +207,10 @@ class NodeAgent:
         *,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
+        tls: TlsSettings | None = None,  # verifies an https:// controller (`stoker.tls`)
     ) -> None:
         self.config = config
+        self._tls = tls
         self.store = store
         self.kube = kube
         self.remote = remote
@@ -225,7 +228,8 @@ class NodeAgent:
     async def run(self) -> None:
         """Sync now, then every interval, until cancelled."""
         timeout = aiohttp.ClientTimeout(total=self.config.controller_timeout_s)
-        async with aiohttp.ClientSession(timeout=timeout) as http:
+        connector = aiohttp.TCPConnector(ssl=client_context(self._tls))
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
             while True:
                 try:
                     await self.sync(http)

@@ -99,6 +99,7 @@ def serve_app(app: Starlette, listen: Listen, stopping: ServerStopping | None = 
         port=listen.port,
         log_level=listen.log_level,
         grace_period_s=listen.grace_period_s,
+        tls=listen.tls,
     )
     if stopping is not None:
         stopping.bind(server)

@@ -303,10 +303,13 @@ def run_controller(options: ControllerOptions) -> int:
     another platform holds the data dir (`stoker.paths.lock_data_dir`)."""
     lock_data_dir(data_dir(), "stoker controller")  # held until this process ends
     log_setup(options.listen)
+    tls = options.listen.tls
+    # Engines serve this process's certificate (or, in pods, the Secret's), verified by its CA.
+    engine_tls = tls.engine_tls() if tls is not None else None
     wiring, leader, checkpoint_store, settings, client = {}, None, None, options.platform, None
     if options.kube is not None:
-        asyncio.run(_check_namespace(options.kube))
-        wiring, leader, checkpoint_store, client = _kubernetes(options.kube)
+        asyncio.run(_check_namespace(options.kube, tls))
+        wiring, leader, checkpoint_store, client = _kubernetes(options.kube, tls)
         # vLLM runs in the engine pods, each asking its image's own: none is looked for here.
         settings = replace(settings, vllm=replace(settings.vllm, in_image=True))
     stopping = ServerStopping()
@@ -315,7 +318,7 @@ def run_controller(options: ControllerOptions) -> int:
         controller=True,
         gateway_stale_after_s=options.gateway_stale_after_s,
         stopping=stopping,
-        **wiring,
+        **({"engine_tls": engine_tls} | wiring),
     )
     keys, route_table = None, None
     if client is not None:  # the tenant keys and the cascade routes in the API server; a change
@@ -336,8 +339,9 @@ def run_controller(options: ControllerOptions) -> int:
     return serve_app(app, options.listen, stopping)
 
 
-def _backend(kube: KubeSettings, client_or_config: Any) -> Any:
+def _backend(kube: KubeSettings, client_or_config: Any, tls: Any = None) -> Any:
     from warm_pool.backends.kube import KubeBackend
+    from warm_pool.engine_tls import MOUNT_DIR
 
     return KubeBackend(
         client_or_config,
@@ -347,21 +351,22 @@ def _backend(kube: KubeSettings, client_or_config: Any) -> Any:
         owner=kube.owner,
         pull_env=kube.pull_env,
         pull_secret=kube.pull_secret,
+        engine_tls=tls.engine_tls(MOUNT_DIR, kube.engine_tls_secret) if kube.engine_tls_secret else None,
     )
 
 
-async def _check_namespace(kube: KubeSettings) -> None:
+async def _check_namespace(kube: KubeSettings, tls: Any = None) -> None:
     """InvalidConfig, before anything starts, if the namespace refuses engine pods (Pod Security:
     each mounts the node's store, a hostPath). With a client of its own: the server's loop is not
     running yet."""
-    backend = _backend(kube, kube.config)
+    backend = _backend(kube, kube.config, tls)
     try:
         await backend.check_admission()
     finally:
         await backend.aclose()
 
 
-def _kubernetes(kube: KubeSettings) -> tuple[dict[str, Any], Any, CheckpointStore, Any]:
+def _kubernetes(kube: KubeSettings, tls: Any = None) -> tuple[dict[str, Any], Any, CheckpointStore, Any]:
     """The Kubernetes backend with its pods' GPUs and the deployments' resources, the Lease
     election, the checkpoints' ConfigMaps in the namespace (the controller has no volume; its sync
     client connects at the first checkpoint, in the threads `Checkpoints` reads and writes in), and
@@ -373,10 +378,11 @@ def _kubernetes(kube: KubeSettings) -> tuple[dict[str, Any], Any, CheckpointStor
     from warm_pool.backends.kube import PodGpus
 
     client = AsyncClient(config=kube.config, namespace=kube.namespace)
-    backend = _backend(kube, client)
+    backend = _backend(kube, client, tls)
     leader = LeaderElector(
         client, kube.namespace, kube.lease_name, kube.identity, lease_s=kube.lease_s, renew_s=kube.lease_s / 3
     )
     registry = ResourceRegistry(client, kube.namespace)
     checkpoints = ConfigMapCheckpointStore(kube.config, kube.namespace)
-    return {"backend": backend, "gpus": PodGpus(), "registry": registry}, leader, checkpoints, client
+    wiring = {"backend": backend, "gpus": PodGpus(), "registry": registry, "engine_tls": backend.engine_tls}
+    return wiring, leader, checkpoints, client

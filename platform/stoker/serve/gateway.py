@@ -69,6 +69,8 @@ def build_data_gateway(
                 "role": "gateway",
                 "deployments": len(plane.list()),
                 "controller": "reachable" if plane.controller_reachable else "unreachable",
+                # why not, once it failed: a certificate refused says so here
+                **({"controller_error": plane.controller_error} if not plane.controller_reachable else {}),
             }
         )
 
@@ -147,6 +149,7 @@ def run_gateway(options: GatewayOptions) -> int:
         options.holding,
         CollectorRegistry(),
         report_interval_s=options.report_interval_s,
+        tls=options.listen.tls,
     )
     observer.register(plane.metrics_registry)
     listen = options.listen

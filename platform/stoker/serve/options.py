@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from stoker.control.vllm import VllmOptions
     from stoker.gateway.otel import Tracing
     from stoker.spec.keys import Limits
+    from stoker.tls import TlsSettings
     from warm_pool.fleet import Devices
 
 
@@ -30,6 +31,7 @@ class Listen:
     log_level: str
     admin_key: str | None  # None: open mode on loopback (or with --allow-open)
     grace_period_s: float = 60.0  # how long a SIGTERM waits for requests in flight
+    tls: TlsSettings | None = None  # None: plain HTTP (`stoker.tls`)
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,7 @@ class KubeSettings:
     lease_s: float
     pull_secret: str | None = None
     pull_env: dict[str, str] = field(default_factory=dict)
+    engine_tls_secret: str | None = None  # the Secret (tls.crt, tls.key) engine pods serve TLS with
 
 
 @dataclass(frozen=True)

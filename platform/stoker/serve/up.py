@@ -124,7 +124,13 @@ def run_up(options: UpOptions) -> int:
     log_setup(options.listen)
     observer = observer_of(options.logging)
     stopping = ServerStopping()
-    platform = platform_of(options.platform, activator_config=options.holding, stopping=stopping)
+    tls = options.listen.tls  # engines serve its certificate, verified by its CA (`stoker.tls`)
+    platform = platform_of(
+        options.platform,
+        activator_config=options.holding,
+        stopping=stopping,
+        engine_tls=tls.engine_tls() if tls is not None else None,
+    )
     observer.register(platform.metrics_registry)
     app = build_gateway(
         platform,

@@ -17,7 +17,10 @@ What differs from a node, and why it keeps the tests honest:
   lo), so every pod's engine listens on the same fixed port, as in a pod. Inside a pod 0.0.0.0
   means the pod's own addresses; here an argument `0.0.0.0` is rewritten to the pod's address.
 - Files: no mount namespaces; a hostPath volume is read at its own path, so the tests mount the
-  store at the path it has on the host (as the backend does: `store_path` on node and in pod).
+  store at the path it has on the host (as the backend does: `store_path` on node and in pod). A
+  Secret volume's items are written to a directory of the pod's own (with the volume's
+  defaultMode), and an argument naming a file under its mountPath is rewritten to name it there.
+- Probes: an HTTPS probe does not verify the certificate, as a kubelet's does not.
 - Environment: `base_env` (PATH, HOME, the test's offline switches) plus the container's `env`,
   with `secretKeyRef` values read from the API as a kubelet does.
 - Logs: each container's output goes to `<log_dir>/<ns>_<pod>_<container>.log`, which the fake
@@ -208,6 +211,8 @@ class FakeKubelet:
                 "StartError", f'exec: "{command[0] if command else ""}": executable file not found in $PATH'
             )
         args = [run.ip if a == "0.0.0.0" else a for a in [*command[1:], *(container.get("args") or [])]]
+        for mount_path, where in (await self._secret_volumes(run, container)).items():
+            args = [where + a[len(mount_path) :] if a.startswith(mount_path + "/") else a for a in args]
         env = {**self.base_env, **await self._env(container)}
         log = self.log_dir / f"{self.namespace}_{run.name}_{container['name']}.log"
         with log.open("ab") as out:
@@ -235,6 +240,28 @@ class FakeKubelet:
                 env[var["name"]] = (await self._secret(ref["name"]))[ref["key"]]
         return env
 
+    async def _secret_volumes(self, run: _Run, container: dict) -> dict[str, str]:
+        """Each Secret volume the container mounts, written out: its mountPath → the directory."""
+        volumes = {v["name"]: v for v in run.spec.get("volumes") or [] if "secret" in v}
+        out = {}
+        for mount in container.get("volumeMounts") or []:
+            volume = volumes.get(mount["name"])
+            if volume is None:
+                continue
+            source = volume["secret"]
+            data = await self._secret(source["secretName"])
+            items = source.get("items") or [{"key": k, "path": k} for k in data]
+            where = self.log_dir / "volumes" / f"{self.namespace}_{run.name}" / mount["name"]
+            where.mkdir(parents=True, exist_ok=True)
+            for item in items:
+                if item["key"] not in data:
+                    raise ContainerFailed("CreateContainerConfigError", f"secret has no key {item['key']!r}")
+                path = where / item["path"]
+                path.write_text(data[item["key"]])
+                path.chmod(source.get("defaultMode", 0o644))
+            out[mount["mountPath"].rstrip("/")] = str(where)
+        return out
+
     async def _secret(self, name: str) -> dict[str, str]:
         try:
             secret = await self.client.get(Secret, name, namespace=self.namespace)
@@ -252,9 +279,11 @@ class FakeKubelet:
         port = get["port"]
         if isinstance(port, str):
             port = next(p["containerPort"] for p in container["ports"] if p.get("name") == port)
-        url = f"http://{run.ip}:{port}{get.get('path', '/')}"
+        scheme = get.get("scheme", "HTTP").lower()
+        url = f"{scheme}://{run.ip}:{port}{get.get('path', '/')}"
         await asyncio.sleep(probe.get("initialDelaySeconds", 0))
-        async with aiohttp.ClientSession() as session:
+        # ssl=False: a kubelet's HTTPS probe does not verify the certificate (the pool's calls do)
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=False)) as session:
             while True:
                 try:
                     timeout = aiohttp.ClientTimeout(total=probe.get("timeoutSeconds", 1))

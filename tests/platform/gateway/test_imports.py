@@ -81,6 +81,7 @@ FORBIDDEN = {
     "control": ("stoker.cli", "stoker.serve", "stoker.api"),
     "api": ("stoker.cli", "stoker.serve"),
     "serve": ("stoker.cli",),
+    "tls": ("stoker.cli", "stoker.serve", "stoker.api", "stoker.control", "stoker.gateway", "stoker.engine"),
 }
 
 

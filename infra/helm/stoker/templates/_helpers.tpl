@@ -2,9 +2,10 @@
 Named templates shared by the chart's files.
 
 The chart keeps to the subset of Helm's template language that tests/infra/helmlite.py renders
-(no helm binary is installable where the tests run): fields, include of these defines, if/else,
-with, and the functions include, required, default, quote, toYaml, indent, nindent, printf, trunc,
-trimSuffix, not. helmlite refuses anything else, loudly.
+(no helm binary is installable where the tests run): fields, variables, include of these defines,
+if/else, with, and the functions include, required, default, quote, toYaml, indent, nindent,
+printf, trunc, trimSuffix, not, and, int, list, dict, index, b64enc, lookup, genCA, genSignedCert. helmlite
+refuses anything else, loudly.
 */}}
 
 {{/* The prefix of every object's name: the release name, at most 40 characters. */}}
@@ -30,9 +31,70 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
 {{- end }}
 
-{{/* The address gateways and node agents reach the controller at (its Service). */}}
+{{/* The address gateways and node agents reach the controller at (its Service): https:// with TLS. */}}
 {{- define "stoker.controllerURL" -}}
-http://{{ include "stoker.fullname" . }}-controller:8081
+{{ if .Values.tls.enabled }}https{{ else }}http{{ end }}://{{ include "stoker.fullname" . }}-controller:8081
+{{- end }}
+
+{{/* A ServiceMonitor's /metrics endpoint, with the admin key as its bearer token. */}}
+{{- define "stoker.metricsEndpoint" -}}
+- port: http
+  path: /metrics
+  interval: {{ .Values.serviceMonitor.interval }}
+  authorization:
+    type: Bearer
+    credentials:
+      name: {{ include "stoker.adminKeySecret" . }}
+      key: {{ .Values.adminKey.key }}
+{{- end }}
+
+{{/* The TLS Secrets: the controller's certificate with the CA's ca.crt, and the engine pods' (tls.yaml). */}}
+{{- define "stoker.tlsSecret" -}}
+{{ .Values.tls.existingSecret | default (printf "%s-tls" (include "stoker.fullname" .)) }}
+{{- end }}
+
+{{- define "stoker.engineTlsSecret" -}}
+{{- if .Values.tls.existingSecret }}
+{{- .Values.tls.existingEngineSecret | default .Values.tls.existingSecret }}
+{{- else }}
+{{- printf "%s-engine-tls" (include "stoker.fullname" .) }}
+{{- end }}
+{{- end }}
+
+{{/* Where a pod has the TLS Secret's items (read-only), and the flags that name them. */}}
+{{- define "stoker.tlsDir" -}}
+/etc/stoker/tls
+{{- end }}
+
+{{/* The CA alone: what gateways and node agents verify the controller (and the engines) with. */}}
+{{- define "stoker.tlsCaArgs" -}}
+{{- if .Values.tls.enabled }}
+- --tls-ca
+- {{ include "stoker.tlsDir" . }}/ca.crt
+{{- end }}
+{{- end }}
+
+{{/* The volume of the TLS Secret's items a pod needs: "ca" (ca.crt) or "server" (and tls.crt, tls.key). */}}
+{{- define "stoker.tlsVolume" -}}
+- name: tls
+  secret:
+    secretName: {{ include "stoker.tlsSecret" .root }}
+    defaultMode: 0440
+    items:
+      - key: ca.crt
+        path: ca.crt
+      {{- if .server }}
+      - key: tls.crt
+        path: tls.crt
+      - key: tls.key
+        path: tls.key
+      {{- end }}
+{{- end }}
+
+{{- define "stoker.tlsMount" -}}
+- name: tls
+  mountPath: {{ include "stoker.tlsDir" . }}
+  readOnly: true
 {{- end }}
 
 {{/* The Secret holding the admin key: the user's, or the one secret.yaml creates. */}}
@@ -83,12 +145,16 @@ seccompProfile:
   type: RuntimeDefault
 {{- end }}
 
-{{/* Readiness on /healthz of the container's port named "http": a pod is in its Service once it answers. */}}
+{{/* Readiness on /healthz of the container's port named "http": a pod is in its Service once it
+answers. Given a dict: "https", whether the port serves HTTPS (the controller's, with TLS). */}}
 {{- define "stoker.readinessProbe" -}}
 readinessProbe:
   httpGet:
     path: /healthz
     port: http
+    {{- if .https }}
+    scheme: HTTPS
+    {{- end }}
   periodSeconds: 5
   failureThreshold: 3
 {{- end }}
@@ -96,7 +162,7 @@ readinessProbe:
 {{/* Readiness and liveness on /healthz of the port named "http", for the processes that listen
 from the start (gateways, node agents). The controller takes readiness only: controller.yaml says why. */}}
 {{- define "stoker.probes" -}}
-{{ include "stoker.readinessProbe" . }}
+{{ include "stoker.readinessProbe" (dict "https" false) }}
 livenessProbe:
   httpGet:
     path: /healthz
