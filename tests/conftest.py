@@ -7,6 +7,7 @@ No test downloads anything.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
@@ -24,6 +25,7 @@ STOKER = str(Path(sys.executable).with_name("stoker"))
 # starting a two-minute vLLM test when the other is nearly done. Order within a file is kept.
 SLOW_FILES = (
     "tests/platform/serve/test_vllm_engine.py",
+    "tests/platform/serve/test_plane_faults.py",  # six fault scenarios on the split planes, ~5 min
     "tests/platform/serve/test_reliability.py",
     "tests/platform/serve/test_serve_from_zero.py",
     "tests/platform/serve/test_revisions_live.py",
@@ -34,6 +36,7 @@ SLOW_FILES = (
     "tests/snapshots/test_builtin_gguf.py",
     "tests/platform/api/test_openapi_fuzz.py",
     "tests/platform/serve/test_planes.py",
+    "tests/platform/serve/test_planes_tls.py",
     "tests/platform/serve/test_vllm_bench_client.py",
     "tests/platform/serve/test_live_vs_simulated.py",  # a 61 s real-time trace replay, ~75 s in all
     "tests/platform/serve/test_fleet_live.py",
@@ -82,6 +85,37 @@ def pytest_collection_modifyitems(config, items) -> None:
         return rank.get(Path(item.path).relative_to(REPO).as_posix(), len(SLOW_FILES)), n
 
     items[:] = [item for _, item in sorted(enumerate(items), key=key)]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def nothing_left_running(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest):
+    """At the session's end, what it started and did not stop is killed and named (`tests.strays`)."""
+    from tests.strays import sweep
+
+    base = tmp_path_factory.getbasetemp()
+    yield
+    left = sweep(base)
+    if left:
+        lines = "\n".join(f"  {pid}: {cmd}" for pid, cmd in sorted(left.items()))
+        message = f"{len(left)} process(es) left running at the session's end, now killed:\n{lines}"
+        if worker := os.environ.get("PYTEST_XDIST_WORKER"):  # for the controller's summary
+            (base.parent / f"left-running-{worker}.txt").write_text(message)
+        else:
+            request.config.stash[LEFT_RUNNING] = message
+
+
+LEFT_RUNNING = pytest.StashKey[str]()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    messages = [config.stash.get(LEFT_RUNNING, "")]
+    with contextlib.suppress(AttributeError, OSError):  # xdist: the workers' notes, in the base temp
+        base = config._tmp_path_factory.getbasetemp()
+        messages += [f.read_text() for f in sorted(base.glob("left-running-*.txt"))]
+    if messages := [m for m in messages if m]:
+        terminalreporter.write_sep("=", "left running", yellow=True)
+        for message in messages:
+            terminalreporter.write_line(message)
 
 
 def promtool() -> str | None:
