@@ -63,7 +63,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     node.add_argument(
         "--kubeconfig", metavar="PATH", help="a kubeconfig file (default: the pod's service account)"
     )
-    from stoker.cli.up import add_tls_args
+    from stoker.cli.tls import add_tls_args
 
     add_tls_args(node)  # its own /healthz and /metrics on HTTPS; the controller verified against the CA
     node.add_argument(

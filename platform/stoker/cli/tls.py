@@ -1,6 +1,7 @@
-"""`stoker tls init DIR`: a self-signed CA and a server certificate for one box or a test
-(`stoker.tls.certs`), what `--tls-cert DIR/tls.crt --tls-key DIR/tls.key --tls-ca DIR/ca.crt` take.
-On a cluster the Helm chart makes its own, or takes a Secret (docs/operations/planes.md)."""
+"""The TLS flags every serving command takes (`add_tls_args`, `tls_of`), and `stoker tls init DIR`:
+a self-signed CA and a server certificate for one box or a test (`stoker.tls.certs`), what
+`--tls-cert DIR/tls.crt --tls-key DIR/tls.key --tls-ca DIR/ca.crt` take. On a cluster the Helm
+chart makes its own, or takes a Secret (docs/operations/planes.md)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,40 @@ import argparse
 from pathlib import Path
 
 from stoker.errors import CLIError
+
+
+def add_tls_args(p: argparse.ArgumentParser, *, serves: bool = True) -> None:
+    """TLS (`stoker.tls`): this process's certificate and key, and the CA its peers are verified
+    against. `serves`: the process has a port of its own to serve them on."""
+    group = p.add_argument_group("TLS (default: plain HTTP; `stoker tls init DIR` makes a self-signed set)")
+    if serves:
+        group.add_argument(
+            "--tls-cert",
+            metavar="FILE",
+            help="serve HTTPS with this PEM certificate (chain); a controller's engines serve it too",
+        )
+        group.add_argument(
+            "--tls-key", metavar="FILE", help="the certificate's PEM private key (unencrypted)"
+        )
+    group.add_argument(
+        "--tls-ca",
+        metavar="FILE",
+        help="the PEM CA bundle the controller and the engines are verified against (always verified)",
+    )
+
+
+def tls_of(args: argparse.Namespace, *, launches_engines: bool):
+    """The checked TLS files (`stoker.tls.TlsSettings`), or None; one line naming the flag of a bad one.
+    `launches_engines`: the process starts engines, which serve its certificate and are verified
+    by its CA, so TLS here means all three files."""
+    from stoker.tls import TlsSettings
+
+    cert, key, ca = getattr(args, "tls_cert", None), getattr(args, "tls_key", None), args.tls_ca
+    if launches_engines and ca is not None and cert is None:
+        raise CLIError(
+            "--tls-ca needs --tls-cert and --tls-key here: this process serves them, and its engines too"
+        )
+    return TlsSettings.load(cert, key, ca, engines=launches_engines)
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from activator.config import ActivatorConfig
 from stoker.cli.parser import port
+from stoker.cli.tls import add_tls_args, tls_of
 from stoker.errors import CLIError
 from stoker.paths import add_store_args
 from stoker.spec.durations import duration, format_duration
@@ -49,41 +50,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         choices=["debug", "info", "warning", "error"],
         help="what the log shows",
     )
-    add_tls_args(p)
-
-
-def add_tls_args(p: argparse.ArgumentParser, *, serves: bool = True) -> None:
-    """TLS (`stoker.tls`): this process's certificate and key, and the CA its peers are verified
-    against. `serves`: the process has a port of its own to serve them on."""
-    group = p.add_argument_group("TLS (default: plain HTTP; `stoker tls init DIR` makes a self-signed set)")
-    if serves:
-        group.add_argument(
-            "--tls-cert",
-            metavar="FILE",
-            help="serve HTTPS with this PEM certificate (chain); a controller's engines serve it too",
-        )
-        group.add_argument(
-            "--tls-key", metavar="FILE", help="the certificate's PEM private key (unencrypted)"
-        )
-    group.add_argument(
-        "--tls-ca",
-        metavar="FILE",
-        help="the PEM CA bundle the controller and the engines are verified against (always verified)",
-    )
-
-
-def tls_of(args: argparse.Namespace, *, launches_engines: bool):
-    """The checked TLS files (`stoker.tls.TlsSettings`), or None; one line naming the flag of a bad one.
-    `launches_engines`: the process starts engines, which serve its certificate and are verified
-    by its CA, so TLS here means all three files."""
-    from stoker.tls import TlsSettings
-
-    cert, key, ca = getattr(args, "tls_cert", None), getattr(args, "tls_key", None), args.tls_ca
-    if launches_engines and ca is not None and cert is None:
-        raise CLIError(
-            "--tls-ca needs --tls-cert and --tls-key here: this process serves them, and its engines too"
-        )
-    return TlsSettings.load(cert, key, ca, engines=launches_engines)
+    add_tls_args(p)  # stoker.cli.tls
 
 
 def add_activator_args(p: argparse.ArgumentParser) -> None:
