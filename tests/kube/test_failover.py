@@ -20,9 +20,10 @@ import httpx
 from tests.deadlines import ENGINE_START, deadline
 from tests.kube.conftest import NAMESPACE, TinyStore
 from tests.kube.test_controller_e2e import ENV, LEASE, H, kubeconfig, until
-from tests.kube.traffic import Load, service
+from tests.kube.traffic import service
 from tests.platform.conftest import PlatformProcess
 from tests.platform.engine.conftest import free_port
+from tests.platform.reliability_support import COMPLETE, Load, describe, lost
 
 
 def chat(url: str, model: str) -> httpx.Response:
@@ -80,20 +81,22 @@ async def test_the_leader_killed_under_load_loses_no_request(
             pods = {o["metadata"]["uid"] for (p, _, _), o in list(api.store.objects.items()) if p == "pods"}
             assert len(pods) == 1
 
-            with Load([a.url, b.url], H) as load:
-                await until(lambda: len(load.answers) >= 5, "the load running")
-                killed = time.monotonic()
+            async with Load(
+                [a.url, b.url], concurrency=1, max_tokens=2, bound_s=deadline(180), model="chat", headers=H
+            ) as load:
+                await load.wait_finished(5)
+                killed = load.mark("leader killed")
                 leader.stop(signal.SIGKILL)
                 # While no controller answers: the gateways route on, and a request for the
                 # deployment at zero is held until the new leader starts an instance for it.
                 held = asyncio.create_task(asyncio.to_thread(chat, b.url, "cold"))
                 await until(lambda: listening(standby.url), "the standby leading", within_s=ENGINE_START)
                 took_over = time.monotonic() - killed
-                answered_before = len(load.answers)
-                await until(lambda: len(load.answers) >= answered_before + 5, "answers after the takeover")
+                await load.wait_finished(5, since=load.mark("standby leading"))
                 cold = await held
-            print(f"takeover {took_over:.2f} s after SIGKILL (lease {LEASE}); {len(load.answers)} answers")
-            assert load.failed() == [], load.failed()[:3]
+            print(f"takeover {took_over:.2f} s after SIGKILL (lease {LEASE}); {len(load.outcomes)} answers")
+            assert not lost(load.outcomes), (load.by_phase(), describe(load.outcomes))
+            assert all(o.kind == COMPLETE for o in load.outcomes), load.by_phase()
             assert cold.status_code == 200, cold.text
 
             # The new leader adopted the READY pod: same pod, no start for it.

@@ -19,11 +19,12 @@ import yaml
 
 from snapshots import SnapshotStore, import_hf_dir
 from tests.conftest import REPO
+from tests.deadlines import deadline
 from tests.kube.conftest import NAMESPACE
 from tests.kube.test_controller_e2e import ENV, LEASE, H, kubeconfig, until
-from tests.kube.traffic import Load
 from tests.platform.conftest import PlatformProcess
 from tests.platform.engine.conftest import free_port
+from tests.platform.reliability_support import COMPLETE, Load, describe, lost
 
 PAGE = REPO / "docs" / "guide" / "gitops.md"
 DEPLOYMENTS = f"/apis/stoker.dev/v1alpha1/namespaces/{NAMESPACE}/stokerdeployments"
@@ -112,19 +113,26 @@ async def test_apply_apply_again_delete(cluster, tiny_model_dir: Path, tmp_path:
 
         # kubectl apply, the second time: a merge patch of what changed. Under load through both
         # gateways, every answer is 200 while revision 2 warms and takes the traffic.
-        with Load([g.url for g in gateways], H) as load:
-            await until(lambda: len(load.answers) >= 3, "the load running")
+        async with Load(
+            [g.url for g in gateways],
+            concurrency=2,
+            max_tokens=4,
+            bound_s=deadline(180),
+            model="chat",
+            headers=H,
+        ) as load:
+            await load.wait_finished(3)
+            load.mark("applied")
             r = await http.patch(
                 f"{DEPLOYMENTS}/chat", json={"spec": {"model": "tiny-chat-v2"}}, headers=MERGE
             )
             assert r.status_code == 200, r.text
             assert r.json()["metadata"]["generation"] == 2
             await wait(lambda: settled(2), "revision 2 READY and rolled out")
-            await until(
-                lambda: any(rev == "2" for _, rev, _, _ in load.answers[-3:]), "answers from revision 2"
-            )
-        assert load.answers and load.failed() == [], load.failed()[:3]
-        assert {rev for _, rev, _, _ in load.answers} == {"1", "2"}
+            await until(lambda: any(o.revision == "2" for o in load.outcomes[-3:]), "answers from revision 2")
+        assert not lost(load.outcomes), (load.by_phase(), describe(load.outcomes))
+        assert load.outcomes and all(o.kind == COMPLETE for o in load.outcomes), load.by_phase()
+        assert {o.revision for o in load.outcomes} == {"1", "2"}
         obj = await resource()
         assert obj["status"]["traffic"] == {"2": 100}
         assert api.get("stokerrevisions.stoker.dev", NAMESPACE, "chat-r2")["spec"]["model"] == "tiny-chat-v2"

@@ -1,17 +1,12 @@
-"""What the end-to-end tests on the fake cluster put in front of and through the processes: a
-Service (connections to whichever controller replica listens, as a Service's endpoints are its
-ready pods) and a steady load of chat requests that keeps every answer."""
+"""What the end-to-end tests on the fake cluster put in front of the processes: a Service
+(connections to whichever controller replica listens, as a Service's endpoints are its ready pods).
+The load through them is the reliability suite's (`tests.platform.reliability_support.Load`)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import threading
 from collections.abc import AsyncIterator
-
-import httpx
-
-from tests.deadlines import deadline
 
 
 @contextlib.asynccontextmanager
@@ -44,41 +39,3 @@ async def service(ports: list[int]) -> AsyncIterator[str]:
     port = server.sockets[0].getsockname()[1]
     async with server:
         yield f"http://127.0.0.1:{port}"
-
-
-class Load:
-    """Chat requests to `model` through each of `urls` in turn, one after another, until stopped:
-    every answer kept as (status, revision, instance, the start of its body)."""
-
-    def __init__(self, urls: list[str], headers: dict[str, str], model: str = "chat") -> None:
-        self.urls, self.headers, self.model = urls, headers, model
-        self.answers: list[tuple[int, str | None, str | None, str]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        body = {"model": self.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-        with httpx.Client(headers=self.headers, timeout=deadline(120)) as http:
-            i = 0
-            while not self._stop.is_set():
-                r = http.post(f"{self.urls[i % len(self.urls)]}/v1/chat/completions", json=body)
-                self.answers.append(
-                    (
-                        r.status_code,
-                        r.headers.get("x-stoker-revision"),
-                        r.headers.get("x-stoker-instance"),
-                        r.text[:200],
-                    )
-                )
-                i += 1
-
-    def failed(self) -> list[tuple]:
-        return [a for a in self.answers if a[0] != 200]
-
-    def __enter__(self) -> Load:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()

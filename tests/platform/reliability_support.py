@@ -53,6 +53,7 @@ class Outcome:
     ended: float
     status: int = 0
     instance: str | None = None  # x-stoker-instance: which instance answered
+    revision: str | None = None  # x-stoker-revision: which revision of the deployment
     reason: str = ""  # for a refusal or a loss: what the client saw
     transport_error: bool = False  # the connection failed (reset, refused, cut mid-body)
     url: str = ""  # where it was sent (a gateway, with several)
@@ -101,6 +102,7 @@ async def send(
         async with asyncio.timeout(bound_s):
             async with client.stream("POST", url + path, json=body, headers=headers) as r:
                 out.status, out.instance = r.status_code, r.headers.get("x-stoker-instance")
+                out.revision = r.headers.get("x-stoker-revision")
                 if r.status_code == 200 and stream:
                     _judge_stream(out, [line async for line in r.aiter_lines()])
                 else:
