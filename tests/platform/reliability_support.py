@@ -33,9 +33,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import httpx
 
@@ -320,3 +322,22 @@ def describe(outcomes: list[Outcome], limit: int = 10) -> str:
         f"{'stream' if o.stream else 'plain'} status {o.status} after {o.seconds:.2f}s on {o.instance}: {o.reason}"
         for o in lost(outcomes)[:limit]
     )
+
+
+# A stopped instance: probes every 0.5 s eject it after two failures; out for longer than a scenario
+# (SIGCONT comes at its end); a stream's headers within 2 s or it is retried elsewhere.
+SICK_FLAGS = (
+    "--stream-headers-timeout", "2",
+    "--eject-after", "2",
+    "--eject-time", "120",
+    "--health-interval", "0.5",
+    "--health-timeout", "0.5",
+)  # fmt: skip
+
+
+def write_results(label: str, results: list[ScenarioResult], env: str) -> None:
+    """A module's rows, printed, and written as JSON to $`env` when set (the docs' tables)."""
+    table = [r.as_dict() for r in results]
+    print(f"\n{label}:", json.dumps(table, indent=1))
+    if out := os.environ.get(env):
+        Path(out).write_text(json.dumps(table, indent=1) + "\n")

@@ -6,73 +6,15 @@ loopback, in this process: it closes both sides once nothing crossed either way 
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import threading
-
 import openai
 import pytest
 
 from tests.deadlines import COLD_ANSWER
 from tests.platform.conftest import PlatformProcess
 from tests.platform.engine.conftest import free_port
+from tests.platform.relays import IdleRelay
 
 IDLE_S = 1.0  # the relay's idle timeout; the keep-alive interval is a fifth of it
-
-
-class IdleRelay:
-    """127.0.0.1:port → upstream, cutting a connection silent for `idle_s` in both directions."""
-
-    def __init__(self, upstream_port: int, idle_s: float) -> None:
-        self.upstream_port, self.idle_s = upstream_port, idle_s
-        self.port = free_port()
-        self.cut = 0
-        self._loop = asyncio.new_event_loop()
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> IdleRelay:
-        self._thread.start()
-        self._ready.wait()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        server = self._loop.run_until_complete(asyncio.start_server(self._client, "127.0.0.1", self.port))
-        self._ready.set()
-        self._loop.run_forever()
-        server.close()
-
-    async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
-        heard = asyncio.Event()
-
-        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
-            with contextlib.suppress(ConnectionError):
-                while data := await src.read(65536):
-                    heard.set()
-                    dst.write(data)
-                    await dst.drain()
-
-        pipes = [
-            asyncio.ensure_future(pipe(reader, up_writer)),
-            asyncio.ensure_future(pipe(up_reader, writer)),
-        ]
-        while not all(p.done() for p in pipes):
-            heard.clear()
-            try:
-                await asyncio.wait_for(heard.wait(), self.idle_s)
-            except TimeoutError:
-                self.cut += 1
-                break
-        for p in pipes:
-            p.cancel()
-        for w in (writer, up_writer):
-            w.close()
 
 
 @pytest.fixture

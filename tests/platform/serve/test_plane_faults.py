@@ -24,11 +24,8 @@ $STOKER_PLANE_FAULTS_OUT when set (docs/operations/planes.md's table is made fro
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import os
 import signal
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,10 +38,12 @@ from tests.conftest import build_tiny_model
 from tests.deadlines import COLD_ANSWER, deadline, flag
 from tests.platform.conftest import PlatformProcess, pid_alive
 from tests.platform.engine.conftest import free_port
+from tests.platform.relays import CutRelay
 from tests.platform.reliability_support import (
     COMPLETE,
     LOST,
     REFUSED,
+    SICK_FLAGS,
     Load,
     Outcome,
     ScenarioResult,
@@ -52,6 +51,7 @@ from tests.platform.reliability_support import (
     lost,
     send,
     tally,
+    write_results,
 )
 
 ADMIN = "admin-key-for-plane-faults"
@@ -67,10 +67,7 @@ RESULTS: list[ScenarioResult] = []
 @pytest.fixture(scope="module", autouse=True)
 def report():
     yield
-    table = [r.as_dict() for r in RESULTS]
-    print("\nplane faults:", json.dumps(table, indent=1))
-    if out := os.environ.get("STOKER_PLANE_FAULTS_OUT"):
-        Path(out).write_text(json.dumps(table, indent=1) + "\n")
+    write_results("plane faults", RESULTS, "STOKER_PLANE_FAULTS_OUT")
 
 
 @dataclass
@@ -436,71 +433,6 @@ async def retried(ask: Callable[[], object], tries: int = 5) -> list[Outcome]:
     return outcomes
 
 
-class CutRelay:
-    """127.0.0.1:port → the controller, in a thread of its own, which the test cuts and heals. Cut,
-    it closes every connection and black-holes new ones (accepted, nothing forwarded: a partition,
-    not a refusal); healed, it closes those and forwards again."""
-
-    def __init__(self) -> None:
-        self.port = free_port()
-        self.upstream = 0
-        self._cut = False
-        self._open: set[asyncio.StreamWriter] = set()
-        self._loop = asyncio.new_event_loop()
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def start(self, upstream_port: int) -> str:
-        self.upstream = upstream_port
-        self._thread.start()
-        self._ready.wait()
-        return f"http://127.0.0.1:{self.port}"
-
-    def close(self) -> None:
-        if self._thread.is_alive():
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join()
-
-    def cut(self) -> None:
-        self._loop.call_soon_threadsafe(self._set, True)
-
-    def heal(self) -> None:
-        self._loop.call_soon_threadsafe(self._set, False)
-
-    def _set(self, cut: bool) -> None:
-        self._cut = cut
-        for w in list(self._open):
-            w.close()
-        self._open.clear()
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        server = self._loop.run_until_complete(asyncio.start_server(self._client, "127.0.0.1", self.port))
-        self._ready.set()
-        self._loop.run_forever()
-        server.close()
-
-    async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._open.add(writer)
-        if self._cut:  # held open, silent, until healed
-            return
-        try:
-            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream)
-        except OSError:
-            writer.close()
-            return
-        self._open.add(up_writer)
-
-        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
-            with contextlib.suppress(ConnectionError, OSError):
-                while data := await src.read(65536):
-                    dst.write(data)
-                    await dst.drain()
-            dst.close()
-
-        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
-
-
 @pytest.fixture
 def relay():
     r = CutRelay()
@@ -544,17 +476,6 @@ async def test_the_network_between_gateways_and_controller_cut_then_healed(
         outcomes, began, notes="a deployment made during the cut reached the gateways after it and scaled from zero")  # fmt: skip
     assert not lost(outcomes), (traffic.by_phase(), describe(outcomes))
     assert all(o.kind == COMPLETE for o in outcomes), (traffic.by_phase(), [o.reason for o in outcomes])
-
-
-# A stopped engine: each gateway's probes (every 0.5 s) eject it after two failures; a stream's
-# headers within 2 s or it is tried elsewhere (as in the single box's reliability suite).
-SICK_FLAGS = (
-    "--stream-headers-timeout", "2",
-    "--eject-after", "2",
-    "--eject-time", "120",
-    "--health-interval", "0.5",
-    "--health-timeout", "0.5",
-)  # fmt: skip
 
 
 async def test_engines_killed_and_stopped_during_a_revision_switch(

@@ -42,6 +42,7 @@ from tests.platform.conftest import PlatformProcess, pid_alive
 from tests.platform.reliability_support import (
     COMPLETE,
     REFUSED,
+    SICK_FLAGS,
     Load,
     Outcome,
     ScenarioResult,
@@ -49,30 +50,19 @@ from tests.platform.reliability_support import (
     describe,
     lost,
     tally,
+    write_results,
 )
 
 # A hard bound on a whole scenario, start-ups included (a busy 2-core machine: ~15-25 s).
 SCENARIO_S = deadline(150)
 REQUEST_S = deadline(60)  # one request's bound: past it, it is a hang (counted lost)
 RESULTS: list[ScenarioResult] = []
-# A stopped instance: probes every 0.5 s eject it after two failures; out for longer than a scenario
-# (SIGCONT comes at its end); a stream's headers within 2 s or it is retried elsewhere.
-SICK_FLAGS = (
-    "--stream-headers-timeout", "2",
-    "--eject-after", "2",
-    "--eject-time", "120",
-    "--health-interval", "0.5",
-    "--health-timeout", "0.5",
-)  # fmt: skip
 
 
 @pytest.fixture(scope="module", autouse=True)
 def report():
     yield
-    table = [r.as_dict() for r in RESULTS]
-    print("\nreliability:", json.dumps(table, indent=1))
-    if out := os.environ.get("STOKER_RELIABILITY_OUT"):
-        Path(out).write_text(json.dumps(table, indent=1) + "\n")
+    write_results("reliability", RESULTS, "STOKER_RELIABILITY_OUT")
 
 
 def record(result: ScenarioResult) -> None:
