@@ -24,12 +24,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 
 import httpx
 import pytest
 
-from tests.deadlines import WAIT, deadline, flag
+from tests.deadlines import ENGINE_START, WAIT, deadline, flag
 from tests.platform.conftest import PlatformProcess
 from tests.platform.engine.conftest import free_port
 from tests.platform.reliability_support import COMPLETE, REFUSED, Outcome, burst, describe, lost, tally
@@ -189,4 +190,44 @@ async def test_a_client_leaving_frees_its_place_and_its_slot(overloaded):
             await s.leave()
     await until(p, "stoker_queue_length", 0)
     after = await burst(p.url, CAPACITY, bound_s=REQUEST_S, first=300)
+    assert tally(after)[COMPLETE] == CAPACITY, describe(after)
+
+
+async def test_held_requests_are_refused_at_the_hold_deadline_when_no_slot_frees(
+    platform_factory, tiny_model_dir
+):
+    """`--hold-deadline 2s` (and its cap, so that no measured start lengthens it) with every slot
+    taken by long streams for longer than that: of OFFERED - CAPACITY more requests, QUEUE are held
+    and refused when their 2 s are up (a plain one with 503, a held stream, already 200, with an
+    SSE error event after its keep-alives), the rest at once; none later than 2 s plus SLACK, none
+    lost. Then the instance serves again."""
+    p = platform_factory(
+        "--max-queued", str(QUEUE), "--hold-deadline", "2s", "--hold-deadline-max", "2s",
+        "--keepalive-interval", "0.2",
+    )  # fmt: skip
+    body = {"name": "tiny", "model": str(tiny_model_dir), "min_warm": 1, "max": 1, "idle_timeout_s": 600}
+    async with httpx.AsyncClient(timeout=deadline(120)) as c:
+        r = await c.post(f"{p.url}/admin/v1/deployments", json=body)
+    assert r.status_code in (200, 201), r.text
+    ready = lambda: p.deployments()["tiny"]["instances"]["READY"] == 1  # noqa: E731
+    await asyncio.to_thread(p.wait_for, ready, ENGINE_START, "READY")
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(REQUEST_S), limits=limits) as client:
+        served = [await Stream(client, p.url, i, LONG).open() for i in range(CAPACITY)]
+        for s in served:
+            assert s.status == 200 and (await s.next_event()).startswith("{")
+        shed = await burst(p.url, OFFERED - CAPACITY, bound_s=REQUEST_S)
+        for s in served:
+            await s.leave()
+    assert not lost(shed), describe(shed)
+    assert tally(shed)[REFUSED] == OFFERED - CAPACITY
+    reasons = Counter(o.reason for o in shed)
+    assert reasons["503 queue_full"] == OFFERED - CAPACITY - QUEUE, reasons
+    assert reasons["503 hold_deadline"] + reasons["error event hold_deadline"] == QUEUE, reasons
+    assert reasons["error event hold_deadline"] > 0 and reasons["503 hold_deadline"] > 0, reasons
+    late = [o.seconds for o in shed if o.seconds > 2 + SLACK]
+    assert not late, f"refusals later than the 2 s hold deadline + {SLACK:g} s: {late}"
+
+    await until(p, "stoker_queue_length", 0)
+    after = await burst(p.url, CAPACITY, bound_s=REQUEST_S, first=OFFERED)
     assert tally(after)[COMPLETE] == CAPACITY, describe(after)
