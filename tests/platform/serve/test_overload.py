@@ -7,16 +7,20 @@ activator holds `QUEUE` more (`--max-queued`) and refuses the rest at once. So o
 
 | when | promise |
 |---|---|
-| at zero | exactly `QUEUE` held (streams among them get keep-alives) and answered by the cold start; the other `OFFERED - QUEUE` refused at once: 503, Retry-After, OpenAI's error object, code queue_full |
+| at zero | exactly `QUEUE` held and answered by the cold start; the other `OFFERED - QUEUE` refused at once: 503, Retry-After, OpenAI's error object, code queue_full |
 | warm | none lost, at least `CAPACITY + QUEUE` answered, the rest refused the same way |
 | both | every refusal within the hold deadline (a flag) plus `SLACK`; nothing hangs (a request past its bound is counted lost) |
+| a held stream | its 200 at once, keep-alives, then its tokens when a slot frees |
 | a held client leaves | its place in the queue is free at once (the queue-length gauge drops, a 499 is counted) and the next request is held instead of refused |
 | a served client leaves | its slot goes to the longest-held request |
+| no slot frees within `--hold-deadline` (2 s, its own platform) | the held refused when it is up (503; a held stream, already 200, an SSE error event), the rest at once; none later than 2 s plus `SLACK` |
 | afterwards | the queue empty and the deployment serving every request |
 
-How long the admitted requests took under overload, their p99 against a 1× baseline, the refusals'
-latency and the platform's memory at 10× and 30× are measured by `bench/overload_bench.py`, never
-asserted here. Every wait polls the metrics with a deadline from tests/deadlines.py.
+The first two tests share one platform (one engine start: the first finds it at zero); the third
+has its own, for its hold deadline. How long the admitted requests took under overload, their p99
+against a 1× baseline, the refusals' latency and the platform's memory at 10× and 30× are measured
+by `bench/overload_bench.py`, never asserted here. Every wait polls the metrics with a deadline
+from tests/deadlines.py.
 """
 
 from __future__ import annotations
