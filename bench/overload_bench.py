@@ -28,10 +28,9 @@ the machine; the ratios against level 1.
 
 What bounds an admitted request: at most Q held ahead of it, served CAPACITY at a time, so it waits
 at most ceil(Q / CAPACITY) service times S and takes at most ceil(Q / CAPACITY) + 1 of them (3 S
-with Q = 16), and never more than the hold deadline plus one S. S is measured at each level, by
-Little's law: CAPACITY in service at once, `admitted_per_s` leaving, so S = CAPACITY / admitted_per_s
-(the instance is kept full at every level, 1× included); on a machine whose CPU the engine shares
-(with the clients, the refusals, other work) S grows with the load, and the bound with it.
+with Q = 16), and it is never held past the hold deadline. S is measured at the same level, from the
+streams: total less TTFT (the wait and a prefill of a few tokens); on a machine whose CPU the engine
+shares (with the clients, the refusals, other work) S grows with the load, and the bound with it.
 """
 
 from __future__ import annotations
@@ -330,11 +329,11 @@ def summary(run: dict, max_queued: int) -> dict:
     reasons: dict[str, int] = {}
     for o in refused + lost:
         reasons[o["reason"]] = reasons.get(o["reason"], 0) + 1
-    # One request's service time in a full batch, by Little's law: CAPACITY in service at a time
-    # (at every level, 1× included, the instance is kept full), `admitted_per_s` leaving.
-    admitted_per_s = len(complete) / run["wall_s"]
-    service = CAPACITY / admitted_per_s if admitted_per_s else None
-    bound = (math.ceil(max_queued / CAPACITY) + 1) * service if service else None
+    # One request's service time: a stream's total less its TTFT (its wait, and a prefill of a few
+    # tokens); an admitted request takes at most ceil(Q / CAPACITY) + 1 of them (the module doc).
+    service = [o["seconds"] - o["ttft"] for o in complete if o["ttft"] is not None]
+    service_p99 = pct(service, 99)
+    bound = (math.ceil(max_queued / CAPACITY) + 1) * service_p99 if service_p99 else None
     return {
         "level": run["level"],
         "clients": run["clients"],
@@ -343,11 +342,13 @@ def summary(run: dict, max_queued: int) -> dict:
         "refused": len(refused),
         "lost": len(lost),
         "refusal_rate": len(refused) / len(out) if out else None,
-        "admitted_per_s": admitted_per_s,
-        "service_s": service,
+        "admitted_per_s": len(complete) / run["wall_s"],
+        "service_p50_s": pct(service, 50),
+        "service_p99_s": service_p99,
         "bound_s": bound,
         "ttft_p50_s": pct(ttft, 50),
         "ttft_p99_s": pct(ttft, 99),
+        "ttft_max_s": max(ttft, default=None),
         "total_p50_s": pct(total, 50),
         "total_p99_s": pct(total, 99),
         "total_max_s": max(total, default=None),
@@ -395,7 +396,10 @@ def table(res: dict) -> str:
     row("complete / refused / lost", lambda r: f"{r['complete']} / {r['refused']} / {r['lost']}")
     row("refusal rate", lambda r: f"{r['refusal_rate']:.0%}" if r["refusal_rate"] is not None else "–")
     row("admitted / s", lambda r: f"{r['admitted_per_s']:.2f}")
-    row("service time S (8 ÷ admitted/s)", lambda r: fmt_s(r["service_s"]))
+    row(
+        "service time S p50 / p99 (stream total − TTFT)",
+        lambda r: f"{fmt_s(r['service_p50_s'])} / {fmt_s(r['service_p99_s'])}",
+    )
     for key, name in (
         ("ttft_p50_s", "admitted stream TTFT p50"),
         ("ttft_p99_s", "admitted stream TTFT p99"),
@@ -406,14 +410,17 @@ def table(res: dict) -> str:
     row("admitted total max", with_ratio("total_max_s"))
     bound = res["bound_services"]
     row(
-        f"estimate {bound} × S: p99 ÷ it",
+        f"bound ({bound} × S p99): admitted total p99 ÷ it",
         lambda r: f"{fmt_s(r['bound_s'])}: {fmt_x(ratio(r['total_p99_s'], r['bound_s']))}",
     )
-    hard = res["hold_deadline_s"] + base["total_p99_s"]
-    row(
-        f"bound: hold deadline + 1× p99 ({fmt_s(hard)}): max within it",
-        lambda r: "yes" if r["total_max_s"] is not None and r["total_max_s"] <= hard else "no",
-    )
+    hold = res["hold_deadline_s"]
+
+    def held(r: dict) -> str:
+        # Held no longer than the hold deadline, then its first token: within it plus one S p99.
+        within = r["ttft_max_s"] is None or r["ttft_max_s"] <= hold + (r["service_p99_s"] or 0.0)
+        return f"{fmt_s(r['ttft_max_s'])}: {'yes' if within else 'no'}"
+
+    row(f"stream TTFT max, within the hold deadline ({fmt_s(hold)}) + S p99", held)
     row(
         "refusal latency p50 / p99 / max",
         lambda r: " / ".join(fmt_s(r[k]) for k in ("refusal_p50_s", "refusal_p99_s", "refusal_max_s")),
@@ -433,11 +440,10 @@ def table(res: dict) -> str:
         )
     lines.append("")
     lines.append(
-        f"`{res['up']}`, one `--max 1` deployment of {CAPACITY} slots. S: a request's service time in a "
-        f"full batch at that level ({CAPACITY} ÷ admitted/s). An admitted request waits for at most "
-        f"{res['max_queued']} ahead of it, served {CAPACITY} at a time, so it takes about "
-        f"ceil({res['max_queued']}/{CAPACITY}) + 1 = {bound} S, and at most the hold deadline plus its own "
-        f"service (the 1× p99 stands for that); {res['seconds']:.0f} s per "
+        f"`{res['up']}`, one `--max 1` deployment of {CAPACITY} slots. An admitted request waits for at "
+        f"most {res['max_queued']} ahead of it, served {CAPACITY} at a time, so it takes at most "
+        f"ceil({res['max_queued']}/{CAPACITY}) + 1 = {bound} service times S (S measured at the same level), "
+        f"and is never held past the hold deadline; {res['seconds']:.0f} s per "
         f"level, {res['max_tokens']} tokens per answer of {res['model']}, load average at start "
         f"{res['machine']['loadavg_start'][0]:.2f}."
     )
@@ -454,7 +460,7 @@ async def warm(up: Up, bound_s: float) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
-        "--levels", default="1,3,10,30", help="offered loads, in multiples of one instance's slots"
+        "--levels", default="1,3,10,30,30", help="offered loads, in multiples of one instance's slots"
     )
     ap.add_argument("--seconds", type=float, default=30.0, help="load per level")
     ap.add_argument("--max-queued", type=int, default=2 * CAPACITY, help="stoker up --max-queued")
