@@ -93,8 +93,8 @@ class Stream:
     """One streamed request the test holds open: its status, what it has read so far, and a way to
     leave (close the connection) at any point."""
 
-    def __init__(self, client: httpx.AsyncClient, url: str, i: int, max_tokens: int) -> None:
-        body = {"model": "tiny", "prompt": f"long {i}", "max_tokens": max_tokens, "ignore_eos": True}
+    def __init__(self, client: httpx.AsyncClient, url: str, i: int, max_tokens: int, **extra: str) -> None:
+        body = {"model": "tiny", "prompt": f"long {i}", "max_tokens": max_tokens, "ignore_eos": True, **extra}
         self._cm = client.stream("POST", f"{url}/v1/completions", json={**body, "stream": True})
         self.status = 0
         self.keepalives = 0  # blank lines before the first event
@@ -235,3 +235,39 @@ async def test_held_requests_are_refused_at_the_hold_deadline_when_no_slot_frees
     await until(p, "stoker_queue_length", 0)
     after = await burst(p.url, CAPACITY, bound_s=REQUEST_S, first=OFFERED)
     assert tally(after)[COMPLETE] == CAPACITY, describe(after)
+
+
+async def test_request_bodies_held_at_once_are_bounded(platform_factory, tiny_model_dir):
+    """`--max-body-memory 8MiB`: two streams with 3 MiB bodies (an accepted `user` field) in flight;
+    a third such body is refused at once, unread (503 server_overloaded, Retry-After, OpenAI's
+    error object), while a small request is served; once one of the two streams leaves, its 3 MiB
+    are back and the big body is served. Without the bound, a gateway read every body offered at
+    once: 200 clients sending 1 MiB each took `stoker up` from 82 to 505 MiB."""
+    p = platform_factory("--max-body-memory", "8MiB", *FLAGS)
+    body = {"name": "tiny", "model": str(tiny_model_dir), "min_warm": 1, "max": 1, "idle_timeout_s": 600}
+    async with httpx.AsyncClient(timeout=deadline(120)) as c:
+        r = await c.post(f"{p.url}/admin/v1/deployments", json=body)
+    assert r.status_code in (200, 201), r.text
+    ready = lambda: p.deployments()["tiny"]["instances"]["READY"] == 1  # noqa: E731
+    await asyncio.to_thread(p.wait_for, ready, ENGINE_START, "READY")
+    big = "u" * (3 << 20)
+    plain_big = {"model": "tiny", "prompt": "big", "max_tokens": 2, "user": big}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(REQUEST_S), limits=limits) as client:
+        streams = []
+        for i in range(2):
+            s = Stream(client, p.url, i, LONG, user=big)
+            streams.append(await s.open())
+            assert s.status == 200 and (await s.next_event()).startswith("{")
+
+        r = await client.post(f"{p.url}/v1/completions", json=plain_big)
+        assert r.status_code == 503 and r.headers["retry-after"].isdigit(), r.text
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+        assert r.json()["error"]["code"] == "server_overloaded"
+        small = await burst(p.url, 1, bound_s=REQUEST_S)
+        assert tally(small)[COMPLETE] == 1, describe(small)
+
+        await streams[0].leave()
+        r = await client.post(f"{p.url}/v1/completions", json=plain_big)
+        assert r.status_code == 200, r.text
+        await streams[1].leave()
