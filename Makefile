@@ -180,9 +180,11 @@ bench-adapters: $(STAMP)
 bench-batch: $(STAMP)
 	$(PY) bench/batch_bench.py
 
-# Overload: 1x (baseline), 3x, 10x and 30x the concurrency a --max 1 deployment takes, in one run.
+# Overload: 1x (baseline), 3x, 10x and 30x the concurrency a --max 1 deployment takes, in one run;
+# then request bodies offered at once, with and without the gateway's --max-body-memory bound.
 bench-overload: $(STAMP)
 	$(PY) bench/overload_bench.py
+	$(PY) bench/bodies_bench.py
 
 # Baselines: nginx and wrk from Debian and vLLM's Rust router (proxy benchmark), rclone's S3
 # server (object-storage benchmark), each Python tool in its own venv.

@@ -24,6 +24,7 @@ def main() -> None:
             "adapters",
             "batch",
             "overload",
+            "bodies",
         ):
             source = ROOT / "bench" / "results" / f"{name}.md"
             if not source.exists():

@@ -14,10 +14,11 @@ activator holds `QUEUE` more (`--max-queued`) and refuses the rest at once. So o
 | a held client leaves | its place in the queue is free at once (the queue-length gauge drops, a 499 is counted) and the next request is held instead of refused |
 | a served client leaves | its slot goes to the longest-held request |
 | no slot frees within `--hold-deadline` (2 s, its own platform) | the held refused when it is up (503; a held stream, already 200, an SSE error event), the rest at once; none later than 2 s plus `SLACK` |
+| bodies past `--max-body-memory` (8 MiB, its own platform) | one that does not fit refused unread (503 server_overloaded, Retry-After) while a small one is served; its bytes back once a holder leaves |
 | afterwards | the queue empty and the deployment serving every request |
 
-The first two tests share one platform (one engine start: the first finds it at zero); the third
-has its own, for its hold deadline. How long the admitted requests took under overload, their p99
+The first two tests share one platform (one engine start: the first finds it at zero); the other
+two have their own, for their flags. How long the admitted requests took under overload, their p99
 against a 1× baseline, the refusals' latency and the platform's memory at 10× and 30× are measured
 by `bench/overload_bench.py`, never asserted here. Every wait polls the metrics with a deadline
 from tests/deadlines.py.
