@@ -10,9 +10,9 @@ deployment with a full queue took `stoker up` from 82 MiB to 505 MiB of RSS, and
 it is read: 503 `server_overloaded` with `Retry-After`, in OpenAI's shape, so memory is bounded by
 the budget (and about 2× for the parsed copy) whatever the clients offer.
 
-Synchronous, on the event loop: `take` and `give` are atomic without a lock. A body sent with a
-`Content-Length` (every OpenAI client's) is counted before a byte of it is read; a chunked one once
-read (each at most the 4 MiB limit).
+Synchronous, on the event loop: `take` and `give` are atomic without a lock. What is counted is what
+arrived, chunk by chunk; a body whose declared `Content-Length` (every OpenAI client sends one) would
+not fit now is refused before a byte of it is read.
 """
 
 from __future__ import annotations
@@ -55,20 +55,24 @@ def overloaded(budget: BodyBudget) -> APIError:
 
 
 async def read_body_within(budget: BodyBudget, receive: Receive, scope: Scope, limit: int) -> bytes:
-    """`read_body`, its bytes taken from `budget` (a 503 `server_overloaded` if they do not fit);
-    the caller gives back `len(body)` when its request ends."""
-    declared = next((int(v) for n, v in scope["headers"] if n == b"content-length" and v.isdigit()), None)
-    if declared is None or declared > limit:  # chunked; or over the limit: read_body's 413 at once
-        body = await read_body(receive, scope, limit)
-        if not budget.take(len(body)):
-            raise overloaded(budget)
-        return body
-    if not budget.take(declared):
+    """`read_body`, each chunk's bytes taken from `budget` as they arrive (a 503 `server_overloaded`
+    once one does not fit), and refused before a byte is read when its declared length, or any byte
+    at all, would not fit now; the caller gives back `len(body)` when its request ends. Counting
+    what arrived, not what was declared, a client that declares 4 MiB and sends nothing holds
+    nothing."""
+    declared = next((int(v) for n, v in scope["headers"] if n == b"content-length" and v.isdigit()), 0)
+    if declared <= limit and budget.held + max(declared, 1) > budget.limit:  # over the limit: the 413
         raise overloaded(budget)
+    taken = 0
+
+    def keep(chunk: bytes) -> None:
+        nonlocal taken
+        if not budget.take(len(chunk)):
+            raise overloaded(budget)
+        taken += len(chunk)
+
     try:
-        body = await read_body(receive, scope, limit)
+        return await read_body(receive, scope, limit, keep)
     except BaseException:
-        budget.give(declared)
+        budget.give(taken)
         raise
-    budget.give(declared - len(body))  # HTTP/1.1 holds a body to its length; were it not, the truth
-    return body
