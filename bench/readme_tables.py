@@ -23,6 +23,8 @@ def main() -> None:
             "policies",
             "adapters",
             "batch",
+            "overload",
+            "bodies",
         ):
             source = ROOT / "bench" / "results" / f"{name}.md"
             if not source.exists():

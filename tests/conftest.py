@@ -33,6 +33,7 @@ SLOW_FILES = (
     "tests/platform/serve/test_sick_instance.py",
     "tests/platform/gateway/test_rate_limits.py",
     "tests/platform/serve/test_recycle_live.py",
+    "tests/platform/serve/test_overload.py",  # three platforms, ~50 s
     "tests/snapshots/test_builtin_gguf.py",
     "tests/platform/api/test_openapi_fuzz.py",
     "tests/platform/serve/test_planes.py",

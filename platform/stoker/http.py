@@ -7,6 +7,7 @@ import json
 import logging
 import re
 import signal
+from collections.abc import Callable
 
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -30,8 +31,11 @@ class ClientGone(Exception):
     """The client disconnected before its request body arrived."""
 
 
-async def read_body(receive: Receive, scope: Scope, limit: int) -> bytes:
-    """The whole request body, refusing (413) anything over `limit` bytes without reading it all."""
+async def read_body(
+    receive: Receive, scope: Scope, limit: int, keep: Callable[[bytes], None] | None = None
+) -> bytes:
+    """The whole request body, refusing (413) anything over `limit` bytes without reading it all.
+    `keep`, if given, hears of each chunk before it is kept, and may refuse it by raising."""
     for name, value in scope["headers"]:
         if name == b"content-length" and value.isdigit() and int(value) > limit:
             raise APIError(413, f"The request body exceeds {limit} bytes.", code="request_too_large")
@@ -44,6 +48,8 @@ async def read_body(receive: Receive, scope: Scope, limit: int) -> bytes:
         size += len(chunk)
         if size > limit:
             raise APIError(413, f"The request body exceeds {limit} bytes.", code="request_too_large")
+        if keep is not None:
+            keep(chunk)
         chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)

@@ -15,6 +15,7 @@ from stoker.cli.up import (
     add_pool_args,
     add_request_log_args,
     add_serve_args,
+    body_memory,
     default_limits,
     listen_of,
     platform_settings,
@@ -194,5 +195,6 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         limits=default_limits(args),
         report_interval_s=args.report_interval,
         logging=request_logging(args),
+        body_memory_bytes=body_memory(args),
     )
     return run_gateway(options)

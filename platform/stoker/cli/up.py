@@ -75,6 +75,12 @@ def add_activator_args(p: argparse.ArgumentParser) -> None:
         "--max-queued", type=int, default=A.max_queued, help="requests held per deployment at once"
     )
     p.add_argument(
+        "--max-body-memory",
+        metavar="SIZE",
+        help="request bodies read and not yet answered, in all; a request whose body does not fit is "
+        "refused at once (503 server_overloaded, Retry-After), unread (default: 256MiB)",
+    )
+    p.add_argument(
         "--keepalive-interval",
         type=duration_or_off,
         default=format_duration(A.keepalive_interval_s),
@@ -508,5 +514,25 @@ def cmd_up(args: argparse.Namespace) -> int:
         default_limits(args),
         request_logging(args),
         batch_config(args),
+        body_memory_bytes=body_memory(args),
     )
     return run_up(options)
+
+
+def body_memory(args: argparse.Namespace) -> int | None:
+    """`--max-body-memory` in bytes, at least the one body limit (4 MiB), or one line naming it;
+    None when not given (`stoker.gateway.body_budget.BODY_MEMORY_BYTES`)."""
+    from snapshots.sizes import parse_size
+    from stoker.http import MAX_REQUEST_BYTES
+
+    if args.max_body_memory is None:
+        return None
+    try:
+        size = parse_size(args.max_body_memory)
+    except ValueError as exc:
+        raise CLIError(f"--max-body-memory: {exc}") from None
+    if size < MAX_REQUEST_BYTES:
+        raise CLIError(
+            f"--max-body-memory must be at least the 4MiB one body may take, got {args.max_body_memory!r}"
+        )
+    return size

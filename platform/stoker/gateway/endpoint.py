@@ -31,6 +31,7 @@ from stoker.errors import (
     error_response,
     invalid,
 )
+from stoker.gateway.body_budget import BodyBudget, read_body_within
 from stoker.gateway.cascade import Cascades
 from stoker.gateway.keys import principal_of
 from stoker.gateway.limits import Limiter, estimate_tokens
@@ -41,7 +42,6 @@ from stoker.http import (
     MAX_REQUEST_BYTES,
     ClientGone,
     parse_json_object,
-    read_body,
 )
 from stoker.spec import priority
 
@@ -76,16 +76,21 @@ class InferenceEndpoint:
         limiter: Limiter,
         cascades: Cascades | None = None,
         observer: Observer | None = None,
+        budget: BodyBudget | None = None,
     ) -> None:
         self.platform = platform
+        # The bytes of bodies read and not yet done with, bounded (`body_budget`): memory that
+        # would otherwise grow with the clients offering requests, not with what is served.
+        self.budget = budget or BodyBudget()
         self.cascades = cascades  # routes by name (`stoker.gateway.cascade`); None: deployments only
         # The meter: tokens, idle share, arrival log (`stoker.control.cost`, or a gateway's own).
         self.taps = taps(limiter, meter=getattr(platform, "cost", None), observer=observer)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         finishes: list[Finish] = []
+        body = b""
         try:
-            body = await read_body(receive, scope, MAX_BODY_BYTES)
+            body = await read_body_within(self.budget, receive, scope, MAX_BODY_BYTES)
             parsed, name, stream = _route_fields(body)
             deployment = self.platform.get(name)
             principal = principal_of(scope)
@@ -122,6 +127,7 @@ class InferenceEndpoint:
         except ClientGone:
             return
         finally:
+            self.budget.give(len(body))  # held until here: in the queue, while streaming, refused
             for finish in reversed(finishes):  # innermost first: limits settle, the log, the meter
                 finish(scope)
 
@@ -152,6 +158,7 @@ def data_routes(
     cascades: Cascades | None = None,
     observer: Observer | None = None,
     inference: InferenceEndpoint | None = None,
+    budget: BodyBudget | None = None,
 ) -> list[Route]:
     """OpenAI's routes; `inference`: the endpoint to serve them with, where the caller keeps it
     (the batch runner sends its lines through the same one: `stoker.batch.runner`)."""
@@ -188,7 +195,7 @@ def data_routes(
         return JSONResponse(card(d))
 
     if inference is None:
-        inference = InferenceEndpoint(platform, limiter, cascades, observer)
+        inference = InferenceEndpoint(platform, limiter, cascades, observer, budget)
     return [
         Route("/v1/chat/completions", inference, methods=["POST"]),
         Route("/v1/completions", inference, methods=["POST"]),

@@ -22,6 +22,7 @@ from starlette.routing import Route
 
 from stoker.api.dashboard import dashboard_routes
 from stoker.errors import UNAVAILABLE, APIError
+from stoker.gateway.body_budget import BodyBudget
 from stoker.gateway.cascade import Cascades
 from stoker.gateway.endpoint import data_routes
 from stoker.gateway.keys import Access
@@ -41,7 +42,11 @@ _PASS_RESPONSE = ("content-type", "retry-after", "cache-control")
 
 
 def build_data_gateway(
-    plane: GatewayPlane, *, access: Access | None = None, observer: Observer | None = None
+    plane: GatewayPlane,
+    *,
+    access: Access | None = None,
+    observer: Observer | None = None,
+    body_memory_bytes: int | None = None,  # request bodies held at once (`stoker.gateway.body_budget`)
 ) -> Starlette:
     """The data plane's app: OpenAI's routes through the plane's activators; the admin API passed
     through to the controller, but for this gateway's own drift (`observer`: its request log,
@@ -75,6 +80,7 @@ def build_data_gateway(
         )
 
     own = [r for r in common_routes(plane, plane.metrics_registry) if r.path != "/healthz"]
+    budget = BodyBudget(body_memory_bytes) if body_memory_bytes is not None else None
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -90,7 +96,7 @@ def build_data_gateway(
         routes=[
             Route("/healthz", healthz, methods=["GET"]),
             *own,
-            *data_routes(plane, limiter, cascades, observer),
+            *data_routes(plane, limiter, cascades, observer, budget=budget),
             *(observer.routes(plane) if observer is not None else []),
             *dashboard_routes(None),
             Route("/metrics/engines", admin, methods=["GET"]),
@@ -160,4 +166,7 @@ def run_gateway(options: GatewayOptions) -> int:
         options.limits,
         own_hosts(listen.host),
     )
-    return serve_app(build_data_gateway(plane, access=access, observer=observer), listen)
+    app = build_data_gateway(
+        plane, access=access, observer=observer, body_memory_bytes=options.body_memory_bytes
+    )
+    return serve_app(app, listen)

@@ -85,6 +85,9 @@ class UpOptions:
     limits: Limits  # of tenant keys that set none of their own
     logging: RequestLogging
     batch: BatchConfig | None = None  # the batch API's (`stoker.batch.config`); None: its defaults
+    body_memory_bytes: int | None = (
+        None  # `--max-body-memory` (`stoker.gateway.body_budget`); None: its default
+    )
 
 
 @dataclass(frozen=True)
@@ -126,3 +129,6 @@ class GatewayOptions:
     limits: Limits
     report_interval_s: float
     logging: RequestLogging
+    body_memory_bytes: int | None = (
+        None  # `--max-body-memory` (`stoker.gateway.body_budget`); None: its default
+    )

@@ -20,6 +20,7 @@ from stoker.batch.service import Batches
 from stoker.control.history import HistoryConfig, HistorySampler
 from stoker.control.platform import Platform
 from stoker.control.routes import owned_cascades
+from stoker.gateway.body_budget import BodyBudget
 from stoker.gateway.endpoint import InferenceEndpoint, data_routes
 from stoker.gateway.keys import Access
 from stoker.gateway.limits import Limiter
@@ -42,6 +43,7 @@ def build_gateway(
     observer: Observer | None = None,  # the request log, drift and traces (`stoker.gateway.request_log`)
     checkpoint_interval_s: float | None = None,  # None: nothing checkpointed (`stoker.control.checkpoint`)
     batch: BatchConfig | None = None,  # the batch API's settings (`stoker.batch.config`); None: defaults
+    body_memory_bytes: int | None = None,  # request bodies held at once (`stoker.gateway.body_budget`)
 ) -> Starlette:
     """Both planes in one process (`stoker up`): OpenAI's routes, the batch API, the admin API, the
     pools."""
@@ -54,7 +56,8 @@ def build_gateway(
     register_gpu_metrics(platform.metrics_registry)
     # Cost, that hour and the policies' learned states, kept in the data dir across a restart.
     checkpoints = checkpoints_of(platform, sampler, checkpoint_interval_s)
-    inference = InferenceEndpoint(platform, limiter, cascades, observer)
+    budget = BodyBudget(body_memory_bytes) if body_memory_bytes is not None else None
+    inference = InferenceEndpoint(platform, limiter, cascades, observer, budget)
     # Files and batches (`stoker.batch`): each line sent through `inference`, as a client's would be.
     batches = Batches(batch or BatchConfig())
     routes = [
@@ -138,5 +141,6 @@ def run_up(options: UpOptions) -> int:
         observer=observer,
         checkpoint_interval_s=options.platform.checkpoint_interval_s,
         batch=options.batch,
+        body_memory_bytes=options.body_memory_bytes,
     )
     return serve_app(app, options.listen, stopping)
