@@ -150,6 +150,17 @@ class Platform:
             time.sleep(0.2)
         raise RuntimeError(f"stoker up not healthy within 180 s:\n{self.tail()}")
 
+    def settle(self, timeout: float = 300.0) -> float:
+        """Until its warm runtime has done its imports (`stoker_warm_runtimes`), so that the first
+        sample is of the platform at rest and not of its start; seconds waited."""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            with contextlib.suppress(httpx.HTTPError):
+                if sum(self.metric("stoker_warm_runtimes").values()) >= 1:
+                    return time.monotonic() - t0
+            time.sleep(0.5)
+        raise RuntimeError(f"no warm runtime ready within {timeout:.0f} s:\n{self.tail()}")
+
     def tail(self, chars: int = 3000) -> str:
         with contextlib.suppress(OSError):
             return self.log.read_text(errors="replace")[-chars:]
@@ -427,6 +438,7 @@ def main(argv: list[str] | None = None) -> int:
             home = Path(tmp)
             models = [build_tiny_model(home / f"tiny-seed{seed}", seed=seed) for seed in (1, 2)]
             up = Platform(procs, home / "home")
+            results["settle_s"] = up.settle()
             results["platform_command"] = shlex.join(up.command)
             soak = Soak(up, args, models)
             results["deploy"] = "stoker " + shlex.join(soak.deploy_args(Path("<model>"))[:-1])
@@ -440,6 +452,13 @@ def main(argv: list[str] | None = None) -> int:
             results["switches"] = soak.switches
             results["samples"] = soak.samples
             results["not_complete"] = [o for o in soak.outcomes if o["kind"] != COMPLETE]
+            results["requests"] = {  # every request, compact: one row each
+                "columns": ["at_s", "kind", "stream", "status", "seconds", "max_tokens"],
+                "rows": [
+                    [o["at_s"], o["kind"], int(o["stream"]), o["status"], o["seconds"], o["max_tokens"]]
+                    for o in sorted(soak.outcomes, key=lambda o: o["i"])
+                ],
+            }
     finally:
         procs.stop_all()
     results["recycles"] = {
