@@ -215,6 +215,7 @@ class Soak:
         self.switches: list[dict] = []
         self.instances: list[tuple[float, int]] = []
         self.revision = 0
+        self.seen: set[tuple[int, int]] = set()  # every process met in the tree (soak_probe.sample)
         self.done = asyncio.Event()
 
     def now(self) -> float:
@@ -295,12 +296,12 @@ class Soak:
                     running = sum(next(d for d in data if d["name"] == NAME)["instances"].values())
                     self.instances.append((self.now(), running))
                 if self.now() >= next_at:
-                    s = await asyncio.to_thread(soak_probe.sample, self.up.proc.pid)
+                    s = await asyncio.to_thread(soak_probe.sample, self.up.proc.pid, self.seen)
                     self.samples.append({"at_s": self.now(), "instances": running, **s})
                     done = dict(Counter(o["kind"] for o in self.outcomes))
                     say(
                         f"{self.now() / 60:.1f} min: {done}; instances {running}, procs {s['procs']}, "
-                        f"fds {s['fds_tree']}, rss {s['rss_tree_mib']:.0f} MiB"
+                        f"fds {s['fds_tree']}, rss {s['rss_tree_mib']:.0f} MiB, escaped {len(s['escaped'])}"
                     )
                     next_at += self.args.sample_every
                 with contextlib.suppress(TimeoutError):
@@ -320,7 +321,7 @@ class Soak:
         self.samples.append({"at_s": self.now(), **await asyncio.to_thread(self.final_sample)})
 
     def final_sample(self) -> dict:
-        return {"instances": None, **soak_probe.sample(self.up.proc.pid)}
+        return {"instances": None, **soak_probe.sample(self.up.proc.pid, self.seen)}
 
 
 # ---- the figures -------------------------------------------------------------------------------------
@@ -363,7 +364,8 @@ def summarise(soak: Soak) -> dict:
         "switches": len(soak.switches),
         "switches_failed": sum(s["rc"] != 0 for s in soak.switches),
         "samples": len(soak.samples),
-        "escaped_max": max((s["escaped"] for s in soak.samples), default=0),
+        "escaped": sorted({pid for s in soak.samples for pid in s["escaped"]}),
+        "processes_seen": len(soak.seen),
         "growth": growth,
     }
 
@@ -403,7 +405,9 @@ def table(res: dict) -> str:
     stop = res["stop"]
     lines.append(
         f"\nAfter SIGTERM to `stoker up` ({_n(stop['stop_s'])} s to exit, code {stop['exit_code']}): "
-        f"{len(stop['left_after_stop'])} of its {stop['tree_at_stop']} processes still running."
+        f"{len(stop['left_after_stop'])} of its {stop['tree_at_stop']} processes still running. "
+        f"Processes seen in its tree over the run: {s['processes_seen']}; "
+        f"seen running outside it (re-parented) while it ran: {len(s['escaped'])}."
     )
     return "\n".join(lines)
 

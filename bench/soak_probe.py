@@ -1,8 +1,9 @@
 """What the soak benchmark (bench/soak.py) samples of the platform's processes, and the line it fits.
 
-A sample walks /proc once: the processes under `stoker up` (its descendants by parent pid) and,
-separately, every process still in its session (`stoker up` is started in a session of its own, so
-a child that escaped the tree, re-parented to init, is still counted there). For the tree: the
+A sample walks /proc once: the processes under `stoker up` (its descendants by parent pid), every
+process in its session (`stoker up` is started in a session of its own; engines and warm runtimes
+start sessions of their own), and which of the processes ever seen in the tree still run outside
+it (`escaped`: re-parented to init while the platform runs, which nothing should be). For the tree: the
 process count, open file descriptors (entries of /proc/PID/fd), resident and proportional set size
 (VmRSS from /proc/PID/status, Pss from /proc/PID/smaps_rollup) of `stoker up` itself and summed
 over the tree. A process that exits while it is read is skipped.
@@ -68,18 +69,23 @@ def tree(root: int, table: dict[int, tuple[int, int, int]]) -> list[int]:
     return out
 
 
-def sample(root: int) -> dict:
-    """One reading of the platform's processes (see the module's docstring); sizes in MiB."""
+def sample(root: int, seen: set[tuple[int, int]]) -> dict:
+    """One reading of the platform's processes (see the module's docstring); sizes in MiB. `seen`,
+    the (pid, start time) of every process met in the tree so far, is updated."""
     table = processes()
     pids = tree(root, table)
     session = [pid for pid, (_ppid, sid, _start) in table.items() if sid == root]
+    seen.update((pid, table[pid][2]) for pid in pids)
+    escaped = sorted(
+        pid for pid, start in seen if pid not in pids and pid in table and table[pid][2] == start
+    )
     rss = {pid: _kib(PROC / str(pid) / "status", "VmRSS:") for pid in pids}
     pss = {pid: _kib(PROC / str(pid) / "smaps_rollup", "Pss:") for pid in pids}
     fds = {pid: _fds(pid) for pid in pids}
     return {
         "procs": len(pids),
         "session_procs": len(session),
-        "escaped": len(set(session) - set(pids)),
+        "escaped": escaped,
         "fds_up": fds.get(root, 0),
         "fds_tree": sum(fds.values()),
         "rss_up_mib": rss.get(root, 0) / 1024,
