@@ -23,6 +23,7 @@ def main() -> None:
             "policies",
             "adapters",
             "batch",
+            "soak",
         ):
             source = ROOT / "bench" / "results" / f"{name}.md"
             if not source.exists():
