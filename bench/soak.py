@@ -290,14 +290,15 @@ class Soak:
         next_at = 0.0
         async with httpx.AsyncClient(base_url=self.up.base, timeout=30) as client:
             while not self.done.is_set():
-                running = None
+                running, states = None, None
                 with contextlib.suppress(httpx.HTTPError, KeyError, StopIteration, ValueError):
                     data = (await client.get("/admin/v1/deployments")).json()["data"]
-                    running = sum(next(d for d in data if d["name"] == NAME)["instances"].values())
+                    states = next(d for d in data if d["name"] == NAME)["instances"]
+                    running = sum(states.values())
                     self.instances.append((self.now(), running))
                 if self.now() >= next_at:
                     s = await asyncio.to_thread(soak_probe.sample, self.up.proc.pid, self.seen)
-                    self.samples.append({"at_s": self.now(), "instances": running, **s})
+                    self.samples.append({"at_s": self.now(), "instances": running, "states": states, **s})
                     done = dict(Counter(o["kind"] for o in self.outcomes))
                     say(
                         f"{self.now() / 60:.1f} min: {done}; instances {running}, procs {s['procs']}, "
