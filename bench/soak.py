@@ -27,8 +27,8 @@ Every request is classified by reliability_support.send, unchanged: complete, re
 `--bound` s). Every `--sample-every` seconds bench/soak_probe.py reads the process tree of
 `stoker up`: process count, open fds, RSS and PSS of `stoker up` and of the whole tree; every 2 s
 the admin API's instance counts (for the zero periods). Fitted per hour: a least-squares slope
-over all samples and over those taken with no instance running (the platform at rest, where
-engines coming and going are not in the count). After the load, `stoker up` gets SIGTERM alone and
+over all samples and over those taken with no instance (none starting, READY, asleep or
+draining: the platform at rest, where engines coming and going are not in the count). After the load, `stoker up` gets SIGTERM alone and
 whatever of its tree or session outlives it is counted (`left_after_stop`).
 """
 
@@ -79,6 +79,7 @@ NAME = "soak"
 PHRASE = "the quick brown fox "
 MAX_TOKENS_CAP, PROMPT_REPEAT_CAP = 32, 16
 LOOP_S = 29 * 60.0
+GONE = ("STOPPED", "FAILED")  # states the admin API counts that hold no process
 METRICS = (
     "procs",
     "session_procs",
@@ -278,7 +279,7 @@ class Soak:
             model = self.models[self.revision % len(self.models)]
             at = self.now()
             code, text, took = await self.up.cli(*self.deploy_args(model))
-            revision = json.loads(text).get("revision") if code == 0 else None
+            revision = json.loads(text).get("deployed", {}).get("revision") if code == 0 else None
             self.switches.append(
                 {"at_s": at, "model": model.name, "rc": code, "seconds": took, "revision": revision}
             )
@@ -294,7 +295,7 @@ class Soak:
                 with contextlib.suppress(httpx.HTTPError, KeyError, StopIteration, ValueError):
                     data = (await client.get("/admin/v1/deployments")).json()["data"]
                     states = next(d for d in data if d["name"] == NAME)["instances"]
-                    running = sum(states.values())
+                    running = sum(n for state, n in states.items() if state not in GONE)
                     self.instances.append((self.now(), running))
                 if self.now() >= next_at:
                     s = await asyncio.to_thread(soak_probe.sample, self.up.proc.pid, self.seen)
@@ -365,6 +366,9 @@ def summarise(soak: Soak) -> dict:
         "switches": len(soak.switches),
         "switches_failed": sum(s["rc"] != 0 for s in soak.switches),
         "samples": len(soak.samples),
+        "failed_instances_max": max(
+            (s["states"].get("FAILED", 0) for s in soak.samples if s.get("states")), default=0
+        ),
         "escaped": sorted({pid for s in soak.samples for pid in s["escaped"]}),
         "processes_seen": len(soak.seen),
         "growth": growth,
