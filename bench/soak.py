@@ -12,7 +12,7 @@ a few requests a second at best, where a trace's bursts ask for many more) are d
 `soak` (`--max 2 --idle-timeout 10s --max-instance-age 30s`): every `--switch-every` minutes the
 other model is deployed (a new revision; traffic moves to it once it is warm).
 
-The load: an Azure LLM inference trace from /work/shared/traces (`code`: bursts separated by idle
+The load: an Azure LLM inference trace from ../shared/traces (beside the repository) (`code`: bursts separated by idle
 gaps of 16 s to 3 min, so the deployment goes to zero between bursts with the 10 s idle timeout),
 thinned to every `--keep-every`-th request and looped (the file covers 29 minutes; loop n starts
 29 min × n after the first). Each request is sent at its own time (open loop: nothing waits for an
@@ -70,7 +70,7 @@ sys.path.insert(0, str(REPO))
 from tests.conftest import build_tiny_model
 from tests.platform.reliability_support import COMPLETE, LOST, REFUSED, request_body, send
 
-TRACES = Path("/work/shared/traces")
+TRACES = REPO.parent / "shared" / "traces"  # the shared traces, beside the repository
 TRACE_FILES = {
     "code": "azure-llm-code-2023-first29min.csv",
     "conv": "azure-llm-conv-2023-first29min.csv",
