@@ -88,6 +88,19 @@ def pytest_collection_modifyitems(config, items) -> None:
     items[:] = [item for _, item in sorted(enumerate(items), key=key)]
 
 
+@pytest.fixture(autouse=True)
+def environ_restored():
+    """Each test leaves `os.environ` as it found it. An in-process `stoker ... --store DIR` exports
+    the store ($STOKER_SNAPSHOT_STORE, for the engines a platform starts), and the platforms and
+    CLI runs of every later test on that worker inherited it: a full run sent a later test's
+    `snapshot ls` and `deploy` to another test's store."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def nothing_left_running(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest):
     """At the session's end, what it started and did not stop is killed and named (`tests.strays`)."""
