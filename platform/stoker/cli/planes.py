@@ -40,6 +40,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="a gateway silent this long is gone: its load stops counting, its share of each instance goes",
     )
     controller.add_argument(
+        "--gateway-silent-grace",
+        type=duration,
+        default=None,
+        help="a gateway busy when it went silent (a network cut, this controller stopped) still counts "
+        "as that busy this long, so nothing under it is scaled down (default: 60s, or 10x --gateway-stale-after)",
+    )
+    controller.add_argument(
         "--stop-instances-on-exit",
         action="store_true",
         help="drain and stop every instance on exit (default: leave them for the next controller to adopt)",
@@ -127,6 +134,7 @@ def cmd_controller(args: argparse.Namespace) -> int:
         listen_of(args, launches_engines=args.backend == "local"),
         platform_settings(args),
         gateway_stale_after_s=args.gateway_stale_after,
+        gateway_silent_grace_s=args.gateway_silent_grace,
         leave_instances=not args.stop_instances_on_exit,
         kube=_kubernetes(args) if args.backend == "kubernetes" else None,
     )

@@ -76,6 +76,7 @@ class Platform:
         instance_kv_bytes: int = 256 << 20,  # each instance's KV-cache budget, with shared devices
         controller: bool = False,  # the control plane only: gateways run the activators (`stoker.control.cluster`)
         gateway_stale_after_s: float = 5.0,
+        gateway_silent_grace_s: float | None = None,
         canary_check_s: float = 1.0,  # how often canaries that ask for it are judged
         prices: PriceTable | None = None,  # `stoker up --prices` (`stoker.control.cost`); None: list prices
         max_instance_age_s: float | None = None,  # `stoker up --max-instance-age`; a deployment's own wins
@@ -88,7 +89,9 @@ class Platform:
         self.data_dir = data_dir
         self.controller = controller
         # What gateways wait on and report to, in a controller (`stoker.control.cluster`).
-        self.routes = RoutingTable(clock, stale_after_s=gateway_stale_after_s)
+        self.routes = RoutingTable(
+            clock, stale_after_s=gateway_stale_after_s, silent_grace_s=gateway_silent_grace_s
+        )
         self.registry: DeploymentStore = registry or Registry(data_dir / "stoker.db")
         self.store = SnapshotStore(store_dir or data_dir / "snapshots", budget_bytes=snapshot_budget())
         self.records = InstanceRecords(data_dir / "instances")

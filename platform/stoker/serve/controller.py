@@ -317,6 +317,7 @@ def run_controller(options: ControllerOptions) -> int:
         settings,
         controller=True,
         gateway_stale_after_s=options.gateway_stale_after_s,
+        gateway_silent_grace_s=options.gateway_silent_grace_s,
         stopping=stopping,
         **({"engine_tls": engine_tls} | wiring),
     )

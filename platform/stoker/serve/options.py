@@ -116,6 +116,7 @@ class ControllerOptions:
     gateway_stale_after_s: float
     leave_instances: bool  # on exit, for the next controller to adopt
     kube: KubeSettings | None = None  # None: the local backend
+    gateway_silent_grace_s: float | None = None  # None: `stoker.control.cluster.RoutingTable`'s default
 
 
 @dataclass(frozen=True)

@@ -60,7 +60,15 @@ H = {"authorization": f"Bearer {ADMIN}"}
 SCENARIO_S = deadline(240)  # a hard bound on a whole scenario, its engine starts included
 REQUEST_S = deadline(60)  # one request's bound: past it, it is a hang (counted lost)
 STALE_S = 3  # --gateway-stale-after: a gateway silent this long is no longer counted
-CONTROLLER_FLAGS = ("--stable-window", "1", "--gateway-stale-after", str(STALE_S), "--stop-instances-on-exit")
+# A killed gateway's last load counts for the silent grace (its requests may be alive behind a
+# cut): the final drain waits that long for them, so the grace here is the staleness bound's 10x
+# cut to what the scenarios' cuts need.
+CONTROLLER_FLAGS = (
+    "--stable-window", "1",
+    "--gateway-stale-after", str(STALE_S),
+    "--gateway-silent-grace", "20s",
+    "--stop-instances-on-exit",
+)  # fmt: skip
 RESULTS: list[ScenarioResult] = []
 
 

@@ -58,7 +58,15 @@ def planes(tmp_path: Path):
         home,
         free_port(),
         # Its engines outlive a SIGKILL (adopted by the next one), not the test's final SIGTERM.
-        ("--stable-window", "1", "--gateway-stale-after", "3", "--stop-instances-on-exit"),
+        (
+            "--stable-window",
+            "1",
+            "--gateway-stale-after",
+            "3",
+            "--gateway-silent-grace",
+            "5s",
+            "--stop-instances-on-exit",
+        ),
         extra_env=ENV,
         command="controller",
     ).start()
