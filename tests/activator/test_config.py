@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from activator.config import ActivatorConfig
-from stoker.cli.up import duration_or_off
+from stoker.cli.parser import duration_or_off
 
 
 def test_defaults_cover_a_vllm_cold_start() -> None:

@@ -19,6 +19,7 @@ import sys
 from snapshots.errors import SnapshotError
 from stoker.errors import CLIError
 from stoker.paths import use_store
+from stoker.spec.durations import duration
 
 
 class DefaultsFormatter(argparse.HelpFormatter):
@@ -108,3 +109,10 @@ def run(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+
+
+def duration_or_off(value: str) -> float | None:
+    """A duration, or None for `off` (or any zero duration): a setting that can be switched off."""
+    if value.strip().lower() == "off":
+        return None
+    return duration(value) or None

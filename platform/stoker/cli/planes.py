@@ -8,17 +8,16 @@ import os
 import secrets
 import socket
 
+from stoker.cli.pool_flags import add_pool_args, platform_settings
 from stoker.cli.up import (
     activator_config,
     add_activator_args,
     add_limit_args,
-    add_pool_args,
     add_request_log_args,
     add_serve_args,
     body_memory,
     default_limits,
     listen_of,
-    platform_settings,
     request_logging,
 )
 from stoker.errors import CLIError
