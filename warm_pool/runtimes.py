@@ -6,8 +6,15 @@ kind (`RuntimeKind`; `stoker up --warm-runtimes N`, 1 by default for the CPU eng
 tier off). The local backend (`warm_pool.backends.local`) asks it for one at every start (`take`): a ready
 runtime whose kind runs that launch is handed the launch over its socket (`warm_pool.handoff`) and
 becomes the instance's engine, same PID; with none ready the start spawns a fresh process as before.
-A runtime taken is replaced in the background, `refill_delay_s` (10 s) later, so that the
-replacement's imports do not compete with the new engine's first requests for the CPU.
+A runtime taken is replaced by its successor: a kind that `forks` (the CPU engine's) is sent, with
+the handoff, the directory and token of the runtime it forks before it becomes the engine
+(`warm_pool.succession`), a copy with every import done that listens within milliseconds, which the
+keeper adopts (this process is made a child subreaper, so the successor becomes its child) and
+reaps. A start that finds no ready runtime while a successor is due waits for it (`take_soon`, at
+most `successor_wait_s`), so K starts in a burst each take the runtime path. A kind that does not
+fork (a runtime holding a CUDA context: a fork does not carry it), or a successor that did not come
+up, is replaced in the background, `refill_delay_s` (10 s) later, so that the replacement's imports
+do not compete with the new engine's first requests for the CPU.
 
 Its loop, every `interval_s` and at once after a take: a runtime whose socket has appeared is ready;
 one that died, or was not ready within `ready_timeout_s`, is dropped and counts as a failure, and the
@@ -39,7 +46,7 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Gauge
 
-from warm_pool.backends.procs import OWNER_ENV, ProcessHandle, killpg, read_start_ticks
+from warm_pool.backends.procs import OWNER_ENV, AdoptedProcess, ProcessHandle, killpg, read_start_ticks
 from warm_pool.backoff import restart_delay
 from warm_pool.census import Member
 from warm_pool.fleet import CPU_DEVICE, Fleet
@@ -49,11 +56,13 @@ from warm_pool.handoff import (
     TOKEN_ENV,
     Handoff,
     HandoffError,
+    Successor,
     fits,
     hand_off,
     private_dir,
 )
 from warm_pool.launch import LaunchSpec, default_stoker_command, with_python_path
+from warm_pool.succession import become_subreaper
 
 log = logging.getLogger("warm_pool.runtimes")
 RUNTIMES_MEMBER = "(warm runtimes)"  # their name among the fleet's members: no deployment has it
@@ -68,7 +77,8 @@ class RuntimeKind:
     with `first_args` and the directories of its `python_path` are among the runtime's (started
     ahead on its PYTHONPATH: an interpreter reads that once). `device_bytes` is device memory a
     runtime holds on `device` (a GPU runtime's CUDA context, a configured figure); a CPU runtime's
-    host memory is measured instead."""
+    host memory is measured instead. `forks`: its runtimes fork their successor at each handoff
+    (`warm_pool.succession`; never one holding a CUDA context)."""
 
     engine: str
     command: tuple[str, ...]
@@ -78,6 +88,7 @@ class RuntimeKind:
     device: str | None = None
     device_bytes: int = 0
     python_path: tuple[str, ...] = ()
+    forks: bool = False
 
     def __post_init__(self) -> None:
         if self.count < 0:
@@ -95,7 +106,7 @@ class RuntimeKind:
 class Runtime:
     id: str
     kind: RuntimeKind
-    process: asyncio.subprocess.Process
+    process: asyncio.subprocess.Process | AdoptedProcess  # adopted: a successor (`warm_pool.succession`)
     handle: ProcessHandle
     directory: Path
     token: str = field(repr=False)
@@ -168,6 +179,7 @@ class RuntimeKeeper:
         ready_timeout_s: float = 600.0,
         memory_interval_s: float = 5.0,
         refill_delay_s: float = 10.0,  # after a take, before its replacement starts importing
+        successor_wait_s: float = 10.0,  # the longest a start waits for a successor due (`take_soon`)
     ) -> None:
         if len({k.engine for k in kinds}) != len(kinds):
             raise ValueError("one runtime kind per engine")
@@ -180,7 +192,12 @@ class RuntimeKeeper:
         self._ready_timeout_s = ready_timeout_s
         self._memory_interval_s = memory_interval_s
         self._refill_delay_s = refill_delay_s
+        self._successor_wait_s = successor_wait_s
         self._runtimes: dict[str, Runtime] = {}
+        self._due = dict.fromkeys(self.kinds, 0)  # successors of runtimes being handed off, by engine
+        self._changed = asyncio.Event()  # set (and replaced) when a successor comes or will not
+        self._subreaper: bool | None = None  # made one at the first start of a kind that forks
+        self._orphans: list[AdoptedProcess] = []  # successors not kept, to reap once they are gone
         self._failures = dict.fromkeys(self.kinds, 0)
         self._not_before = dict.fromkeys(self.kinds, 0.0)
         self._measured_at = -float("inf")
@@ -205,40 +222,142 @@ class RuntimeKeeper:
                 log.info("runtime %s cannot take this start: %s", rt.id, why)
                 continue
             del self._runtimes[rt.id]
-            # The replacement's imports wait `refill_delay_s`: begun at once they take the CPU from
-            # the engine just handed off, whose first request is the one that waits (measured on 2
-            # cores: READY → first token 4.3-9.1 s after a runtime start with an immediate refill,
-            # 3.0-5.3 s after a fresh start, bench/runtime_bench.py at load 4-7).
             engine = rt.kind.engine
-            self._not_before[engine] = max(self._not_before[engine], self._clock() + self._refill_delay_s)
+            if self._forks(rt.kind):
+                self._due[engine] += 1  # its successor replaces it (`hand_off`)
+            else:
+                self._delay_refill(engine)
             self._poke.set()
             self._gauges()
             return rt
         return None
 
+    async def take_soon(self, spec: LaunchSpec) -> Runtime | None:
+        """`take`, or, with none ready while a successor that could run `spec` is due (a burst: the
+        previous start's handoff is under way), the successor once it listens; None when none is due
+        or none came within `successor_wait_s`."""
+        end = self._clock() + self._successor_wait_s
+        while (rt := self.take(spec)) is None:
+            due = any(self._due[k.engine] for k in self.kinds.values() if k.takes(spec))
+            left = end - self._clock()
+            if not due or left <= 0:
+                return None
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(min(left, self._interval_s)):
+                    await self._changed.wait()
+        return rt
+
+    def _forks(self, kind: RuntimeKind) -> bool:
+        return kind.forks and bool(self._subreaper)
+
+    def _delay_refill(self, engine: str) -> None:
+        # The replacement's imports wait `refill_delay_s`: begun at once they take the CPU from the
+        # engine just handed off, whose first request is the one that waits (measured on 2 cores:
+        # READY → first token 4.3-9.1 s after a runtime start with an immediate refill, 3.0-5.3 s
+        # after a fresh start, bench/runtime_bench.py at load 4-7).
+        self._not_before[engine] = max(self._not_before[engine], self._clock() + self._refill_delay_s)
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
     async def hand_off(self, rt: Runtime, spec: LaunchSpec, log_path: Path) -> ProcessHandle:
         """Hand `spec` to `rt`, its output going to `log_path` (appended, opened without following a
-        link); the engine's handle (the runtime's). On `HandoffError` or `OSError` the runtime is
+        link); the engine's handle (the runtime's). A kind that forks is sent its successor too,
+        adopted here once the answer names it. On `HandoffError` or `OSError` the runtime is
         stopped: a runtime taken is the caller's, handed off or gone."""
+        successor = self._successor_of(rt) if self._forks(rt.kind) else None
         try:
-            log_path.parent.mkdir(parents=True, exist_ok=True)
-            flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
-            fd = os.open(log_path, flags, 0o600)
-        except OSError:
-            await self._stop(rt)
-            raise
-        handoff = Handoff(spec.args, dict(spec.env), str(spec.cwd) if spec.cwd is not None else None)
-        try:
-            await asyncio.to_thread(
-                hand_off, rt.socket, handoff, rt.token, expect_pid=rt.handle.pid, log_fd=fd
+            try:
+                log_path.parent.mkdir(parents=True, exist_ok=True)
+                fd = _open_log(log_path)
+            except OSError:
+                await self._stop(rt)
+                raise
+            handoff = Handoff(
+                spec.args,
+                dict(spec.env),
+                str(spec.cwd) if spec.cwd is not None else None,
+                successor.handoff if successor is not None else None,
             )
-        except HandoffError:
-            await self._stop(rt)
-            raise
+            try:
+                answer = await asyncio.to_thread(
+                    hand_off,
+                    rt.socket,
+                    handoff,
+                    rt.token,
+                    expect_pid=rt.handle.pid,
+                    log_fd=fd,
+                    successor_log_fd=successor.log_fd if successor is not None else None,
+                )
+            except HandoffError:
+                await self._stop(rt)
+                raise
+            finally:
+                os.close(fd)
+            if successor is not None:
+                self._adopt(successor, answer.successor_pid)
+                successor = None
         finally:
-            os.close(fd)
+            if successor is not None:  # the handoff failed: no successor
+                self._adopt(successor, None)
         self._discard(rt, keep_log=False)
         return rt.handle
+
+    def _successor_of(self, rt: Runtime) -> _Planned | None:
+        """The directory, token and log of the successor `rt` is to fork; None (and the replacement
+        is spawned after `refill_delay_s`) if they cannot be made."""
+        ident = f"{rt.kind.engine}-{secrets.token_hex(4)}"
+        try:
+            directory = private_dir(self._root / ident)
+            log_path = self.log_dir / f"{ident}.log"
+            log_fd = _open_log(log_path)
+        except (HandoffError, OSError) as exc:
+            log.warning("no successor for runtime %s: %s", rt.id, exc)
+            self._due[rt.kind.engine] -= 1
+            self._delay_refill(rt.kind.engine)
+            self._notify()
+            return None
+        token = secrets.token_urlsafe(32)
+        return _Planned(ident, rt, Successor(str(directory), token), token, log_path, log_fd)
+
+    def _adopt(self, planned: _Planned, pid: int | None) -> None:
+        """Keep the successor the runtime answered with (`pid`), ready: its socket listened before
+        the answer came. None, or one gone already: the replacement is spawned instead."""
+        os.close(planned.log_fd)
+        engine, now = planned.parent.kind.engine, self._clock()
+        self._due[engine] -= 1
+        ticks = read_start_ticks(pid) if pid is not None else None
+        directory = Path(planned.handoff.dir)
+        if ticks is None or not (directory / SOCKET_NAME).exists() or self._closing:
+            if pid is not None:
+                log.warning("runtime %s: its successor %d cannot be kept", planned.parent.id, pid)
+                if ticks is not None:  # it runs (a session leader: its group is its own)
+                    killpg(pid, signal.SIGKILL)
+                self._orphans.append(AdoptedProcess(pid, -1 if ticks is None else ticks))
+            shutil.rmtree(directory, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                planned.log_path.unlink()
+            self._delay_refill(engine)
+        else:
+            process = AdoptedProcess(pid, ticks)
+            handle = ProcessHandle(pid, pid, ticks, from_runtime=True)  # a session leader
+            self._runtimes[planned.ident] = Runtime(
+                planned.ident,
+                planned.parent.kind,
+                process,
+                handle,
+                directory,
+                planned.token,
+                planned.parent.env,
+                planned.log_path,
+                now,
+                ready_at=now,
+            )
+            log.info("runtime %s (pid %d) forked by %s at its handoff", planned.ident, pid, planned.parent.id)
+        self._poke.set()
+        self._notify()
+        self._gauges()
 
     def status(self) -> list[dict]:
         """Each runtime as an operator sees it."""
@@ -291,13 +410,19 @@ class RuntimeKeeper:
             raise ValueError(f"runtimes of {kind.engine} are kept already")
         self.kinds[kind.engine] = kind
         self._failures[kind.engine], self._not_before[kind.engine] = 0, 0.0
+        self._due[kind.engine] = 0
         if self._started:
             self.start()
         self._poke.set()
 
     def start(self) -> None:
-        """Start keeping runtimes (in the background); safe to repeat."""
+        """Start keeping runtimes (in the background); safe to repeat. Where a kind forks, this
+        process becomes a child subreaper first, so the successors become its children."""
         self._started = True
+        if self._subreaper is None and any(k.forks and k.count for k in self.kinds.values()):
+            self._subreaper = become_subreaper()
+            if not self._subreaper:
+                log.warning("cannot become a child subreaper: warm runtimes are replaced by fresh ones")
         if self._task is None and not self._closing and any(k.count for k in self.kinds.values()):
             self._root = Path(tempfile.mkdtemp(prefix="stoker-rt-"))  # 0700, short
             self._task = asyncio.create_task(self._run(), name="warm-runtimes")
@@ -312,6 +437,8 @@ class RuntimeKeeper:
         await asyncio.gather(
             *(self._stop(rt) for rt in list(self._runtimes.values())), return_exceptions=True
         )
+        with contextlib.suppress(TimeoutError):  # successors not kept, killed already: reaped
+            await asyncio.wait_for(asyncio.gather(*(p.wait() for p in self._orphans)), 5.0)
         if self._root is not None:
             shutil.rmtree(self._root, ignore_errors=True)
         self._gauges()
@@ -329,6 +456,7 @@ class RuntimeKeeper:
 
     async def _step(self) -> None:
         now = self._clock()
+        self._orphans = [p for p in self._orphans if p.returncode is None]
         for rt in list(self._runtimes.values()):
             if rt.process.returncode is not None:
                 self._failed(rt, f"exited with status {rt.process.returncode}", now)
@@ -341,7 +469,9 @@ class RuntimeKeeper:
                 self._failed(rt, f"not ready after {self._ready_timeout_s:g}s", now)
                 await self._stop(rt, keep_log=True)
         for kind in self.kinds.values():
-            live = sum(1 for r in self._runtimes.values() if r.kind.engine == kind.engine)
+            live = self._due[kind.engine] + sum(
+                1 for r in self._runtimes.values() if r.kind.engine == kind.engine
+            )
             for _ in range(to_start(kind.count, live, now, self._not_before[kind.engine])):
                 await self._spawn(kind, now)
         if now - self._measured_at >= self._memory_interval_s:
@@ -417,6 +547,24 @@ class RuntimeKeeper:
             self._metrics.memory.labels(engine, "pss").set(sum(r.pss for r in mine))
 
 
+@dataclass
+class _Planned:
+    """A successor asked for in a handoff, before the answer names its PID."""
+
+    ident: str
+    parent: Runtime
+    handoff: Successor
+    token: str = field(repr=False)
+    log_path: Path
+    log_fd: int
+
+
+def _open_log(path: Path) -> int:
+    """`path` opened to append, created 0600, never through a link."""
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+    return os.open(path, flags, 0o600)
+
+
 def cpu_keeper(
     count: int,
     log_dir: Path,
@@ -434,7 +582,7 @@ def cpu_keeper(
         raise ValueError(f"--warm-runtimes must be 0 (off) or more, got {count}")
     if count == 0 and not keep:
         return None
-    kinds = [RuntimeKind("cpu", (*default_stoker_command(), "runtime"), count)] if count else []
+    kinds = [RuntimeKind("cpu", (*default_stoker_command(), "runtime"), count, forks=True)] if count else []
     env = {OWNER_ENV: owner} if owner else {}
     keeper = RuntimeKeeper(kinds, log_dir / "runtimes", env=env, metrics=RuntimeMetrics(registry))
     if fleet is not None:

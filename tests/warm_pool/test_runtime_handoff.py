@@ -23,6 +23,7 @@ from warm_pool.handoff import (
     TOKEN_ENV,
     Handoff,
     HandoffError,
+    Successor,
     decode,
     encode,
     fits,
@@ -62,6 +63,13 @@ def body(**fields) -> bytes:
         (body(env={"A": "x" * 9000}), "longer than"),
         (body(cwd="relative/dir"), "cwd must be an absolute path"),
         (b"x" * (MAX_MESSAGE_BYTES + 1), "exceeds"),
+        (body(next="/d"), "next must be an object"),
+        (body(next={"dir": "/d"}), "next must be an object"),
+        (body(next={"dir": "/d", "token": "t" * 32, "pid": 1}), "next must be an object"),
+        (body(next={"dir": "relative", "token": "t" * 32}), "next.dir must be an absolute path"),
+        (body(next={"dir": "/d", "token": "short"}), "next.token must be a string of 16"),
+        (body(next={"dir": "/d", "token": "t" * 257}), "next.token must be a string of 16"),
+        (body(next={"dir": "/d", "token": 7}), "next.token must be a string of 16"),
     ],
 )
 def test_a_bad_message_is_refused_naming_why(data, error):
@@ -74,6 +82,13 @@ def test_a_good_message_round_trips():
     data = encode(sent, TOKEN)
     assert data.endswith(b"\n") and data.count(b"\n") == 1
     assert decode(data[:-1], TOKEN) == sent
+
+
+def test_a_successor_rides_in_the_message_but_its_log_and_keeper_never_do():
+    sent = Handoff(("engine",), successor=Successor("/run/rt/cpu-1", "t" * 43, log_fd=9, keeper_pid=7))
+    body = json.loads(encode(sent, TOKEN))
+    assert body["next"] == {"dir": "/run/rt/cpu-1", "token": "t" * 43}
+    assert decode(encode(sent, TOKEN)[:-1], TOKEN).successor == Successor("/run/rt/cpu-1", "t" * 43)
 
 
 def test_an_oversized_handoff_is_refused_before_it_is_sent():
@@ -169,7 +184,7 @@ def test_a_handoff_makes_the_runtime_the_engine_with_its_pid_env_and_log(tmp_pat
             )
         finally:
             os.close(fd)
-        assert pid == proc.pid
+        assert pid.pid == proc.pid and pid.successor_pid is None
         assert proc.wait(timeout=deadline(30)) == 0
     finally:
         proc.kill()
@@ -203,6 +218,32 @@ def test_an_oversized_message_is_answered_and_ends_the_runtime(tmp_path):
     finally:
         proc.kill()
     assert "exceeds" in log.read_text()
+
+
+def test_a_successor_is_sent_with_both_logs_or_refused(tmp_path):
+    proc, sock_dir, _ = start_runtime(tmp_path, [sys.executable, "-c", MINIMAL_RUNTIME])
+    try:
+        with pytest.raises(HandoffError, match="sends both logs"):  # refused before it is sent
+            hand_off(
+                sock_dir / SOCKET_NAME,
+                Handoff(("engine",), successor=Successor(str(tmp_path), "t" * 32)),
+                TOKEN,
+                expect_pid=proc.pid,
+                log_fd=1,
+            )
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:  # one log only: refused there
+            conn.settimeout(30)
+            conn.connect(str(sock_dir / SOCKET_NAME))
+            message = encode(Handoff(("engine",), successor=Successor(str(tmp_path), "t" * 32)), TOKEN)
+            socket.send_fds(conn, [message], [1])
+            answer = json.loads(conn.makefile("rb").readline())
+        assert answer == {
+            "ok": False,
+            "error": "a handoff with a successor sends two file descriptors (the logs)",
+        }
+        assert proc.wait(timeout=deadline(30)) == 2
+    finally:
+        proc.kill()
 
 
 def test_the_pool_refuses_a_socket_served_by_another_process(tmp_path):

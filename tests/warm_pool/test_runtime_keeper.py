@@ -47,6 +47,24 @@ except HandoffError as exc:
 take_over(handoff, conn, log_fd, listener)
 print("became", " ".join(handoff.argv), flush=True)
 """
+# A runtime that forks its successor at each handoff (`warm_pool.succession.become_engine`); as "its
+# engine" it prints who it is, the PID it was born as (a forked successor was born in its first
+# ancestor: memory is copied, so `born` is that one's PID) and what of the handoff's environment it has.
+FORKING_RUNTIME = """
+import os, sys, time
+from pathlib import Path
+from warm_pool.handoff import TOKEN_ENV, HandoffError, listen
+from warm_pool.succession import become_engine
+born = os.getpid()
+listener = listen(Path(sys.argv[-1]))
+try:
+    handoff = become_engine(listener, os.environ.pop(TOKEN_ENV), forks=True)
+except HandoffError:
+    sys.exit(2)
+secrets = ",".join(sorted(k for k in os.environ if k.startswith("SECRET_")))
+print("became", handoff.argv[-1], "pid", os.getpid(), "born", born, "secrets", secrets, flush=True)
+time.sleep(float(os.environ.get("LINGER", "0")))
+"""
 ENGINE_SPEC = LaunchSpec(("stoker", "engine", "--port", "1"), env={"STOKER_ENGINE_API_KEY": "k"})
 
 
@@ -302,3 +320,94 @@ def test_the_simulator_starts_from_a_warm_runtime_and_refills_it():
     without, with_one = run(0), run(1)
     assert without.runtime_starts == 0 and with_one.runtime_starts >= 2  # refilled between starts
     assert with_one.p99_wait_s < without.p99_wait_s
+
+
+def forking_kind(count: int = 1, script: str = FORKING_RUNTIME) -> RuntimeKind:
+    return RuntimeKind("cpu", (sys.executable, "-c", script), count, forks=True)
+
+
+def parent_of(pid: int) -> int:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat[stat.rindex(")") + 2 :].split()[1])
+
+
+async def test_a_burst_of_starts_each_takes_a_successor_forked_at_the_previous_handoff(tmp_path):
+    clock = Clock()  # stands still: no runtime is spawned after the first but by a fork
+    keeper = RuntimeKeeper([forking_kind()], tmp_path / "logs", clock=clock, interval_s=0.05)
+    backend = LocalBackend(tmp_path / "engines", runtimes=keeper)
+    await backend.running()
+    try:
+        await until(lambda: keeper.ready("cpu") == 1, what="the first runtime ready")
+        [first] = [r["pid"] for r in keeper.status()]
+
+        def spec(i: int) -> LaunchSpec:
+            env = {f"SECRET_{i}": "key", "LINGER": "30"}
+            return LaunchSpec(("stoker", "engine", f"d{i}"), env=env)
+
+        handles = await asyncio.gather(*(backend.start(at(f"d{i}-0a1b2c3d", 1), spec(i)) for i in range(4)))
+        assert all(h.from_runtime for h in handles)
+        pids = [h.pid for h in handles]
+        assert len(set(pids)) == 4 and first in pids
+        for h in handles:  # each in a process group of its own, a child of this process (the keeper)
+            assert h.pgid == h.pid == os.getpgid(h.pid)
+            assert parent_of(h.pid) == os.getpid()
+        [(successor, waiting)] = [(r["pid"], r["state"]) for r in keeper.status()]
+        assert waiting == "ready" and successor not in pids and parent_of(successor) == os.getpid()
+        assert os.getpgid(successor) == successor  # in no engine's group: stopping one leaves it
+        for i, h in enumerate(handles):
+            log = await _line(backend.log_path(f"d{i}-0a1b2c3d"))
+            # Born in the first runtime (forked), never a fresh process; the handoff's environment
+            # is its own, not what its ancestor was handed (forked before the ancestor took it over).
+            assert log == f"became d{i} pid {h.pid} born {first} secrets SECRET_{i}"
+        codes = await asyncio.gather(*(backend.stop(h, term_timeout_s=deadline(10)) for h in handles))
+        assert codes == [-signal.SIGTERM] * 4  # each reaped here with its real status
+        assert all(pid_gone(pid) for pid in pids)
+        assert keeper.status()[0]["pid"] == successor  # stopping the engines left it
+    finally:
+        await backend.aclose()
+    assert await wait_gone(successor)
+
+
+async def test_a_successor_that_dies_is_reaped_and_replaced(tmp_path):
+    keeper = RuntimeKeeper([forking_kind()], tmp_path / "logs", interval_s=0.05, refill_delay_s=0.0)
+    keeper.start()
+    try:
+        await until(lambda: keeper.ready("cpu") == 1, what="the first runtime ready")
+        rt = keeper.take(ENGINE_SPEC)
+        await keeper.hand_off(rt, ENGINE_SPEC, tmp_path / "engine.log")
+        assert await rt.process.wait() == 0
+        [successor] = [r["pid"] for r in keeper.status()]
+        os.kill(successor, signal.SIGKILL)
+        await until(lambda: successor not in {r["pid"] for r in keeper.status()}, what="the dead one dropped")
+        assert not _text(Path(f"/proc/{successor}/stat"))  # reaped: not even a zombie is left
+        await until(lambda: keeper.ready("cpu") == 1, what="a fresh runtime in its place")
+    finally:
+        await keeper.aclose()
+
+
+async def test_a_runtime_that_does_not_fork_is_replaced_after_the_refill_delay(tmp_path):
+    clock = Clock()
+    keeper = RuntimeKeeper(
+        [forking_kind(script=RUNTIME)], tmp_path / "logs", clock=clock, interval_s=0.05, refill_delay_s=5.0
+    )
+    keeper.start()
+    try:
+        await until(lambda: keeper.ready("cpu") == 1, what="the first runtime ready")
+        rt = keeper.take(ENGINE_SPEC)
+        await keeper.hand_off(rt, ENGINE_SPEC, tmp_path / "engine.log")  # answered without a successor
+        assert await rt.process.wait() == 0
+        assert keeper.status() == [] and await keeper.take_soon(ENGINE_SPEC) is None  # nothing due
+        assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == []  # the successor's log gone
+        clock.now = 5.0
+        await until(lambda: keeper.ready("cpu") == 1, what="the replacement")
+    finally:
+        await keeper.aclose()
+
+
+async def _line(path: Path) -> str:
+    await until(lambda: _text(path).endswith("\n"), what=f"a line in {path.name}")
+    return _text(path).strip()
+
+
+def _text(path: Path) -> str:
+    return path.read_text() if path.exists() else ""

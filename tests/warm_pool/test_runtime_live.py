@@ -1,7 +1,8 @@
 """The warm-runtime tier end to end: the real `stoker up --warm-runtimes 1`, its real `stoker runtime`
 process, the tiny model. A request at zero starts the instance in the runtime (its PID becomes the
-engine's, the start counts as tier runtime), a real chat request is answered, the keeper starts a
-new runtime, and stopping the platform leaves no process behind."""
+engine's, the start counts as tier runtime), a real chat request is answered, the runtime forked
+its successor at the handoff (the platform's child, in a group of its own), which a second
+deployment's start takes in turn, and stopping the platform leaves no process behind."""
 
 from __future__ import annotations
 
@@ -35,7 +36,12 @@ def runtime_pids(home: Path) -> set[int]:
     return {pid for pid in found if pid_alive(pid)}
 
 
-def test_a_start_takes_the_warm_runtime_which_is_then_replaced(tmp_path, tiny_model_dir):
+def parent_of(pid: int) -> int:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat[stat.rindex(")") + 2 :].split()[1])
+
+
+def test_a_start_takes_the_warm_runtime_whose_successor_takes_the_next(tmp_path, tiny_model_dir):
     p = PlatformProcess(tmp_path / "home", free_port(), ("--warm-runtimes", "1", "--stable-window", "1"))
     p.start()
     seen: set[int] = set()
@@ -69,13 +75,31 @@ def test_a_start_takes_the_warm_runtime_which_is_then_replaced(tmp_path, tiny_mo
         log = (p.home / "logs" / f"{instance}.log").read_text()
         assert f"runtime pid {runtime}: becoming `stoker engine`" in log and "ready: serving 'tiny'" in log
 
-        # The keeper starts another; the engine keeps serving meanwhile (perhaps asleep and woken:
-        # the window is 1 s).
-        p.wait_for(lambda: len(runtime_pids(p.home) - {runtime}) == 1, deadline(300), "a new runtime")
-        seen |= runtime_pids(p.home)
+        # Its successor, forked at the handoff: the platform's child (it reaps it), in a process
+        # group of its own; the engine keeps serving meanwhile (perhaps asleep and woken: the
+        # window is 1 s).
+        p.wait_for(lambda: len(runtime_pids(p.home) - {runtime}) == 1, deadline(300), "a successor")
+        [successor] = runtime_pids(p.home) - {runtime}
+        seen.add(successor)
+        assert parent_of(successor) == p.proc.pid and os.getpgid(successor) == successor
         p.wait_for(
-            lambda: p.metric("stoker_warm_runtimes", engine="cpu") == 1, deadline(300), "the new one ready"
+            lambda: p.metric("stoker_warm_runtimes", engine="cpu") == 1, deadline(300), "the successor ready"
         )
+        logs = "".join(f.read_text() for f in (p.home / "logs" / "runtimes").glob("*.log"))
+        assert f"runtime pid {successor}: forked at a handoff" in logs  # not a fresh process
+
+        # A second deployment's start takes the successor, which serves it.
+        p.deploy("tiny2", tiny_model_dir, "--idle-timeout", "600")
+        second = httpx.post(
+            f"{p.url}/v1/chat/completions", json=body | {"model": "tiny2"}, timeout=deadline(300)
+        )
+        assert second.status_code == 200 and second.json()["usage"]["completion_tokens"] == 4
+        assert p.engine_pids()[second.headers["x-stoker-instance"]] == successor
+        assert p.metric("stoker_instance_startup_seconds_count", deployment="tiny2", tier="runtime") == 1
+        p.wait_for(
+            lambda: len(runtime_pids(p.home) - {runtime, successor}) == 1, deadline(300), "its successor"
+        )
+        seen |= runtime_pids(p.home)
         again = httpx.post(f"{p.url}/v1/chat/completions", json=body, timeout=deadline(300))
         assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 4
     finally:

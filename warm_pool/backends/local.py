@@ -159,7 +159,7 @@ class LocalBackend:
         self, spec: LaunchSpec, log_path: Path, instance_id: str
     ) -> tuple[ProcessHandle | None, asyncio.subprocess.Process | None]:
         """The handle and process of a warm runtime that took `spec`, or (None, None)."""
-        rt = self.runtimes.take(spec) if self.runtimes is not None else None
+        rt = await self.runtimes.take_soon(spec) if self.runtimes is not None else None
         if rt is None:
             return None, None
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -43,3 +44,39 @@ def read_start_ticks(pid: int) -> int | None:
 def killpg(pgid: int, sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, sig)
+
+
+class AdoptedProcess:
+    """A child this process did not spawn but must reap: a warm runtime's successor, forked twice
+    from a runtime and handed to this process by the kernel (a child subreaper,
+    `warm_pool.succession`), and the engine it later becomes. The part of `asyncio.subprocess.Process`
+    the keeper and the backend use (`pid`, `returncode`, `wait`), by polling `waitpid` for this PID
+    only: asyncio's child watcher waits on the PIDs it spawned, never on these. Where it is not (or
+    no longer) this process's child, it is gone once its PID no longer runs the process that had
+    `start_ticks`, its status unknown (-1)."""
+
+    UNKNOWN = -1
+
+    def __init__(self, pid: int, start_ticks: int, poll_s: float = 0.05) -> None:
+        self.pid = pid
+        self.start_ticks = start_ticks
+        self._poll_s = poll_s
+        self._returncode: int | None = None
+
+    @property
+    def returncode(self) -> int | None:
+        if self._returncode is None:
+            self._returncode = self._poll()
+        return self._returncode
+
+    def _poll(self) -> int | None:
+        try:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+        except ChildProcessError:
+            return None if read_start_ticks(self.pid) == self.start_ticks else self.UNKNOWN
+        return os.waitstatus_to_exitcode(status) if pid else None
+
+    async def wait(self) -> int:
+        while self.returncode is None:  # noqa: ASYNC110 (no event tells a non-spawned child's exit)
+            await asyncio.sleep(self._poll_s)
+        return self._returncode

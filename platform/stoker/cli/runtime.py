@@ -10,8 +10,12 @@ runtime (exit 2) after one error reply; the pool starts another.
 
     STOKER_RUNTIME_TOKEN=… stoker runtime --socket-dir /run/stoker/runtimes/cpu-1a2b
 
+At each handoff that names a successor it first forks the runtime that takes the next start
+(`warm_pool.succession`): a burst of starts across deployments each finds a runtime, at a fork's
+cost instead of the imports'.
+
 Another engine kind plugs in with its own entry doing the same three steps: preload, `serve_one`,
-`take_over`, then its own command line's main.
+`take_over`, then its own command line's main (forking a successor where it can).
 """
 
 from __future__ import annotations
@@ -100,15 +104,7 @@ def refuse(argv: tuple[str, ...]) -> str | None:
 
 def run(args: argparse.Namespace) -> int:
     from stoker.errors import CLIError
-    from warm_pool.handoff import (
-        TOKEN_ENV,
-        HandoffError,
-        die_with_keeper,
-        listen,
-        reply,
-        serve_one,
-        take_over,
-    )
+    from warm_pool.handoff import TOKEN_ENV, HandoffError, die_with_keeper, listen
 
     token = os.environ.pop(TOKEN_ENV, "")  # the engine it becomes does not inherit it
     if not token:
@@ -126,17 +122,21 @@ def run(args: argparse.Namespace) -> int:
         f"runtime pid {os.getpid()}: imports done in {time.monotonic() - t0:.2f}s{skipped}; waiting",
         flush=True,
     )
+    return serve(listener, token, forks=args.device == "cpu")
+
+
+def serve(listener, token: str, *, forks: bool) -> int:
+    """Become the engine of the handoff that comes (`warm_pool.succession.become_engine`: forking a
+    successor at each one that names it, where `forks`: no CUDA context, which a fork does not
+    carry); the engine's command line's exit status, or 2 for a handoff refused."""
+    from warm_pool.handoff import HandoffError
+    from warm_pool.succession import become_engine
+
     try:
-        handoff, conn, log_fd = serve_one(listener, token)
+        handoff = become_engine(listener, token, forks=forks, refuse=refuse)
     except HandoffError as exc:
         print(f"stoker: error: handoff refused: {exc}", file=sys.stderr, flush=True)
         return 2
-    why = refuse(handoff.argv)
-    if why is not None:
-        reply(conn, {"ok": False, "error": why})
-        print(f"stoker: error: handoff refused: {why}", file=sys.stderr, flush=True)
-        return 2
-    take_over(handoff, conn, log_fd, listener)
     print(f"runtime pid {os.getpid()}: becoming `stoker {handoff.argv[0]}`", flush=True)
     return cli_parser.run(engine_parser(), list(handoff.argv))
 
