@@ -10,8 +10,10 @@ A runtime taken is replaced by its successor: a kind that `forks` (the CPU engin
 the handoff, the directory and token of the runtime it forks before it becomes the engine
 (`warm_pool.succession`), a copy with every import done that listens within milliseconds, which the
 keeper adopts (this process is made a child subreaper, so the successor becomes its child) and
-reaps. A start that finds no ready runtime while a successor is due waits for it (`take_soon`, at
-most `successor_wait_s`), so K starts in a burst each take the runtime path. A kind that does not
+reaps. A start that finds no ready runtime while one that could take it is due (a successor) or
+starting (its imports under way) waits for it (`take_soon`, at most `wait_s`), so K starts in a
+burst each take the runtime path, and a start just after the platform came up does not spawn a
+second process importing beside the runtime's. A kind that does not
 fork (a runtime holding a CUDA context: a fork does not carry it), or a successor that did not come
 up, is replaced in the background, `refill_delay_s` (10 s) later, so that the replacement's imports
 do not compete with the new engine's first requests for the CPU.
@@ -179,7 +181,7 @@ class RuntimeKeeper:
         ready_timeout_s: float = 600.0,
         memory_interval_s: float = 5.0,
         refill_delay_s: float = 10.0,  # after a take, before its replacement starts importing
-        successor_wait_s: float = 10.0,  # the longest a start waits for a successor due (`take_soon`)
+        wait_s: float = 30.0,  # the longest a start waits for a runtime due or starting (`take_soon`)
     ) -> None:
         if len({k.engine for k in kinds}) != len(kinds):
             raise ValueError("one runtime kind per engine")
@@ -192,7 +194,7 @@ class RuntimeKeeper:
         self._ready_timeout_s = ready_timeout_s
         self._memory_interval_s = memory_interval_s
         self._refill_delay_s = refill_delay_s
-        self._successor_wait_s = successor_wait_s
+        self._wait_s = wait_s
         self._runtimes: dict[str, Runtime] = {}
         self._due = dict.fromkeys(self.kinds, 0)  # successors of runtimes being handed off, by engine
         self._changed = asyncio.Event()  # set (and replaced) when a successor comes or will not
@@ -233,19 +235,34 @@ class RuntimeKeeper:
         return None
 
     async def take_soon(self, spec: LaunchSpec) -> Runtime | None:
-        """`take`, or, with none ready while a successor that could run `spec` is due (a burst: the
-        previous start's handoff is under way), the successor once it listens; None when none is due
-        or none came within `successor_wait_s`."""
-        end = self._clock() + self._successor_wait_s
+        """`take`, or, with none ready while one that could run `spec` is on its way, that one once it
+        is ready: a successor due (a burst: the previous start's handoff is under way) or a runtime
+        starting (its imports under way: a fresh process spawned now would only finish its imports
+        later, sharing the CPU with it). None when none is on its way, or none came within `wait_s`."""
+        end = self._clock() + self._wait_s
         while (rt := self.take(spec)) is None:
-            due = any(self._due[k.engine] for k in self.kinds.values() if k.takes(spec))
             left = end - self._clock()
-            if not due or left <= 0:
+            if not self._on_its_way(spec) or left <= 0:
                 return None
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(min(left, self._interval_s)):
                     await self._changed.wait()
         return rt
+
+    def _on_its_way(self, spec: LaunchSpec) -> bool:
+        """A runtime that could take `spec` is due (a successor: its environment is its parent's,
+        the keeper's for its kind) or starting."""
+        for kind in self.kinds.values():
+            env = with_python_path(os.environ | self._env, kind.python_path)
+            if self._due[kind.engine] and kind.takes(spec) and fits(spec.env, env) is None:
+                return True
+        return any(
+            r.ready_at is None
+            and r.process.returncode is None
+            and r.kind.takes(spec)
+            and fits(spec.env, r.env) is None
+            for r in self._runtimes.values()
+        )
 
     def _forks(self, kind: RuntimeKind) -> bool:
         return kind.forks and bool(self._subreaper)

@@ -411,3 +411,41 @@ async def _line(path: Path) -> str:
 
 def _text(path: Path) -> str:
     return path.read_text() if path.exists() else ""
+
+
+# A runtime whose imports last until the test says (it listens once `gate` exists).
+GATED_RUNTIME = (
+    """
+import os, sys, time
+from pathlib import Path
+gate = Path(os.environ["GATE"])
+while not gate.exists():
+    time.sleep(0.01)
+"""
+    + RUNTIME
+)
+
+
+async def test_a_start_waits_for_a_runtime_still_importing_rather_than_spawning_beside_it(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setenv("GATE", str(tmp_path / "gate"))
+    keeper = RuntimeKeeper([forking_kind(script=GATED_RUNTIME)], tmp_path / "logs", interval_s=0.05)
+    keeper.start()
+    try:
+        await until(lambda: len(keeper.status()) == 1, what="a runtime starting")
+        [(starting, state)] = [(r["pid"], r["state"]) for r in keeper.status()]
+        assert state == "starting"
+        # One that cannot fit it (a variable read at start differs) is not waited for.
+        assert await keeper.take_soon(LaunchSpec(ENGINE_SPEC.argv, env={"CUDA_VISIBLE_DEVICES": "7"})) is None
+        waiting = asyncio.create_task(keeper.take_soon(ENGINE_SPEC))
+        for _ in range(10):  # it cannot finish while the runtime has not listened
+            await asyncio.sleep(0.05)
+            assert not waiting.done()
+        (tmp_path / "gate").touch()
+        rt = await asyncio.wait_for(waiting, deadline(60))
+        assert rt is not None and rt.handle.pid == starting
+        await keeper.hand_off(rt, ENGINE_SPEC, tmp_path / "engine.log")
+        assert await rt.process.wait() == 0
+    finally:
+        await keeper.aclose()
