@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import shlex
 import signal
@@ -40,6 +41,7 @@ import time
 from pathlib import Path
 
 import httpx
+import runtime_bench
 from common import (
     REPO,
     Processes,
@@ -53,39 +55,26 @@ from common import (
     say,
     write_results,
 )
-from scale_bench import InstanceWatch, StokerUp, stream_chat
+from scale_bench import StokerUp, stream_chat
 
 MODEL = "smollm2"
 DEPLOYMENTS = tuple(f"burst-{i}" for i in range(4))
 KINDS = ("fresh", "runtime")
 TIERS = ("runtime", "page_cache", "disk")
-SETTLE_S = 300.0
 GOAL = 1.5
 
 
-class Platform(StokerUp):
-    """One `stoker up` on a free loopback port, its own data dir, the shared snapshot store, with
-    `runtimes` warm runtimes and the four deployments at zero."""
-
-    def __init__(self, procs: Processes, home: Path, store: Path, log: Path, runtimes: int) -> None:
-        env = {
-            **os.environ,
-            "STOKER_HOME": str(home),
-            "STOKER_SNAPSHOT_STORE": str(store),
-            "HF_HUB_OFFLINE": "1",
-        }
-        super().__init__(procs, env, log)
-        self.home, self.runtimes = home, runtimes
-        self.watch = InstanceWatch(home)
+class Platform(runtime_bench.Platform):
+    """runtime_bench's platform (one `stoker up`, its own data dir, the shared snapshot store,
+    `runtimes` warm runtimes) with the four deployments at zero."""
 
     def start(self) -> None:
-        super().start("--warm-runtimes", str(self.runtimes))
+        StokerUp.start(self, "--warm-runtimes", str(self.runtimes))
         for name in DEPLOYMENTS:
             self.cli("deploy", name, "--model", MODEL, "--min-warm", "0", "--idle-timeout", "3")
 
     def settled(self) -> bool:
-        import json
-
+        """No instance of any of the deployments, and (with runtimes) every runtime ready."""
         self.watch.scan()
         listed = json.loads(self.cli("ls", "--json").stdout)
         if any(any(d["instances"].values()) for d in listed if d["name"] in DEPLOYMENTS):
@@ -93,33 +82,13 @@ class Platform(StokerUp):
         ready = self.metrics().get(("stoker_warm_runtimes", frozenset({("engine", "cpu")})), 0.0)
         return ready >= self.runtimes
 
-    def settle(self) -> None:
-        deadline = time.monotonic() + SETTLE_S
-        while not self.settled():
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"{self.home.name}: not settled within {SETTLE_S:.0f} s:\n{self.log_tail()}"
-                )
-            time.sleep(0.25)
-
     def tiers(self) -> dict[str, float]:
         m = self.metrics()
-        return {
-            t: sum(
-                m.get(
-                    ("stoker_instance_startup_seconds_count", frozenset({("deployment", d), ("tier", t)})),
-                    0.0,
-                )
-                for d in DEPLOYMENTS
-            )
-            for t in TIERS
-        }
-
-    def stop(self) -> None:
-        super().stop()
-        self.watch.scan()
-        if left := self.watch.kill_leftovers():
-            say(f"killed engine processes {self.home.name} left behind: {left}")
+        key = lambda d, t: (
+            "stoker_instance_startup_seconds_count",
+            frozenset({("deployment", d), ("tier", t)}),
+        )  # noqa: E731
+        return {t: sum(m.get(key(d, t), 0.0) for d in DEPLOYMENTS) for t in TIERS}
 
 
 async def burst(p: Platform, k: int) -> dict:
