@@ -10,7 +10,9 @@ A runtime taken is replaced by its successor: a kind that `forks` (the CPU engin
 the handoff, the directory and token of the runtime it forks before it becomes the engine
 (`warm_pool.succession`), a copy with every import done that listens within milliseconds, which the
 keeper adopts (this process is made a child subreaper, so the successor becomes its child) and
-reaps. A start that finds no ready runtime while one that could take it is due (a successor) or
+reaps. Being a subreaper, this process also receives whatever else is orphaned below it (an
+engine's own children, left when the engine's group is stopped): the loop reaps those zombies
+(`reap_orphans`) every `memory_interval_s`. A start that finds no ready runtime while one that could take it is due (a successor) or
 starting (its imports under way) waits for it (`take_soon`, at most `wait_s`), so K starts in a
 burst each take the runtime path, and a start just after the platform came up does not spawn a
 second process importing beside the runtime's. A kind that does not
@@ -48,7 +50,14 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Gauge
 
-from warm_pool.backends.procs import OWNER_ENV, AdoptedProcess, ProcessHandle, killpg, read_start_ticks
+from warm_pool.backends.procs import (
+    OWNER_ENV,
+    AdoptedProcess,
+    ProcessHandle,
+    killpg,
+    read_start_ticks,
+    reap_orphans,
+)
 from warm_pool.backoff import restart_delay
 from warm_pool.census import Member
 from warm_pool.fleet import CPU_DEVICE, Fleet
@@ -493,6 +502,8 @@ class RuntimeKeeper:
                 await self._spawn(kind, now)
         if now - self._measured_at >= self._memory_interval_s:
             self._measured_at = now
+            if self._subreaper and (orphans := reap_orphans()):
+                log.info("reaped %d orphaned process(es) of stopped engines: %s", len(orphans), orphans)
             for rt in self._runtimes.values():
                 rt.rss, rt.pss = memory_of(rt.handle.pid) or (rt.rss, rt.pss)
         self._gauges()

@@ -449,3 +449,33 @@ async def test_a_start_waits_for_a_runtime_still_importing_rather_than_spawning_
         assert await rt.process.wait() == 0
     finally:
         await keeper.aclose()
+
+
+# As "its engine", it starts a child of its own (in its process group) and says its PID.
+PARENT_RUNTIME = (
+    RUNTIME.replace('print("became", " ".join(handoff.argv), flush=True)', "")
+    + """
+import subprocess, time
+child = subprocess.Popen(["sleep", "300"])
+print("child", child.pid, flush=True)
+time.sleep(300)
+"""
+)
+
+
+async def test_an_engines_orphaned_child_is_reaped_by_the_subreaper(tmp_path):
+    keeper = RuntimeKeeper(
+        [forking_kind(script=PARENT_RUNTIME)], tmp_path / "logs", interval_s=0.05, memory_interval_s=0.0
+    )
+    keeper.start()
+    try:
+        await until(lambda: keeper.ready("cpu") == 1, what="the first runtime ready")
+        rt = keeper.take(ENGINE_SPEC)
+        handle = await keeper.hand_off(rt, ENGINE_SPEC, tmp_path / "engine.log")
+        child = int((await _line(tmp_path / "engine.log")).split()[1])
+        assert os.getpgid(child) == handle.pgid  # in the engine's group
+        os.killpg(handle.pgid, signal.SIGKILL)  # the engine's group stopped: its child is orphaned here
+        assert await rt.process.wait() == -signal.SIGKILL
+        await until(lambda: not _text(Path(f"/proc/{child}/stat")), what="the orphan reaped, not a zombie")
+    finally:
+        await keeper.aclose()

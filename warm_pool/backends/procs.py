@@ -80,3 +80,33 @@ class AdoptedProcess:
         while self.returncode is None:  # noqa: ASYNC110 (no event tells a non-spawned child's exit)
             await asyncio.sleep(self._poll_s)
         return self._returncode
+
+
+def reap_orphans(proc: Path = Path("/proc")) -> list[int]:
+    """Reap the zombie children that were orphaned into this process (a child subreaper: see
+    `warm_pool.succession`) and that no one else here waits for: members of another process's
+    group, such as an engine's own children, left when that engine's group was stopped. A child
+    this process spawned leads its own group (engines, runtimes, successors: each a session) or
+    shares this process's, and is never touched here: its spawner waits for its status. The PIDs
+    reaped."""
+    own_group, reaped = os.getpgid(0), []
+    try:
+        tasks = list((proc / "self" / "task").iterdir())
+    except OSError:
+        return reaped
+    for task in tasks:
+        try:
+            children = [int(pid) for pid in (task / "children").read_text().split()]
+        except (OSError, ValueError):
+            continue
+        for pid in children:
+            try:
+                stat = (proc / str(pid) / "stat").read_text()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2 :].split()  # state, ppid, pgrp, …
+            if fields[0] == "Z" and int(fields[2]) not in (pid, own_group):
+                with contextlib.suppress(ChildProcessError):
+                    if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                        reaped.append(pid)
+    return reaped
