@@ -78,7 +78,7 @@ def become_engine(
     token: str,
     *,
     forks: bool,
-    refuse: Callable[[tuple[str, ...]], str | None] = lambda argv: None,
+    refuse: Callable[[Handoff], str | None] = lambda handoff: None,
 ) -> Handoff:
     """A runtime's life up to the engine it becomes: wait for a handoff on `listener` (with
     `token`), refuse it if `refuse` says why (answered, then `HandoffError`, as for anything wrong
@@ -87,7 +87,7 @@ def become_engine(
     handoff to run; the caller runs its program."""
     while True:
         handoff, conn, log_fd = serve_one(listener, token)
-        why = refuse(handoff.argv)
+        why = refuse(handoff)
         if why is not None:
             reply(conn, {"ok": False, "error": why})
             conn.close()

@@ -124,15 +124,21 @@ def runtime_command(runtime: VllmRuntime, script: Path = RUNTIME_SCRIPT) -> tupl
 def runtime_kind(runtime: VllmRuntime, count: int, script: Path = RUNTIME_SCRIPT):
     """The keeper's `RuntimeKind` for `count` vLLM runtimes: it takes launches of the program "vllm"
     whose arguments begin with `serve` (warm_pool.launch.vllm_spec's), started with the vLLM
-    guard's directory on their path (a launch with a key loads the guard). None for 0 or where
-    `runtime_command` has none."""
+    guard's directory on their path (a launch with a key loads the guard); a CPU build's runtimes
+    fork their successors (`warm_pool.succession`). None for 0 or where `runtime_command` has none."""
     from warm_pool.runtimes import RuntimeKind  # the keeper's module: only where runtimes are kept
 
     command = runtime_command(runtime, script)
     if count <= 0 or command is None:
         return None
     return RuntimeKind(
-        "vllm", command, count, program="vllm", first_args=("serve",), python_path=(str(VLLM_GUARD_DIR),)
+        "vllm",
+        command,
+        count,
+        program="vllm",
+        first_args=("serve",),
+        python_path=(str(VLLM_GUARD_DIR),),
+        forks=runtime.cpu_build,  # a GPU build's engine would need the CUDA state a fork does not carry
     )
 
 

@@ -11,6 +11,8 @@ additions to the environment, the directory to run in, the runtime's token, and 
 as a file descriptor. It takes over (`warm_pool.handoff.take_over`: environment, directory, log as
 stdout and stderr, PID answered, socket removed) and runs vLLM's own CLI with that argv, so the
 pool's launch spec (`warm_pool.launch.vllm_spec`) is served unchanged, with the runtime's PID.
+A handoff that names a successor (the pool asks it of a CPU build's runtimes) is forked first
+(`warm_pool.succession.become_engine`): a copy with vLLM imported that takes the next start.
 
 The engine core. vLLM V1 runs its engine core in a child process of the API server. vLLM's CPU
 platform makes that child a *spawned* one (`VLLM_WORKER_MULTIPROC_METHOD=spawn`, set in
@@ -42,16 +44,8 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # warm_pool.handoff: standard library only, shared with the pool
     sys.path.insert(0, str(REPO))
 
-from warm_pool.handoff import (  # noqa: E402
-    TOKEN_ENV,
-    Handoff,
-    HandoffError,
-    die_with_keeper,
-    listen,
-    reply,
-    serve_one,
-    take_over,
-)
+from warm_pool.handoff import TOKEN_ENV, Handoff, HandoffError, die_with_keeper, listen  # noqa: E402
+from warm_pool.succession import become_engine  # noqa: E402
 
 SPAWN_ENV = "STOKER_VLLM_RUNTIME_SPAWN"
 # What `vllm serve` imports before it serves, and what its engine core imports to build and run a
@@ -172,17 +166,11 @@ def main(argv: list[str] | None = None) -> int:
     skipped = f" (not found: {', '.join(missing)})" if missing else ""
     print(f"vllm runtime pid {os.getpid()}: imports done in {time.monotonic() - t0:.2f}s{skipped}; waiting")
     sys.stdout.flush()
-    try:
-        handoff, conn, log_fd = serve_one(listener, token)
+    try:  # forking its successor at each handoff that names one (the pool asks of a CPU build only)
+        handoff = become_engine(listener, token, forks=True, refuse=lambda h: refuse(h, dict(os.environ)))
     except HandoffError as exc:
         print(f"vllm runtime: error: handoff refused: {exc}", file=sys.stderr)
         return 2
-    why = refuse(handoff, dict(os.environ))
-    if why is not None:
-        reply(conn, {"ok": False, "error": why})
-        print(f"vllm runtime: error: handoff refused: {why}", file=sys.stderr)
-        return 2
-    take_over(handoff, conn, log_fd, listener)
     if os.environ.get("PYTHONUNBUFFERED"):  # read at interpreter start: honour it for the engine now
         sys.stdout.reconfigure(line_buffering=True, write_through=True)
         sys.stderr.reconfigure(line_buffering=True, write_through=True)

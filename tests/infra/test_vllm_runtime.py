@@ -21,8 +21,10 @@ import pytest
 
 from tests.conftest import REPO
 from tests.deadlines import VLLM_START
-from warm_pool.handoff import SOCKET_NAME, TOKEN_ENV, Handoff, HandoffError, hand_off
+from warm_pool.backends.procs import AdoptedProcess, read_start_ticks
+from warm_pool.handoff import SOCKET_NAME, TOKEN_ENV, Handoff, HandoffError, Successor, hand_off
 from warm_pool.launch import vllm_spec
+from warm_pool.succession import become_subreaper
 
 VLLM = REPO / ".venv-vllm" / "bin" / "vllm"
 VLLM_PY = REPO / ".venv-vllm" / "bin" / "python"
@@ -111,6 +113,44 @@ def test_a_runtime_refuses_what_is_not_serve(tmp_path):
     assert "imports done" in log.read_text() and "handoff refused" in log.read_text()
 
 
+@needs_vllm
+def test_a_runtime_forks_a_successor_that_is_a_vllm_runtime_too(tmp_path):
+    assert become_subreaper()  # this process takes the successor, as the platform's keeper does
+    token, next_token = secrets.token_urlsafe(32), secrets.token_urlsafe(32)
+    proc, sock_dir, _ = start_runtime(tmp_path, token)
+    next_dir = tmp_path / "next"
+    next_dir.mkdir(mode=0o700)
+    logs = [os.open(tmp_path / name, os.O_WRONLY | os.O_CREAT, 0o600) for name in ("engine.log", "next.log")]
+    try:
+        answer = hand_off(
+            sock_dir / SOCKET_NAME,
+            Handoff(("serve", "--help"), successor=Successor(str(next_dir), next_token)),
+            token,
+            expect_pid=proc.pid,
+            log_fd=logs[0],
+            successor_log_fd=logs[1],
+        )
+        assert answer.pid == proc.pid and answer.successor_pid not in (None, proc.pid)
+        successor = AdoptedProcess(answer.successor_pid, read_start_ticks(answer.successor_pid))
+        assert (next_dir / SOCKET_NAME).exists()  # it listened before the answer came
+        assert os.getpgid(successor.pid) == successor.pid != os.getpgid(proc.pid)
+        assert proc.wait(120) == 0  # `vllm serve --help`
+        # The successor is a vLLM runtime with every import done: it refuses what is not `serve`.
+        with pytest.raises(HandoffError, match="runs `vllm serve`, not `vllm bench`"):
+            hand_off(
+                next_dir / SOCKET_NAME, Handoff(("bench", "serve")), next_token, expect_pid=successor.pid
+            )
+        end = time.monotonic() + DEADLINE_S
+        while successor.returncode is None and time.monotonic() < end:
+            time.sleep(0.1)
+        assert successor.returncode == 2  # reaped here, its status known
+    finally:
+        for fd in logs:
+            os.close(fd)
+        stop(proc)
+    assert "forked at a handoff" in (tmp_path / "next.log").read_text()
+
+
 def test_runtime_kind_takes_the_pools_vllm_launches_and_nothing_else(tmp_path):
     from warm_pool.launch import cpu_engine_spec
     from warm_pool.vllm import VllmRuntime, runtime_kind
@@ -123,7 +163,8 @@ def test_runtime_kind_takes_the_pools_vllm_launches_and_nothing_else(tmp_path):
     vllm = VllmRuntime((str(bin_dir / "vllm"),), "0.32.0+cpu")
     kind = runtime_kind(vllm, 1)
     assert kind.command == (str(bin_dir / "python"), str(RUNTIME))
-    assert kind.engine == "vllm" and kind.count == 1
+    assert kind.engine == "vllm" and kind.count == 1 and kind.forks  # a CPU build forks its successors
+    assert not runtime_kind(VllmRuntime(vllm.command, "0.32.0"), 1).forks  # a GPU build does not
     snapshot = tmp_path / "store" / "abc"
     served = vllm_spec(snapshot, 1234, "d", [], sleep_mode=False, vllm_command=vllm.command)
     assert kind.takes(served)

@@ -133,7 +133,7 @@ def serve(listener, token: str, *, forks: bool) -> int:
     from warm_pool.succession import become_engine
 
     try:
-        handoff = become_engine(listener, token, forks=forks, refuse=refuse)
+        handoff = become_engine(listener, token, forks=forks, refuse=lambda h: refuse(h.argv))
     except HandoffError as exc:
         print(f"stoker: error: handoff refused: {exc}", file=sys.stderr, flush=True)
         return 2
