@@ -84,11 +84,11 @@ class Platform(runtime_bench.Platform):
 
     def tiers(self) -> dict[str, float]:
         m = self.metrics()
-        key = lambda d, t: (
-            "stoker_instance_startup_seconds_count",
-            frozenset({("deployment", d), ("tier", t)}),
-        )  # noqa: E731
-        return {t: sum(m.get(key(d, t), 0.0) for d in DEPLOYMENTS) for t in TIERS}
+        name = "stoker_instance_startup_seconds_count"
+        return {
+            t: sum(m.get((name, frozenset({("deployment", d), ("tier", t)})), 0.0) for d in DEPLOYMENTS)
+            for t in TIERS
+        }
 
 
 async def burst(p: Platform, k: int) -> dict:

@@ -3,7 +3,8 @@
 ARCHITECTURE.md's tier table: "an engine process with its imports done (and on a GPU its CUDA
 context), no model | host RAM | weight load only". The keeper holds `count` runtimes of each engine
 kind (`RuntimeKind`; `stoker up --warm-runtimes N`, 1 by default for the CPU engine, 0 turns the
-tier off). The local backend (`warm_pool.backends.local`) asks it for one at every start (`take`): a ready
+tier off), an on-demand kind's (the CPU engine's) only once a deployment of its engine exists
+(`want`, from the control plane's pools): a platform that serves none holds none. The local backend (`warm_pool.backends.local`) asks it for one at every start (`take`): a ready
 runtime whose kind runs that launch is handed the launch over its socket (`warm_pool.handoff`) and
 becomes the instance's engine, same PID; with none ready the start spawns a fresh process as before.
 A runtime taken is replaced by its successor: a kind that `forks` (the CPU engine's) is sent, with
@@ -89,7 +90,9 @@ class RuntimeKind:
     ahead on its PYTHONPATH: an interpreter reads that once). `device_bytes` is device memory a
     runtime holds on `device` (a GPU runtime's CUDA context, a configured figure); a CPU runtime's
     host memory is measured instead. `forks`: its runtimes fork their successor at each handoff
-    (`warm_pool.succession`; never one holding a CUDA context)."""
+    (`warm_pool.succession`; never one holding a CUDA context). `on_demand`: none is kept before a
+    deployment of its engine exists (`RuntimeKeeper.want`): a platform that serves no model of
+    that engine holds no runtime's memory."""
 
     engine: str
     command: tuple[str, ...]
@@ -100,6 +103,7 @@ class RuntimeKind:
     device_bytes: int = 0
     python_path: tuple[str, ...] = ()
     forks: bool = False
+    on_demand: bool = False
 
     def __post_init__(self) -> None:
         if self.count < 0:
@@ -209,6 +213,7 @@ class RuntimeKeeper:
         self._changed = asyncio.Event()  # set (and replaced) when a successor comes or will not
         self._subreaper: bool | None = None  # made one at the first start of a kind that forks
         self._orphans: list[AdoptedProcess] = []  # successors not kept, to reap once they are gone
+        self._wanted: set[str] = set()  # engines with a deployment: on-demand kinds are kept from then on
         self._failures = dict.fromkeys(self.kinds, 0)
         self._not_before = dict.fromkeys(self.kinds, 0.0)
         self._measured_at = -float("inf")
@@ -220,6 +225,17 @@ class RuntimeKeeper:
         self.host_device: str | None = None  # the fleet's CPU budget, where runtimes' RAM counts
 
     # ---- what the backend and operators ask -----------------------------------------------------------
+
+    def want(self, engine: str) -> None:
+        """A deployment of `engine` exists: keep its on-demand runtimes from now on (for as long as
+        the keeper runs)."""
+        if engine not in self._wanted:
+            self._wanted.add(engine)
+            self._poke.set()
+
+    def kept(self, kind: RuntimeKind) -> int:
+        """How many runtimes of `kind` to keep now: its count, or none while it waits for demand."""
+        return kind.count if not kind.on_demand or kind.engine in self._wanted else 0
 
     def ready(self, engine: str) -> int:
         return sum(1 for r in self._runtimes.values() if r.kind.engine == engine and r.ready_at is not None)
@@ -498,7 +514,7 @@ class RuntimeKeeper:
             live = self._due[kind.engine] + sum(
                 1 for r in self._runtimes.values() if r.kind.engine == kind.engine
             )
-            for _ in range(to_start(kind.count, live, now, self._not_before[kind.engine])):
+            for _ in range(to_start(self.kept(kind), live, now, self._not_before[kind.engine])):
                 await self._spawn(kind, now)
         if now - self._measured_at >= self._memory_interval_s:
             self._measured_at = now
@@ -610,7 +626,8 @@ def cpu_keeper(
         raise ValueError(f"--warm-runtimes must be 0 (off) or more, got {count}")
     if count == 0 and not keep:
         return None
-    kinds = [RuntimeKind("cpu", (*default_stoker_command(), "runtime"), count, forks=True)] if count else []
+    command = (*default_stoker_command(), "runtime")
+    kinds = [RuntimeKind("cpu", command, count, forks=True, on_demand=True)] if count else []
     env = {OWNER_ENV: owner} if owner else {}
     keeper = RuntimeKeeper(kinds, log_dir / "runtimes", env=env, metrics=RuntimeMetrics(registry))
     if fleet is not None:

@@ -57,7 +57,7 @@ class PlatformProcess:
         self.log = self.home / f"up-{time.monotonic_ns()}.log"
         self.home.mkdir(parents=True, exist_ok=True)
         with self.log.open("wb") as out:
-            defaults = (*self._hold(), *self._runtimes())
+            defaults = self._hold()
             cmd = [STOKER, self.command, "--port", str(self.port), *self.args, *defaults]
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=self.env)
         return self
@@ -74,14 +74,6 @@ class PlatformProcess:
         if any(a == "--hold-deadline" or a.startswith("--hold-deadline=") for a in self.args):
             return ()
         return ("--hold-deadline", f"{HOLD:g}s")
-
-    def _runtimes(self) -> tuple[str, ...]:
-        """No warm runtime unless a test asks (`--warm-runtimes N`): each is a process importing
-        torch and transformers, which on CI's 2 cores would slow every other test's platform.
-        The tier itself is tested in tests/warm_pool/test_runtime_*.py."""
-        if self.command not in ("up", "controller") or "--warm-runtimes" in self.args:
-            return ()
-        return ("--warm-runtimes", "0")
 
     def stop(self, sig: int = signal.SIGTERM) -> int:
         if self.proc is None or self.proc.poll() is not None:

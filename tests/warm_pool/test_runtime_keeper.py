@@ -479,3 +479,22 @@ async def test_an_engines_orphaned_child_is_reaped_by_the_subreaper(tmp_path):
         await until(lambda: not _text(Path(f"/proc/{child}/stat")), what="the orphan reaped, not a zombie")
     finally:
         await keeper.aclose()
+
+
+async def test_an_on_demand_kind_keeps_none_before_a_deployment_of_its_engine_wants_it(tmp_path):
+    kind = RuntimeKind("cpu", (sys.executable, "-c", RUNTIME), 1, on_demand=True)
+    keeper = RuntimeKeeper([kind], tmp_path / "logs", interval_s=0.05)
+    keeper.start()
+    try:
+        for _ in range(10):  # its loop runs, and spawns nothing
+            await asyncio.sleep(0.05)
+            assert keeper.status() == [] and keeper.kept(kind) == 0
+        assert await keeper.take_soon(ENGINE_SPEC) is None  # none on its way: a fresh start
+        keeper.want("vllm")  # another engine's deployment
+        await asyncio.sleep(0.2)
+        assert keeper.status() == []
+        keeper.want("cpu")
+        await until(lambda: keeper.ready("cpu") == 1, what="a runtime once a CPU deployment exists")
+        assert keeper.kept(kind) == 1
+    finally:
+        await keeper.aclose()

@@ -46,6 +46,8 @@ def test_a_start_takes_the_warm_runtime_whose_successor_takes_the_next(tmp_path,
     p.start()
     seen: set[int] = set()
     try:
+        assert runtime_pids(p.home) == set()  # none before a deployment of the CPU engine exists
+        p.deploy("tiny", tiny_model_dir, "--idle-timeout", "600")
         p.wait_for(
             lambda: p.metric("stoker_warm_runtimes", engine="cpu") == 1, deadline(300), "a warm runtime"
         )
@@ -53,7 +55,6 @@ def test_a_start_takes_the_warm_runtime_whose_successor_takes_the_next(tmp_path,
         seen.add(runtime)
         measured = lambda: p.metric("stoker_warm_runtime_memory_bytes", engine="cpu", kind="pss") > 0  # noqa: E731
         p.wait_for(measured, WAIT, "the runtime's memory measured")
-        p.deploy("tiny", tiny_model_dir, "--idle-timeout", "600")
         # ignore_eos: the random tiny model may sample its end token (or tokens that decode to
         # nothing) first; the engine must generate exactly the 4 tokens asked for.
         body = {
@@ -115,7 +116,6 @@ def test_a_waiting_runtime_dies_with_its_keeper_and_an_engine_it_became_does_not
     p.start()
     engine = None
     try:
-        p.wait_for(lambda: len(runtime_pids(p.home)) == 1, deadline(300), "a warm runtime")
         p.deploy("tiny", tiny_model_dir, "--min-warm", "1", "--idle-timeout", "600")
         p.wait_for(lambda: p.deployments()["tiny"]["instances"]["READY"] == 1, deadline(300), "READY")
         [engine] = p.engine_pids().values()

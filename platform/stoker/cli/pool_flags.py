@@ -49,8 +49,8 @@ def add_pool_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=1,
         metavar="N",
-        help="CPU-engine processes kept started ahead of need, imports done and no model: a start takes "
-        "one and loads only the weights (0: off)",
+        help="CPU-engine processes kept started ahead of need once a CPU-engine deployment exists, imports "
+        "done and no model: a start takes one and loads only the weights, and it forks the next (0: off)",
     )
     p.add_argument(
         "--vllm-warm-runtimes",

@@ -405,7 +405,10 @@ class Platform:
         return d
 
     def new_unit(self, spec: DeploymentSpec, adopt: list[Running] = (), min_warm: int | None = None) -> Unit:
-        """A pool (and, in one process, an activator) for one revision; running at once."""
+        """A pool (and, in one process, an activator) for one revision; running at once. Its engine's
+        warm runtimes are kept from now on (`RuntimeKeeper.want`)."""
+        if self._keeper is not None:
+            self._keeper.want(spec.engine)
         pool = Pool(
             PoolSpec(
                 deployment=spec.name,

@@ -98,13 +98,12 @@ def test_a_second_platform_on_a_data_dir_in_use_is_refused_and_harms_nothing(
     first.deploy("tiny", tiny_model_dir, "--min-warm", "1", "--max", "1")
     first.wait_for(lambda: first.deployments()["tiny"]["instances"]["READY"] == 1, ENGINE_START, "READY")
     [engine] = first.engine_pids().values()
+
     # The waiting runtime: the engine may have been one (it keeps the runtime's command line).
-    runtimes = lambda: (
-        {  # noqa: E731
-            c.pid for c in psutil.Process(first.proc.pid).children() if "runtime" in c.cmdline()
-        }
-        - {engine}
-    )
+    def runtimes() -> set[int]:
+        children = psutil.Process(first.proc.pid).children()
+        return {c.pid for c in children if "runtime" in c.cmdline()} - {engine}
+
     first.wait_for(lambda: len(runtimes()) == 1, ENGINE_START, "a warm runtime")
     [runtime] = runtimes()
 
