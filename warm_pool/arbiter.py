@@ -23,9 +23,9 @@ arbiter grants what fits (`Grant`):
    (`_roomiest`). Fewest stops first: a sleeper put to sleep costs its next request a wake (~1 s),
    a sleeper stopped costs it a fresh start (20-28 s on a GPU), a slow cold start the arbiter
    caused. Two 40 GB instances awake fill an 80 GB device to the byte, so a start there stops
-   every sleeper on it, where another device would only have put an idle instance to sleep:
-   24 deployments on 3 devices went from 244 slow cold starts to 138 with this alone
-   (`bench/fleet_bench.py`).
+   every sleeper on it, where another device would only have put an idle instance to sleep
+   (`bench/fleet_bench.py`'s eighth, 24 deployments on 3 devices: 244 slow cold starts with the
+   held served first come, first served, 138 with the stops counted first as well).
 3. A victim's deployment gets a grant one READY lower (and one SLEEPING higher when it was put to
    sleep): its own pool carries that out at its next tick.
 4. The asking deployment's growth is then cut to what fits the memory free now (`fits_now`), before
