@@ -5,6 +5,7 @@ arbitrate-and-fit stage of a tick: `arbiter.arbitrate`, then `arbiter.fits_now`,
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import replace
 
@@ -25,12 +26,26 @@ class FleetSeat:
         self.wish: Wish | None = None  # the latest, for the fleet's arbiter
         self._last_grant = ""  # how the fleet last changed a decision, as logged
         self._outstanding: Mapping[str, int] = {}  # requests in flight per instance, at the last tick
+        self._held_since: float | None = None  # the first tick of the current spell with requests held
 
     def arbitrate(
-        self, decision: Decision, load: LoadView, footprint: Footprint, horizon_s: float
+        self,
+        decision: Decision,
+        load: LoadView,
+        footprint: Footprint,
+        horizon_s: float,
+        now: float | None = None,
     ) -> tuple[Decision, tuple[str, ...]]:
-        """The decision as the fleet grants it, and the devices its starts go on."""
+        """The decision as the fleet grants it, and the devices its starts go on. `now` (the pool's
+        clock, shared by every pool of the fleet) dates the requests held: the arbiter serves the
+        deployment held longest first. The date is the first tick of the spell with requests held
+        (a held request pokes the pool at once, so that tick is the oldest's arrival); it lasts
+        until nothing is held, so a deployment held throughout keeps its place in the line."""
         self._outstanding = dict(load.outstanding)
+        if load.queued <= 0 or now is None:
+            self._held_since = None
+        elif self._held_since is None:
+            self._held_since = now
         self.wish = Wish(
             self.name,
             decision.ready,
@@ -40,6 +55,7 @@ class FleetSeat:
             rate=decision.forecast or 0.0,
             horizon_s=horizon_s,
             held=load.queued,
+            held_since=self._held_since if self._held_since is not None else math.inf,
         )
         grant = self._fleet.grant(self.name)
         if grant is None or (grant.ready, grant.sleeping) == (decision.ready, decision.sleeping):

@@ -9,7 +9,7 @@ goes through the fleet arbiter (`warm_pool.arbiter.arbitrate`) before the apply 
    observation and asks its policy, exactly as the single-deployment simulator does.
 2. Its `Wish`: the decision's READY and SLEEPING, the instance's awake and asleep bytes, the rate
    (the decision's forecast, else the arrivals of the last 60 s per second), the horizon (the
-   measured wake time) and the requests held now.
+   measured wake time), the requests held now and when the oldest of them arrived.
 3. `arbitrate` runs over the latest wish of every deployment sharing the devices, their instances
    (awake: starting, waking or READY, draining ones included; busy: requests in flight) and the
    devices. An instance draining to stop is no member: its bytes are taken off its device instead.
@@ -223,6 +223,7 @@ class _Deployment(sim.Simulation):
             rate=rate,
             horizon_s=self.tracker.startup.wake,
             held=len(self._queued),
+            held_since=min((self.trace[i].t for i in self._queued), default=math.inf),
         )
 
     def _fits_now(self, grant: Grant) -> tuple[int, int]:

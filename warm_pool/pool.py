@@ -370,7 +370,7 @@ class Pool:
         self._start_tier = view.observation.start_tier
         self._tell_expected_start()
         decision = self._decide(view, now)
-        granted, start_on = self._arbitrate(decision, view)
+        granted, start_on = self._arbitrate(decision, view, now)
         census = self._recycle(view, decision.ready, granted.ready, now)
         actions = self._plan(granted, census, view.load.outstanding, now)
         self._apply(actions, granted, start_on, now)
@@ -386,14 +386,14 @@ class Pool:
         self._metrics.decided(self.name, decision.ready, decision.sleeping, decision.forecast)
         return decision
 
-    def _arbitrate(self, decision: Decision, view: View) -> tuple[Decision, tuple[str, ...]]:
+    def _arbitrate(self, decision: Decision, view: View, now: float) -> tuple[Decision, tuple[str, ...]]:
         """The decision as the fleet grants it (`warm_pool.fleet_seat`: the arbiter, then what fits
         now), and the devices its starts go on. An instance being replaced is asked for too."""
         if self._seat is None:
             return decision, ()
         wish = self._recycler.wish(decision)
         granted, start_on = self._seat.arbitrate(
-            wish, view.load, self.spec.footprint, self._tracker.startup.wake
+            wish, view.load, self.spec.footprint, self._tracker.startup.wake, now
         )
         return self._recycler.granted(granted), start_on
 

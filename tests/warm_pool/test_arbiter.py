@@ -114,6 +114,62 @@ def test_what_is_granted_fits_every_device():
     assert {name for name, g in grants.items() if g.ready} == {"d5", "d4"}  # the two worth most
 
 
+def test_held_deployments_are_served_first_come_first_served_not_by_name():
+    # Room for one start; both have a request held. "z" was held first: it goes first, where the
+    # name used to decide ("a" before "z") and an early name took every slot a wave freed.
+    a = Wish("a", 1, 0, 2 * GB, GB // 10, held=1, held_since=20.0)
+    z = Wish("z", 1, 0, 2 * GB, GB // 10, held=1, held_since=10.0)
+    grants = arbitrate([a, z], [], ONE)
+    assert grants["z"] == Grant(1, 0, ("cpu0",))
+    assert grants["a"] == Grant(0, 0, (), denied=1)
+    # Held as long: by name, so the order is total.
+    grants = arbitrate([a, Wish("z", 1, 0, 2 * GB, GB // 10, held=1, held_since=20.0)], [], ONE)
+    assert grants["a"].ready == 1 and grants["z"].denied == 1
+
+
+def test_a_forecast_never_jumps_the_line_of_the_held():
+    # held_since only orders the held; a deployment with nothing held is worth its forecast.
+    early = Wish("a", 1, 0, 2 * GB, GB // 10, rate=5.0, held_since=0.0)
+    held = Wish("b", 1, 0, 2 * GB, GB // 10, held=1, held_since=50.0)
+    assert arbitrate([early, held], [], ONE)["b"] == Grant(1, 0, ("cpu0",))
+
+
+def _gpu_wish(
+    name: str, ready: int, sleeping: int = 0, *, rate: float = 0.0, held: int = 0, asleep: int = 768 << 20
+):
+    return Wish(name, ready, sleeping, 40 * GB, asleep, rate=rate, horizon_s=1.0, held=held)
+
+
+def test_a_fresh_start_puts_an_instance_to_sleep_rather_than_stop_a_sleeper():
+    # Two 80 GB devices, each with a busy 40 GB instance. On gpu0 a sleeper's 0.75 GB is in the way of
+    # a second 40 GB instance: the start there stops it (its next request a fresh start). On gpu1 an idle
+    # instance worth more can be put to sleep (its next request a wake; it keeps no residual here).
+    # The start goes to gpu1: fewest stops first, before the least worth lost.
+    wishes = [
+        _gpu_wish("x", 1),
+        _gpu_wish("y", 1),
+        _gpu_wish("s", 0, 1, rate=0.01),
+        _gpu_wish("c", 1, rate=1.0, asleep=0),
+        _gpu_wish("n", 1, held=1),
+    ]
+    members = [
+        awake("x-1", "gpu0", busy=True),
+        asleep("s-1", "gpu0"),
+        awake("y-1", "gpu1", busy=True),
+        awake("c-1", "gpu1"),
+    ]
+    devices = [Device("gpu0", 80 * GB), Device("gpu1", 80 * GB)]
+    grants = arbitrate(wishes, members, devices)
+    assert grants["n"] == Grant(1, 0, ("gpu1",))
+    assert grants["c"] == Grant(0, 1, (), denied=1)  # put to sleep, not stopped
+    assert grants["s"] == Grant(0, 1)  # kept
+    # With the idle instance busy, stopping the sleeper is the only way: then it is stopped.
+    members[3] = awake("c-1", "gpu1", busy=True)
+    grants = arbitrate(wishes, members, devices)
+    assert grants["n"] == Grant(1, 0, ("gpu0",))
+    assert grants["s"] == Grant(0, 0)
+
+
 EXTRA = 2 * GB - GB // 10  # what a wake adds to a sleeper's residual
 FITS_NOW = {
     "no growth: the grant as it is": (Grant(1, 1), [awake("a-1"), asleep("a-2")], {"cpu0": 0}, Grant(1, 1)),

@@ -3,13 +3,16 @@ now, victims poked, a waiting wake's sleeper kept, and the device gauge."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
 
 from warm_pool.arbiter import Wish
 from warm_pool.census import Member
-from warm_pool.fleet import Devices, Fleet
+from warm_pool.fleet import Devices, Fleet, Footprint
+from warm_pool.fleet_seat import FleetSeat
+from warm_pool.policies.base import Decision
 
 MIB = 1 << 20
 
@@ -69,6 +72,32 @@ def test_a_fresh_start_goes_on_a_device_with_room_now():
     fleet.register(c)
     b.members = [Member(f"b-{i}", "b", "cpu0", True, busy=True) for i in range(2)]
     assert fleet.grant("c").denied == 1  # everything there is busy: nothing to evict
+
+
+@dataclass
+class Load:
+    queued: int = 0
+    in_flight: int = 0
+    last_arrival: float | None = None
+    outstanding: dict = field(default_factory=dict)
+
+
+def test_the_seat_dates_a_spell_of_held_requests_from_its_first_tick():
+    """The arbiter serves the deployment held longest first (`Wish.held_since`); a live pool knows
+    how many requests are held, not since when, so its seat dates them from the first tick that
+    saw any, until none is held."""
+    fleet = Fleet(Devices.cpu_budget(100 * MIB))
+    seat = FleetSeat("a", fleet)
+    fleet.register(Pool("a"))
+    fleet._pools["a"].fleet_wish = lambda: seat.wish  # the pool's wish is its seat's
+    footprint = Footprint(64 * MIB, 0)
+    since = []
+    for now, queued in ((1.0, 0), (5.0, 1), (6.0, 3), (7.0, 0), (8.0, 2)):
+        seat.arbitrate(Decision(1), Load(queued), footprint, 1.0, now)
+        since.append(seat.wish.held_since)
+    assert since == [math.inf, 5.0, 5.0, math.inf, 8.0]
+    seat.arbitrate(Decision(1), Load(1), footprint, 1.0)  # no clock given: undated, as before
+    assert seat.wish.held_since == math.inf
 
 
 async def test_a_vllm_instance_on_a_shared_gpu_takes_its_share_of_its_memory(tmp_path, tiny_model_dir):

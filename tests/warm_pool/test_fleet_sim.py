@@ -127,6 +127,33 @@ def test_a_busy_neighbour_is_never_evicted_the_held_requests_wait_for_it():
     assert b.p99_wait_s >= 57 - 22 + GPU.startup.page_cache
 
 
+def test_a_start_puts_an_idle_neighbour_to_sleep_rather_than_stop_a_sleeper():
+    # Two 80 GB devices. gpu0: y (40 GB, serving one 500 s request) and s (40 GB, asleep after its
+    # one early request: 0.75 GB). gpu1: x (24 GB, serving 500 s) and c (40 GB, a request every
+    # 10 s, idle between). n's first request at 100 s needs 40 GB: on gpu0 only by stopping s's
+    # sleeper (s is worth least), on gpu1 by putting c to sleep. The arbiter stops the fewest
+    # sleepers first: c sleeps (its next request a wake), s's second request (300 s) is a wake too.
+    # Before, the least worth lost decided: s was stopped and its second request waited for a
+    # fresh start (8 slow cold starts in all, 2 of them s's).
+    def long(t: float) -> tuple[TraceRequest, ...]:
+        return (TraceRequest(t, 200, 40 * 500),)
+
+    deps = [
+        FleetDeployment("y", long(0.0), 40 * GB),
+        FleetDeployment("x", long(0.1), 24 * GB),
+        FleetDeployment("c", tuple(TraceRequest(0.2 + 10 * k, 200, 40) for k in range(40)), 40 * GB),
+        FleetDeployment("s", (TraceRequest(0.3, 200, 40), TraceRequest(300.0, 200, 40)), 40 * GB),
+        FleetDeployment("n", (TraceRequest(100.0, 200, 40),), 40 * GB),
+    ]
+    f = FleetSimulation(deps, devices=2, device_memory=80 * GB, record=True)
+    report = f.run()
+    assert_memory_kept(f)
+    by = {d.name: d for d in report.deployments}
+    assert (by["s"].slow_cold_starts, by["s"].wakes) == (1, 1)  # its first request only; then a wake
+    assert by["c"].evicted == 1 and by["c"].wakes == 1  # put to sleep for n, woken for its next
+    assert report.slow_cold_starts == 7 and report.rejected == 0
+
+
 ROTATIONS = {
     "no shift": (0.0, [0.0, 1.0, 2.5]),
     "one second": (1.0, [1.0, 2.0, 0.5]),

@@ -6,8 +6,9 @@ import json
 import subprocess
 
 import pytest
+import yaml
 
-from tests.conftest import STOKER
+from tests.conftest import REPO, STOKER
 from tests.deadlines import CLI
 from tests.snapshots.support import assert_one_line_error
 
@@ -137,3 +138,26 @@ def test_a_bad_file_is_one_line_naming_the_file_and_field(fleet, edit, fragments
 def test_bad_flags_are_one_line(fleet, args, fragments):
     args = [str(fleet) if a == "FLEET" else a for a in args]
     assert_one_line_error(stoker(*args), *fragments)
+
+
+RATIOS = {"quarter": 12, "sixth": 18, "eighth": 24}
+
+
+@pytest.mark.parametrize(("name", "count"), RATIOS.items())
+def test_the_benchmark_fleets_follow_the_rule_their_header_states(name, count):
+    """bench/fleets/{quarter,sixth,eighth}.yaml (what `bench/fleet_bench.py` and `stoker simulate
+    --fleet` read): the quarter's twelve cycled to `count`, thinned count/12 times more, rotated
+    97 s further each time round, on 3 devices of 80 GB that fit two awake instances of either size."""
+    quarter = yaml.safe_load((REPO / "bench" / "fleets" / "quarter.yaml").read_text())
+    fleet = yaml.safe_load((REPO / "bench" / "fleets" / f"{name}.yaml").read_text())
+    assert (fleet["devices"], fleet["device_memory_gb"]) == (3, 80)
+    entries = fleet["deployments"]
+    assert len(entries) == count == len({e["name"] for e in entries})
+    for i, entry in enumerate(entries):
+        base, k = quarter["deployments"][i % 12], i // 12
+        thin = round(base["thin"] * count / 12)
+        assert entry["trace"] == base["trace"]
+        assert (entry["weights_gb"], entry["kv_gb"]) == (base["weights_gb"], base["kv_gb"])
+        assert entry["thin"] == thin and entry["shift_s"] == (i % 12) * 145 + k * 97
+        assert entry["name"] == base["name"].split("-x")[0] + f"-x{thin}" + (f"-{k}" if k else "")
+        assert 2 * (entry["weights_gb"] + entry["kv_gb"]) <= fleet["device_memory_gb"]
