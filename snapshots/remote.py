@@ -422,14 +422,15 @@ class _Pull:
                             got += buffered
                             meter.add(buffered)
                             pending, buffered = [], 0
-                await self._io(os.fdatasync, f.fd)
             except BaseException:
                 meter.add(-got)  # this attempt's bytes are fetched again
                 raise
 
         async with self.sem:
             await self.s3.run(attempt, what)
-        # Hashed (and journaled) outside the semaphore: the next GET starts meanwhile.
+        # Synced, hashed and journaled outside the semaphore: the next GET starts meanwhile (the
+        # fdatasync of a part waits on the disk, ~20 ms here, while its slot could be receiving).
+        await self._io(os.fdatasync, f.fd)
         f.done[offset] = length
         await self._follow(f)
 
