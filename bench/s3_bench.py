@@ -280,6 +280,13 @@ def ensure_snapshot() -> Path:
     return Path(json.loads(out.stdout.strip().splitlines()[-1])["path"])
 
 
+def pull_config() -> str:
+    from snapshots.remote import RemoteConfig
+
+    config = RemoteConfig()
+    return f"{config.concurrency} ranged GETs of {config.part_size >> 20} MiB at a time"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
@@ -342,6 +349,7 @@ def main(argv: list[str] | None = None) -> int:
                 out = contenders[name](dest)
                 out["mb_per_s"] = total / out["seconds"] / 1e6
                 out["durable_mb_per_s"] = total / out["durable_s"] / 1e6
+                out["loadavg_1m"] = os.getloadavg()[0]  # other work on this shared machine, as it ran
                 runs[name].append(out)
                 say(
                     f"round {r} {name}: {out['mb_per_s']:.0f} MB/s, durable {out['durable_mb_per_s']:.0f} MB/s"
@@ -386,6 +394,7 @@ def main(argv: list[str] | None = None) -> int:
         "snapshot_bytes": total,
         "weights_bytes": weights.stat().st_size,
         "push_s": push_s,
+        "pull_config": pull_config(),
         "pull_mb_per_s": mbps,
         "durable_mb_per_s": durable,
         "pull_ratios": {
@@ -403,6 +412,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "samples": {"pull": runs, "load": loads},
         "machine": machine_info(["aiobotocore", "boto3", "s3transfer", "torch"], rclone=server.version()),
+        "loadavg_1m_per_round": {name: [o["loadavg_1m"] for o in outs] for name, outs in runs.items()},
         "elapsed_s": time.perf_counter() - started,
     }
     shutil.rmtree(work, ignore_errors=True)
@@ -419,15 +429,18 @@ def table(res: dict) -> str:
         res["load_ratios"],
     )
     mb = res["snapshot_bytes"] / 1e6
+    loads_seen = [x for xs in res["loadavg_1m_per_round"].values() for x in xs]
     lines = [
         f"Pull of the SmolLM2 snapshot ({mb:.0f} MB, 7 files) from rclone's S3 server on loopback, "
         f"median of {len(res['samples']['pull']['stoker'])} rounds. *Durable* adds the fsync of "
         "every file written, which a pull must do before it shows a snapshot (Stoker's figure "
-        "includes it; the others are timed both without and with it):",
+        "includes it; the others are timed both without and with it). The machine's 1-minute load "
+        f"average across the rounds ran {min(loads_seen):.1f}–{max(loads_seen):.1f} on "
+        f"{res['machine']['nproc']} cores (other work shares it):",
         "",
         "| contender | MB/s into the page cache | MB/s durable | Stoker ÷ it, durable |",
         "|---|---|---|---|",
-        f"| Stoker pull (8 ranged GETs of 64 MiB, sha256 checked, fsync, commit) | – | {d['stoker']:.0f} | 1.00× |",
+        f"| Stoker pull ({res['pull_config']}, sha256 checked once, fsync, commit) | – | {d['stoker']:.0f} | 1.00× |",
         f"| boto3 `download_file` (s3transfer defaults: 10 threads, 8 MiB parts) | {m['boto3']:.0f} | "
         f"{d['boto3']:.0f} | {fmt_x(r['stoker_over_boto3_durable'])} |",
         f"| one aiobotocore GET per file | {m['single']:.0f} | {d['single']:.0f} | "

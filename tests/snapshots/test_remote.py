@@ -439,6 +439,71 @@ async def test_pull_resumes_after_sigkill_and_after_the_server_died(
         server.kill()
 
 
+async def test_resumed_pull_rehashes_the_landed_prefix_and_refetches_a_part_changed_on_disk(
+    env: dict[str, str],
+    store: SnapshotStore,
+    moto: MotoServer,
+    proxy: Proxy,
+    bucket: str,
+    tmp_path: Path,
+) -> None:
+    """Each byte is hashed once, in order as parts land, so a part's journal record holds the
+    sha256 of its file up to the part's end. A pull cancelled mid-file and resumed re-hashes that
+    prefix: a byte changed on disk in between is caught in the part that holds it, which is fetched
+    again with every part after it, and the snapshot that lands is the bucket's, byte for byte."""
+    record = import_hf_dir(make_model(tmp_path / "big", 6 * MiB), store)
+    uri = f"s3://{bucket}/p"
+    await push(store, record.id, uri, config(moto.url))
+    original = (record.path / WEIGHTS).read_bytes()
+    dest = SnapshotStore(tmp_path / "dest")
+    journal = Journal(journal_path(dest.pull_dir(record.id)))
+
+    def weight_parts() -> list[Part]:
+        return sorted((p for p in journal.load() if p.path == WEIGHTS), key=lambda p: p.offset)
+
+    proxy.set_rate(4 * MiB)  # 0.25 s a part, one at a time: cancelled with most of the file to go
+    task = asyncio.create_task(pull(dest, uri, config(proxy.url, concurrency=1)))
+    await until(lambda: task.done() or len(weight_parts()) >= 2, "two parts of the weights journaled")
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert dest.list() == [] and dest.pull_dir(record.id).is_dir()
+    landed = weight_parts()
+    assert 2 <= len(landed) < len(original) // PART
+    for part in landed:  # the digest of the whole prefix, each part's offset following the last
+        assert part.prefix_sha256 == sha256(original[: part.offset + part.length])
+    assert [p.offset for p in landed] == [n * PART for n in range(len(landed))]
+
+    pulled = dest.pull_dir(record.id) / WEIGHTS
+    on_disk = bytearray(pulled.read_bytes())  # one byte of the second part, journaled as fine, goes bad
+    on_disk[PART + PART // 2] ^= 0x01
+    pulled.write_bytes(bytes(on_disk))
+
+    proxy.set_rate(0)
+    proxy.reset()
+    report = await pull(dest, uri, config(proxy.url))
+    assert report.id == record.id
+    assert get_bytes(proxy.requests(), f"/{bucket}/p/{WEIGHTS}") == len(original) - PART  # part 0 kept
+    assert report.bytes_downloaded + report.bytes_reused == record.bytes
+    assert (report.path / WEIGHTS).read_bytes() == original
+    assert dest.verify(record.id) == []
+    assert hidden_leftovers(dest.root) == []
+
+
+def test_a_journal_of_per_part_digests_keeps_nothing(tmp_path: Path) -> None:
+    """Records from before the prefix digest (a `sha256` of the part alone) load as nothing, so a
+    pull fetches those parts afresh rather than checking them against the wrong digest."""
+    journal = Journal(tmp_path / "journal")
+    old = {"path": WEIGHTS, "offset": 0, "length": 4, "etag": '"e"', "sha256": sha256(b"abcd")}
+    journal.path.write_text(json.dumps(old) + "\n")
+    assert journal.load() == []
+    journal.append(Part(WEIGHTS, 0, 4, '"e"', sha256(b"abcd")), Part(WEIGHTS, 4, 2, '"e"', sha256(b"abcdef")))
+    assert [(p.offset, p.prefix_sha256) for p in journal.load()] == [
+        (0, sha256(b"abcd")),
+        (4, sha256(b"abcdef")),
+    ]
+
+
 async def test_altered_byte_in_bucket_is_refused(
     env: dict[str, str],
     store: SnapshotStore,

@@ -2,7 +2,7 @@
 
     stoker snapshot push REF s3://bucket/prefix [--json]
     stoker snapshot pull s3://bucket/prefix [--name NAME] [--json]    prints the snapshot id
-    both: [--endpoint-url URL] [--part-size 64MiB] [--concurrency 8] [--retries 5]
+    both: [--endpoint-url URL] [--part-size 8MiB] [--concurrency 8] [--retries 5]
 
 Credentials and region come from the standard AWS chain; `--endpoint-url` (or `AWS_ENDPOINT_URL`)
 points at an S3-compatible store (MinIO, SeaweedFS, Ceph, R2). A progress bar (bytes, bytes/s,
@@ -57,7 +57,7 @@ def _transfer_options(parser: argparse.ArgumentParser) -> None:
         "--endpoint-url", help="an S3-compatible store (default: $AWS_ENDPOINT_URL, else AWS)"
     )
     parser.add_argument(
-        "--part-size", default="64MiB", help="bytes per ranged GET / upload part (default 64MiB)"
+        "--part-size", default="8MiB", help="bytes per ranged GET / upload part (default 8MiB)"
     )
     parser.add_argument("--concurrency", default="8", help="requests in flight at once (default 8)")
     parser.add_argument(
