@@ -132,9 +132,8 @@ class Engine:
         self.embedder: embed_mod.Embedder | None = None  # an embedding engine's model
         self.adapters: Adapters | None = None  # once the model is loaded
         self._draws = draw_mod.Draws()
-        self._kv_keep = (
-            KvKeep(config.kv_keep, metrics, config.dtype, config.device) if config.kv_keep else None
-        )
+        # Without `kv_keep` it keeps nothing, and still counts prefix-cache queries and hits.
+        self._kv_keep = KvKeep(config.kv_keep, metrics, config.dtype, config.device)
         self._grammars: Grammars | None = None
         self.vocab_size = 0  # the width of the model's logits
         self._asleep: weights.SleepPlan | None = None  # how the weights left the device, while asleep
@@ -242,7 +241,7 @@ class Engine:
 
     def _restore_kv(self, cache) -> None:
         """The kept prefix blocks back in an empty cache (`kv_keep.py`): before READY, no request running."""
-        if self._kv_keep is None or not self._kv_keep.attach(cache, self.adapters.shares_prefixes):
+        if not self._kv_keep.attach(cache, self.adapters.shares_prefixes) or self.config.kv_keep is None:
             return
         t0 = self.clock()
         try:
@@ -251,15 +250,14 @@ class Engine:
         except Exception:  # a kept cache is a bonus: never worth failing a start or a wake
             log.exception("kept KV not restored")
         self.phases["kv_restore"] = self.clock() - t0
+        self.metrics.phase("kv_restore", self.phases["kv_restore"])
 
     def _save_kv(self, processor) -> None:
         """The prefix cache's hottest blocks to the store (`kv_keep.py`), the manager stopped."""
         cache = getattr(processor, "cache", None)
-        if (
-            self._kv_keep is None
-            or cache is None
-            or not self._kv_keep.attach(cache, self.adapters.shares_prefixes)
-        ):
+        if self.config.kv_keep is None or cache is None:
+            return
+        if not self._kv_keep.attach(cache, self.adapters.shares_prefixes):
             return
         t0 = self.clock()
         try:

@@ -161,9 +161,11 @@ def versions() -> dict[str, str]:
 
 
 class KvKeep:
-    """One engine's kept KV: `attach` to its cache, `save` on sleep and stop, `restore` before READY."""
+    """One engine's kept KV: `attach` to its cache, `save` on sleep and stop, `restore` before READY.
 
-    def __init__(self, config: KeepConfig, metrics: EngineMetrics, dtype: str, device: str) -> None:
+    With no `config` it keeps nothing and only counts prefix-cache queries and hits."""
+
+    def __init__(self, config: KeepConfig | None, metrics: EngineMetrics, dtype: str, device: str) -> None:
         self.config = config
         self.metrics = metrics
         self._identity = {"dtype": dtype, "device": device}
@@ -222,6 +224,7 @@ class KvKeep:
             return True
         search, mark = cache.search_prefix_match, cache.mark_complete_blocks
         page, ledger, index, metrics = allocator.tokens_per_page, allocator.ledger, self._index, self.metrics
+        keeps = self.config is not None
 
         def search_prefix_match(request_id: str, prompt_ids: list[int]) -> int:
             matched = search(request_id, prompt_ids)
@@ -233,7 +236,7 @@ class KvKeep:
 
         def mark_complete_blocks(state, complete_blocks) -> None:
             mark(state, complete_blocks)
-            if not complete_blocks or not shares(state.request_id):
+            if not keeps or not complete_blocks or not shares(state.request_id):
                 return
             tokens, parent = None, None
             for i, block_id in enumerate(allocator.block_table.get(state.request_id, [])):
@@ -259,7 +262,7 @@ class KvKeep:
         """Write the hottest blocks the cache holds now (call with the manager stopped). Returns how
         many; 0 writes nothing and leaves the file as it was (an engine asleep since its last save)."""
         allocator = self.allocator_of(cache)
-        if allocator is None:
+        if allocator is None or self.config is None:
             return 0
         ledger, bpb = allocator.ledger, allocator.bytes_per_block
         # Per block: its bytes and, in the header, its hashes and tokens (~12 characters a token).
@@ -323,7 +326,7 @@ class KvKeep:
         no request running). Returns how many; a file that fails a check is counted and ignored."""
         self.last_restored = 0
         allocator = self.allocator_of(cache)
-        if allocator is None or allocator.ledger.hash_to_block:  # not keepable, or warm already
+        if allocator is None or self.config is None or allocator.ledger.hash_to_block:  # or warm already
             return 0
         key = self.key(cache)
         path = self.config.directory / f"{self.digest(key)}{SUFFIX}"

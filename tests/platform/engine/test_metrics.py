@@ -65,7 +65,12 @@ VLLM_032 = {
         None,
         "Prefix cache queries, in terms of number of queried tokens.",
     ),
-    "vllm:prefix_cache_hits": ("counter", (), None, "Prefix cache hits, in terms of number of cached tokens."),
+    "vllm:prefix_cache_hits": (
+        "counter",
+        (),
+        None,
+        "Prefix cache hits, in terms of number of cached tokens.",
+    ),
     "vllm:request_success": (
         "counter",
         ("finished_reason",),
