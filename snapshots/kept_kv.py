@@ -23,6 +23,9 @@ from pathlib import Path
 from snapshots.errors import StoreWriteError
 
 KV_DIR = "kv"
+# What one deployment keeps per snapshot and engine configuration by default (`stoker engine
+# --kv-keep-bytes`): SmolLM2-135M in fp32 holds 45 KiB of KV a token, so ~5,800 tokens.
+DEFAULT_BYTES = 256 << 20
 _ID = re.compile(r"[0-9a-f]{64}")
 
 

@@ -24,6 +24,7 @@ import threading
 import time
 from pathlib import Path
 
+from snapshots.kept_kv import DEFAULT_BYTES as DEFAULT_KEEP_BYTES
 from stoker.cli.parser import port
 from stoker.http import MAX_REQUEST_BYTES
 
@@ -62,10 +63,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--kv-keep-bytes",
         type=_size,
-        default=None,
+        default=f"{DEFAULT_KEEP_BYTES >> 20}MiB",
         metavar="SIZE",
         help="most bytes of prefix KV blocks kept in the store across sleep and stop, for this snapshot "
-        "and scope (e.g. 256MiB, the default; 0: keep none). Only for a snapshot in the store",
+        "and scope (0: keep none; only for a snapshot in the store)",
     )
     p.add_argument(
         "--kv-keep-scope",
@@ -242,9 +243,9 @@ def kv_keep_config(snapshot_dir: Path, max_bytes: int | None, scope: str):
     import re
 
     from snapshots.kept_kv import KeptKv
-    from stoker.engine.kv_keep import DEFAULT_BYTES, KeepConfig
+    from stoker.engine.kv_keep import KeepConfig
 
-    max_bytes = DEFAULT_BYTES if max_bytes is None else max_bytes
+    max_bytes = DEFAULT_KEEP_BYTES if max_bytes is None else max_bytes
     in_store = re.fullmatch(r"[0-9a-f]{64}", snapshot_dir.name) and (snapshot_dir / "manifest.json").is_file()
     if not max_bytes or not in_store:
         return None

@@ -61,6 +61,7 @@ import torch
 from transformers.generation.continuous_batching.cache_allocators.cache_allocator import compute_block_hash
 
 from snapshots.durable import fsync_dir
+from snapshots.kept_kv import DEFAULT_BYTES
 from stoker.engine.metrics import EngineMetrics
 
 log = logging.getLogger("stoker.engine")
@@ -68,7 +69,6 @@ log = logging.getLogger("stoker.engine")
 MAGIC = b"STOKERKV"
 FORMAT = 1
 DIGEST_BYTES = 32
-DEFAULT_BYTES = 256 << 20  # 256 MiB: SmolLM2-135M in fp32 holds 45 KiB a token, so ~5,800 tokens
 MAX_HEADER_BYTES = 64 << 20
 SUFFIX = ".kv"
 REASONS = ("unreadable", "oversize", "truncated", "format", "checksum", "foreign", "shape", "chain")
@@ -170,6 +170,7 @@ class KvKeep:
         self.metrics = metrics
         self._identity = {"dtype": dtype, "device": device}
         self._index: dict[int, Block] = {}  # hash → its tokens, parent and hits (the live ledger's, mostly)
+        self._on_disk: tuple[int, ...] = ()  # the blocks the file held when this engine last read or wrote it
         self.last_restored = 0
 
     # ---- the cache's shape, and the key ------------------------------------------------------------
@@ -260,7 +261,8 @@ class KvKeep:
 
     def save(self, cache) -> int:
         """Write the hottest blocks the cache holds now (call with the manager stopped). Returns how
-        many; 0 writes nothing and leaves the file as it was (an engine asleep since its last save)."""
+        many it wrote; 0 leaves the file as it was: nothing to keep (an engine asleep since its last
+        save), or the same blocks the file holds (a wake that served no new prefix)."""
         allocator = self.allocator_of(cache)
         if allocator is None or self.config is None:
             return 0
@@ -280,10 +282,14 @@ class KvKeep:
             header = self._header(key, chosen)
         if not chosen:
             return 0
+        path = self.config.directory / f"{self.digest(key)}{SUFFIX}"
+        if tuple(b.hash for b in chosen) == self._on_disk and path.is_file():
+            return 0  # the same blocks as the file holds (a wake with no new prefix): not written again
         ids = torch.tensor([ledger.hash_to_block[b.hash] for b in chosen], dtype=torch.long)
         rows = self._rows(cache, allocator)
         payload = rows.index_select(0, ids.to(rows.device)).cpu().contiguous().numpy().tobytes()
-        self._write(self.config.directory / f"{self.digest(key)}{SUFFIX}", header, payload)
+        self._write(path, header, payload)
+        self._on_disk = tuple(b.hash for b in chosen)
         self.metrics.kv_kept(len(chosen))
         return len(chosen)
 
@@ -340,6 +346,7 @@ class KvKeep:
             log.warning("kept KV %s ignored (%s): %s", path.name, exc.reason, exc)
             return 0
         self.last_restored = self._place(cache, allocator, blocks, payload)
+        self._on_disk = tuple(b.hash for b in blocks)
         self.metrics.kv_restored(self.last_restored)
         return self.last_restored
 

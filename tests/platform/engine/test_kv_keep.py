@@ -22,6 +22,7 @@ from transformers.generation.continuous_batching.cache_allocators.cache_allocato
 from snapshots.kept_kv import KeptKv
 from stoker.engine.kv_keep import Block, KeepConfig, KvKeep, Rejected, choose
 from stoker.engine.metrics import EngineMetrics
+from tests.conftest import build_tiny_adapter
 from tests.deadlines import COLD_ANSWER, HTTP_READ
 
 PROMPT = " ".join(["a returning conversation opens with the same long system prompt"] * 14)
@@ -124,7 +125,7 @@ def test_a_kept_prefix_answers_as_a_cold_one_after_a_wake_and_after_a_restart(
     )  # the prompt's full blocks, at least (a word is a token or more)
     assert answer(e.url) == cold
     assert hits(e.url) >= 32 * blocks  # the first request after the wake matched them all
-    e.stop()  # the stop writes them again
+    e.stop()  # the stop keeps them (rewritten only if the set changed)
 
     again = fresh_engine("--kv-keep-scope", scope)  # a new process: restored before READY
     assert restored(again.url) == blocks
@@ -225,3 +226,24 @@ def test_kept_files_are_checked_before_use(tmp_path):
     assert reason() == "unreadable"  # a link is never followed
     path.unlink()
     assert keep._read(path) is None  # nothing kept: nothing to reject
+
+
+def test_blocks_computed_under_an_adapter_are_never_kept(
+    fresh_engine, cold, scope, tiny_snapshot, tiny_model_dir, tmp_path
+):
+    """Only base-model blocks come back: an adapter's requests publish none, so an engine that served
+    the prompt only through an adapter keeps nothing, and the base's answer after it is cold."""
+    adapter = tmp_path / "a1"
+    build_tiny_adapter(tiny_model_dir, adapter, seed=1, rank=8)
+    before = set(kept_files(tiny_snapshot))
+    e = fresh_engine("--kv-keep-scope", scope, "--max-adapters", "1")
+    body = {"lora_name": "a1", "lora_path": str(adapter)}
+    assert httpx.post(f"{e.url}/v1/load_lora_adapter", json=body, timeout=HTTP_READ).status_code == 200
+    r = httpx.post(f"{e.url}/v1/completions", json={**GREEDY, "model": "a1"}, timeout=COLD_ANSWER)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] != cold["text"]  # the adapter changes the answer
+    assert httpx.post(f"{e.url}/sleep?level=1", timeout=COLD_ANSWER).status_code == 200
+    assert set(kept_files(tiny_snapshot)) == before  # nothing to keep
+    assert httpx.post(f"{e.url}/wake_up", timeout=COLD_ANSWER).status_code == 200
+    assert restored(e.url) == 0
+    assert answer(e.url) == cold and hits(e.url) == 0
