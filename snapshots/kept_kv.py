@@ -4,7 +4,7 @@ Layout under the store root:
 
     kv/<snapshot id>/<key digest>.kv     one engine configuration's kept blocks, in one scope
                                          (`stoker.engine.kv_keep` writes and reads them)
-    kv/<snapshot id>/.tmp-<pid>-<rnd>    one being written (renamed onto its name when whole)
+    kv/<snapshot id>/.tmp-<host>-<pid>-<rnd>   one being written (renamed onto its name when whole)
     kv/.trash-<rnd>/                     a snapshot's kept KV being deleted
 
 The store owns the directories and nothing inside the files: what they mean, and whether one can
@@ -21,8 +21,10 @@ import secrets
 from pathlib import Path
 
 from snapshots.errors import StoreWriteError
+from snapshots.owner import is_stale
 
 KV_DIR = "kv"
+TMP_PREFIX = ".tmp-"
 # What one deployment keeps per snapshot and engine configuration by default (`stoker engine
 # --kv-keep-bytes`): SmolLM2-135M in fp32 holds 45 KiB of KV a token, so ~5,800 tokens.
 DEFAULT_BYTES = 256 << 20
@@ -68,13 +70,17 @@ class KeptKv:
         return trash
 
     def leftovers(self, present: set[str]) -> list[Path]:
-        """What gc may delete: the kept KV of snapshots no longer in the store, and trash."""
+        """What gc may delete: the kept KV of snapshots no longer in the store, trash, and files
+        whose writer (a process on this host) died before renaming them."""
         try:
             names = sorted(os.listdir(self.root))
         except FileNotFoundError:
             return []
-        return [
-            self.root / name
-            for name in names
-            if name.startswith(".trash-") or (_ID.fullmatch(name) and name not in present)
-        ]
+        out: list[Path] = []
+        for name in names:
+            path = self.root / name
+            if name.startswith(".trash-") or (_ID.fullmatch(name) and name not in present):
+                out.append(path)
+            elif _ID.fullmatch(name) and path.is_dir() and not path.is_symlink():
+                out += [path / inner for inner in sorted(os.listdir(path)) if is_stale(inner, TMP_PREFIX)]
+        return out

@@ -8,9 +8,11 @@ from pathlib import Path
 import pytest
 
 from snapshots import SnapshotStore, import_hf_dir
-from snapshots.kept_kv import KeptKv
+from snapshots.kept_kv import TMP_PREFIX, KeptKv
+from snapshots.owner import private_name
 from snapshots.usage import observe
 from tests.snapshots.test_budget import make_model
+from tests.snapshots.test_compile_cache import _dead_pid
 
 
 @pytest.fixture
@@ -48,13 +50,17 @@ def test_an_evicted_snapshot_takes_its_kept_kv_along(store, snapshot, tmp_path):
     assert other in store.ids()
 
 
-def test_gc_clears_the_kept_kv_of_snapshots_that_are_gone(store, snapshot):
+def test_gc_clears_the_kept_kv_of_snapshots_that_are_gone_and_dead_writers_files(store, snapshot):
     live = kept(store, snapshot)
     orphan = kept(store, "f" * 64)  # a snapshot removed by a version that left its kept KV behind
+    writing = live.parent / private_name(TMP_PREFIX)  # this process's, being written: kept
+    writing.write_bytes(b"w")
+    dead = live.parent / f"{writing.name.rsplit('-', 2)[0]}-{_dead_pid()}-00000000"  # a crashed writer's
+    dead.write_bytes(b"d")
     report = store.gc()
     removed = {Path(r["path"]) for r in report.to_dict()["removed"] if r["kind"] == "kv"}
-    assert removed == {orphan.parent}
-    assert live.exists() and not orphan.parent.exists()
+    assert removed == {orphan.parent, dead}
+    assert live.exists() and writing.exists() and not orphan.parent.exists() and not dead.exists()
 
 
 def test_a_snapshot_id_is_required():

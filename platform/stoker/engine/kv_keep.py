@@ -49,7 +49,6 @@ import hashlib
 import json
 import logging
 import os
-import secrets
 import stat
 import struct
 from collections.abc import Callable, Iterable
@@ -61,7 +60,8 @@ import torch
 from transformers.generation.continuous_batching.cache_allocators.cache_allocator import compute_block_hash
 
 from snapshots.durable import fsync_dir
-from snapshots.kept_kv import DEFAULT_BYTES
+from snapshots.kept_kv import DEFAULT_BYTES, TMP_PREFIX
+from snapshots.owner import private_name
 from stoker.engine.metrics import EngineMetrics
 
 log = logging.getLogger("stoker.engine")
@@ -307,7 +307,7 @@ class KvKeep:
     def _write(self, path: Path, header: bytes, payload: bytes) -> None:
         directory = path.parent
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        tmp = directory / f".tmp-{os.getpid()}-{secrets.token_hex(6)}"
+        tmp = directory / private_name(TMP_PREFIX)  # a crashed writer's is found by gc (`kept_kv`)
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         fd = os.open(tmp, flags, 0o600)
         try:
