@@ -45,6 +45,7 @@ mark wrapper here indexes only requests the guard lets share (`shares`).
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import json
 import logging
@@ -150,6 +151,7 @@ def choose(blocks: dict[int, Block], present: Iterable[int], limit: int) -> list
     return out
 
 
+@functools.cache
 def versions() -> dict[str, str]:
     def version(dist: str) -> str:
         try:
@@ -210,9 +212,6 @@ class KvKeep:
     def digest(key: dict) -> str:
         text = json.dumps(key, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
         return hashlib.sha256(text.encode()).hexdigest()
-
-    def path(self, cache) -> Path:
-        return self.config.directory / f"{self.digest(self.key(cache))}{SUFFIX}"
 
     # ---- hits and tokens, as requests run ----------------------------------------------------------
 
