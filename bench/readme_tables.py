@@ -16,6 +16,7 @@ def main() -> None:
             "engine",
             "constrained",
             "engines",
+            "warm_kv",
             "vllm_start",
             "proxy",
             "s3",

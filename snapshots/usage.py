@@ -34,6 +34,7 @@ from snapshots.compile_cache import CompileCaches
 from snapshots.durable import fsync_dir
 from snapshots.errors import SnapshotError, SnapshotNotFound, SnapshotPinned, StoreFull, StoreWriteError
 from snapshots.eviction import Plan, Stored, plan_budget, plan_room
+from snapshots.kept_kv import KeptKv
 from snapshots.manifest import MANIFEST_NAME
 
 if TYPE_CHECKING:
@@ -128,6 +129,7 @@ def observe(store: SnapshotStore) -> list[Stored]:
         except SnapshotError:  # unreadable manifest, or removed while we looked
             size, used = _disk_bytes(store.path_of(snapshot_id)), 0.0
         size += CompileCaches(store.root).bytes_of(snapshot_id)  # its compile caches go with it
+        size += KeptKv(store.root).bytes_of(snapshot_id)  # and its kept KV
         out.append(Stored(snapshot_id, size, used, store.is_pinned(snapshot_id)))
     return out
 
@@ -185,6 +187,8 @@ def _to_trash(store: SnapshotStore, snapshot_id: str) -> Path | None:
     # Its compile caches go with it; deleted now (small next to the weights), or by the next gc.
     if (caches := CompileCaches(store.root).remove(snapshot_id)) is not None:
         _rmtree(caches)
+    if (kept := KeptKv(store.root).remove(snapshot_id)) is not None:  # its kept KV too
+        _rmtree(kept)
     return trash
 
 
@@ -249,7 +253,7 @@ def make_room(store: SnapshotStore, nbytes: int) -> builtins.list[str]:
 class Removed:
     """One thing gc removed (or, in a dry run, would remove)."""
 
-    kind: str  # snapshot | temp | pull | trash | compile | name | source | used | pin
+    kind: str  # snapshot | temp | pull | trash | compile | kv | name | source | used | pin
     path: Path
     bytes: int
     id: str | None = None  # the evicted snapshot's id
@@ -301,6 +305,8 @@ def _hidden_leftovers(store: SnapshotStore, dry_run: bool) -> builtins.list[Remo
         out.extend(_stale_pull(store, snapshot_id, dry_run))
     for path in CompileCaches(store.root).leftovers(set(store.ids())):
         out.append(Removed("compile", path, _disk_bytes(path)))
+    for path in KeptKv(store.root).leftovers(set(store.ids())):
+        out.append(Removed("kv", path, _disk_bytes(path)))
     if not dry_run:
         for item in out:
             if item.kind != "pull":  # _stale_pull removes its own, under the pull's lock

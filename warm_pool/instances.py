@@ -193,6 +193,8 @@ class InstanceOps:
         n = engine.devices("cpu")
         gpus = self._gpus.acquire(n, inst.id) if n else []
         extra = ("--max-num-seqs", str(s.instance_concurrency), "--grace-period", f"{s.grace_period_s:g}")
+        # Prefix KV kept across sleep and stop is the deployment's own: never read by another's engine.
+        extra += ("--kv-keep-scope", s.deployment)
         if engine.max_model_len is not None:
             extra += ("--max-model-len", str(engine.max_model_len))
         if engine.dtype != "auto":

@@ -137,3 +137,10 @@ async def test_engines_are_launched_with_the_backends_tls_files(source):
     # Without TLS, nothing of it.
     plain = await InstanceOps(cpu, backend=None, engines=object())._spec(instance(3), source.path)
     assert "--tls-cert" not in plain.args
+
+
+async def test_stokers_engine_keeps_kv_in_its_deployments_scope(source):
+    """Prefix KV kept across sleep and stop (`stoker engine --kv-keep-scope`) is the deployment's own:
+    another deployment's engines on the same snapshot never read it."""
+    spec = await ops_for(source, "cpu", EngineSettings(), GpuInventory([]))._spec(instance(6), source.path)
+    assert "--kv-keep-scope big" in " ".join(spec.argv)

@@ -24,6 +24,7 @@ import threading
 import time
 from pathlib import Path
 
+from snapshots.kept_kv import DEFAULT_BYTES as DEFAULT_KEEP_BYTES
 from stoker.cli.parser import port
 from stoker.http import MAX_REQUEST_BYTES
 
@@ -58,6 +59,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--queue-timeout", type=_positive_float, default=60.0, help="seconds a request may queue")
     p.add_argument(
         "--kv-cache-tokens", type=_positive_int, help="KV cache size in tokens (default 2×context)"
+    )
+    p.add_argument(
+        "--kv-keep-bytes",
+        type=_size,
+        default=f"{DEFAULT_KEEP_BYTES >> 20}MiB",
+        metavar="SIZE",
+        help="most bytes of prefix KV blocks kept in the store across sleep and stop, for this snapshot "
+        "and scope (0: keep none; only for a snapshot in the store)",
+    )
+    p.add_argument(
+        "--kv-keep-scope",
+        metavar="NAME",
+        help="who may reuse the KV this engine keeps: engines of the same snapshot started with the same "
+        "scope (default: the served model name, which the pool sets to the deployment's)",
     )
     p.add_argument(
         "--max-adapters",
@@ -139,6 +154,7 @@ def run(args: argparse.Namespace) -> int:
             max_adapters=args.max_adapters,
             max_lora_rank=args.max_lora_rank,
             task=args.task,
+            kv_keep=kv_keep_config(snapshot_dir, args.kv_keep_bytes, args.kv_keep_scope or name),
         )
     except ValueError as exc:
         raise CLIError(str(exc)) from None
@@ -221,6 +237,22 @@ def pin_if_stored(snapshot_dir: Path):
     return pin
 
 
+def kv_keep_config(snapshot_dir: Path, max_bytes: int | None, scope: str):
+    """Where this engine keeps prefix KV (`stoker.engine.kv_keep`): beside its snapshot in the store
+    (`snapshots.kept_kv`), so it is evicted with it. None for a directory outside a store, or 0 bytes."""
+    import re
+
+    from snapshots.kept_kv import KeptKv
+    from stoker.engine.kv_keep import KeepConfig
+
+    max_bytes = DEFAULT_KEEP_BYTES if max_bytes is None else max_bytes
+    in_store = re.fullmatch(r"[0-9a-f]{64}", snapshot_dir.name) and (snapshot_dir / "manifest.json").is_file()
+    if not max_bytes or not in_store:
+        return None
+    directory = KeptKv(snapshot_dir.parent).snapshot_dir(snapshot_dir.name)
+    return KeepConfig(directory, snapshot_dir.name, scope, max_bytes)
+
+
 def check_weights(snapshot_dir: Path) -> None:
     """Every safetensors header must fit its file: a truncated file is refused in one line
     (InvalidSource) before torch is imported, not by a traceback from the loading thread."""
@@ -249,6 +281,15 @@ def _non_negative_int(value: str) -> int:
     if n < 0:
         raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
     return n
+
+
+def _size(value: str) -> int:
+    from snapshots.sizes import parse_size
+
+    try:
+        return parse_size(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _positive_float(value: str) -> float:

@@ -31,6 +31,10 @@ comes back to the loop through `register_result_handler` (`call_soon_threadsafe`
   restarts the kept manager (or starts a new one) before `/wake_up` answers. Measured with
   bench/wake_bench.py: the first token after a level-1 wake costs what it costs on an engine
   that never slept (README, "Wakes at the floor").
+- Kept KV (`kv_keep.py`): sleep and stop write the prefix cache's hottest blocks beside the
+  snapshot in the store (`--kv-keep-bytes` at most), before the cache is reset or dropped; a start
+  or wake of the same snapshot, in the same scope, maps them back before it reports READY or
+  `/wake_up` answers, so a returning conversation's first request is a prefix hit.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ from stoker.engine import pages, prompts, weights
 from stoker.engine.adapters import Adapter, Adapters
 from stoker.engine.admission import Slots
 from stoker.engine.generation import PAGE_SIZE, Generation
+from stoker.engine.kv_keep import KeepConfig, KvKeep
 from stoker.engine.metrics import EngineMetrics, blocks
 from stoker.engine.protocol import GenerationRequest, SamplingParams, sampling_defaults
 from stoker.engine.structured import Grammars
@@ -88,6 +93,7 @@ class EngineConfig:
     max_adapters: int = 4  # LoRA adapters loaded at once (an LRU); 0: none served
     max_lora_rank: int = 64
     task: str = "generate"  # or "embed": /v1/embeddings only (`stoker.engine.embed`)
+    kv_keep: KeepConfig | None = None  # where prefix blocks are kept over sleep and stop; None: nowhere
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -126,6 +132,8 @@ class Engine:
         self.embedder: embed_mod.Embedder | None = None  # an embedding engine's model
         self.adapters: Adapters | None = None  # once the model is loaded
         self._draws = draw_mod.Draws()
+        # Without `kv_keep` it keeps nothing, and still counts prefix-cache queries and hits.
+        self._kv_keep = KvKeep(config.kv_keep, metrics, config.dtype, config.device)
         self._grammars: Grammars | None = None
         self.vocab_size = 0  # the width of the model's logits
         self._asleep: weights.SleepPlan | None = None  # how the weights left the device, while asleep
@@ -227,7 +235,36 @@ class Engine:
             if not self._manager.is_running() or time.monotonic() > deadline:
                 raise RuntimeError("the engine's generation loop did not start")
             time.sleep(0.002)
-        adapters_mod.guard_prefix_cache(self._manager.batch_processor.cache, self.adapters)
+        cache = self._manager.batch_processor.cache
+        adapters_mod.guard_prefix_cache(cache, self.adapters)
+        self._restore_kv(cache)
+
+    def _restore_kv(self, cache) -> None:
+        """The kept prefix blocks back in an empty cache (`kv_keep.py`): before READY, no request running."""
+        if not self._kv_keep.attach(cache, self.adapters.shares_prefixes) or self.config.kv_keep is None:
+            return
+        t0 = self.clock()
+        try:
+            if restored := self._kv_keep.restore(cache):
+                log.info("kept KV: %d prefix blocks restored in %.3fs", restored, self.clock() - t0)
+        except Exception:  # a kept cache is a bonus: never worth failing a start or a wake
+            log.exception("kept KV not restored")
+        self.phases["kv_restore"] = self.clock() - t0
+        self.metrics.phase("kv_restore", self.phases["kv_restore"])
+
+    def _save_kv(self, processor) -> None:
+        """The prefix cache's hottest blocks to the store (`kv_keep.py`), the manager stopped."""
+        cache = getattr(processor, "cache", None)
+        if self.config.kv_keep is None or cache is None:
+            return
+        if not self._kv_keep.attach(cache, self.adapters.shares_prefixes):
+            return
+        t0 = self.clock()
+        try:
+            if kept := self._kv_keep.save(cache):
+                log.info("kept KV: %d prefix blocks written in %.3fs", kept, self.clock() - t0)
+        except Exception:  # never worth failing a sleep or a stop
+            log.exception("kept KV not written")
 
     def _warm_up(self) -> None:
         """One short generation, so that the first real request does not pay for lazy initialisation
@@ -381,7 +418,10 @@ class Engine:
         # requests (after the drain timeout) fail either way.
         manager, processor = self._manager, self._manager.batch_processor
         manager.stop(block=True, timeout=30)  # forgets its batch processor: given back below, if kept
-        keep = self.config.device == "cpu" and not manager.is_running()  # running: the stop timed out
+        stopped = not manager.is_running()  # running: the stop timed out
+        if stopped:
+            self._save_kv(processor)  # before the cache is reset (kept) or dropped
+        keep = self.config.device == "cpu" and stopped
         if keep and self._keep_manager(processor):
             # transformers' `start` reuses a batch processor it finds (`_create_batch_processor`)
             manager.batch_processor = processor
@@ -451,8 +491,11 @@ class Engine:
     def shutdown(self) -> None:
         self.state = "stopping"
         if self._manager is not None:
+            processor = self._manager.batch_processor
             if self._manager.is_running():  # not when asleep: a kept manager is stopped already
                 self._manager.stop(block=True, timeout=10)
+                if not self._manager.is_running():
+                    self._save_kv(processor)  # asleep: saved by the sleep, and the cache is empty now
             self._manager = None
 
 

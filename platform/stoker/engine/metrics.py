@@ -10,13 +10,14 @@ engine's own timeline:
     (POST read)       (a slot of --max-num-seqs)             e2e: arrival → end
                       inference: admitted → last token
 
-vLLM families this engine does not export, because it measures nothing they could hold: prefix,
+vLLM families this engine does not export, because it measures nothing they could hold:
 multi-modal and external cache queries and hits, preemptions, prompt tokens by source or cached,
 tokens per engine step (`iteration_tokens_total`), waiting by reason, admission rejections (its own
 are `stoker_engine_rejected_requests_total{reason}`), FLOPs estimates, `cache_config_info`.
 `stoker_engine_` names what only this engine reports: rejections, start-up phases, a plain 0/1
-sleep gauge (`vllm:engine_sleep_state` says the same by level), and LoRA adapter loads, their
-seconds, evictions and the number loaded (vLLM's one LoRA family, `vllm:lora_requests_info`, an
+sleep gauge (`vllm:engine_sleep_state` says the same by level), the prefix blocks kept across sleep
+and stop (`stoker.engine.kv_keep`: kept, restored, and files refused by reason), and LoRA adapter
+loads, their seconds, evictions and the number loaded (vLLM's one LoRA family, `vllm:lora_requests_info`, an
 info gauge whose label values are adapter names, is not exported).
 
 One registry per engine, built by the composition root, never a module-level global.
@@ -96,6 +97,12 @@ class EngineMetrics:
         }
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        self._prefix_queries = counter(
+            "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
+        )
+        self._prefix_hits = counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
+        )
         success = Counter(
             "vllm:request_success",
             "Count of successfully processed requests.",
@@ -180,6 +187,20 @@ class EngineMetrics:
             "stoker_engine_lora_adapter_evictions", "LoRA adapters evicted to make room (--max-adapters)."
         )
         self._lora_loaded = gauge("stoker_engine_lora_adapters_loaded", "LoRA adapters loaded now.")
+        # Prefix blocks kept across sleep and stop (`stoker.engine.kv_keep`).
+        self._kv_kept = counter(
+            "stoker_engine_kv_kept_blocks", "Prefix KV blocks written to the store on sleep or stop."
+        )
+        self._kv_restored = counter(
+            "stoker_engine_kv_restored_blocks",
+            "Kept prefix KV blocks mapped back into the cache on start or wake.",
+        )
+        self._kv_rejected = Counter(
+            "stoker_engine_kv_restore_rejected",
+            "Kept-KV files ignored on start or wake, by reason (corrupt, foreign, oversize, ...).",
+            [*labels, "reason"],
+            registry=r,
+        )
         self.asleep(None)
 
     def lora_load(self, result: str, seconds: float | None = None) -> None:
@@ -192,6 +213,20 @@ class EngineMetrics:
 
     def lora_adapters(self, loaded: int) -> None:
         self._lora_loaded.set(loaded)
+
+    def prefix_cache(self, queried: int, hit: int) -> None:
+        self._prefix_queries.inc(queried)
+        if hit:
+            self._prefix_hits.inc(hit)
+
+    def kv_kept(self, blocks: int) -> None:
+        self._kv_kept.inc(blocks)
+
+    def kv_restored(self, blocks: int) -> None:
+        self._kv_restored.inc(blocks)
+
+    def kv_rejected(self, reason: str) -> None:
+        self._kv_rejected.labels(model_name=self._model, engine=ENGINE, reason=reason).inc()
 
     def sized(self, max_model_len: int) -> None:
         """Register the token-count histograms, whose buckets end at the context length (once)."""

@@ -59,6 +59,18 @@ VLLM_032 = {
     ),
     "vllm:prompt_tokens": ("counter", (), None, "Number of prefill tokens processed."),
     "vllm:generation_tokens": ("counter", (), None, "Number of generation tokens processed."),
+    "vllm:prefix_cache_queries": (
+        "counter",
+        (),
+        None,
+        "Prefix cache queries, in terms of number of queried tokens.",
+    ),
+    "vllm:prefix_cache_hits": (
+        "counter",
+        (),
+        None,
+        "Prefix cache hits, in terms of number of cached tokens.",
+    ),
     "vllm:request_success": (
         "counter",
         ("finished_reason",),
