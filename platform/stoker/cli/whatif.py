@@ -25,7 +25,7 @@ from stoker.cli.admin_client import add_url_args, base_url, text
 from stoker.errors import CLIError
 
 PROFILE_ENGINE = {"gpu": "vllm", "vllm-cpu": "vllm", "cpu": "cpu"}
-SIMULATED_TIERS = ("wake", "page_cache", "disk", "object_storage")  # the simulator's start tiers
+SIMULATED_TIERS = ("wake", "runtime", "page_cache", "disk", "object_storage")  # the simulator's start tiers
 COLUMNS = (
     ("policy", "policy", "{}"),
     ("requests", "requests", "{}"),
@@ -57,7 +57,7 @@ def add_whatif_args(p: argparse.ArgumentParser) -> None:
         help="start times from the running platform's own measurements of --deployment (its "
         "stoker_instance_startup_seconds by tier, read from --url's /metrics): the tiers it has started "
         "from replace the profile's, so its engine settings (GPUs, context length, eager mode) count as "
-        "they measured",
+        "they measured; starts through a warm runtime model one kept",
     )
     add_url_args(w)
     w.add_argument(
@@ -145,6 +145,10 @@ def cmd_from_log(args: argparse.Namespace) -> int:
         model, scaling, policies = setup(args)
         measured = measured_starts(args) if args.measured_starts else {}
         model = dataclasses.replace(model, startup=dataclasses.replace(model.startup, **measured))
+        if "runtime" in measured and model.warm_runtimes == 0:
+            # Its starts came through a warm runtime, which forks the next one at each start
+            # (`warm_pool.succession`): the simulated platform keeps one, replaced at once.
+            model = dataclasses.replace(model, warm_runtimes=1, runtime_refill_s=0.0)
         kept = load_arrivals(args.from_log, args.deployment)[:: args.thin]
         trace = tuple(
             TraceRequest((r.t - kept[0].t) * args.time_scale, r.context_tokens, r.generated_tokens)

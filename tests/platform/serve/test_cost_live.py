@@ -105,7 +105,7 @@ def test_cost_follows_from_the_metrics_the_usage_and_the_prices(platform_factory
     )  # fmt: skip
     [again] = [json.loads(x) for x in measured.stdout.splitlines()]
     starts = again["measured_starts"]
-    assert starts and set(starts) <= {"wake", "page_cache", "disk", "object_storage"}
+    assert starts and set(starts) <= {"wake", "runtime", "page_cache", "disk", "object_storage"}
     sums, counts = {}, {}
     for family in text_string_to_metric_families(httpx.get(f"{p.url}/metrics").text):
         for sample in family.samples if family.name == "stoker_instance_startup_seconds" else ():

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
 from tests.conftest import build_tiny_model
@@ -63,11 +64,14 @@ STALE_S = 3  # --gateway-stale-after: a gateway silent this long is no longer co
 # A killed gateway's last load counts for the silent grace (its requests may be alive behind a
 # cut): the final drain waits that long for them, so the grace here is the staleness bound's 10x
 # cut to what the scenarios' cuts need.
+# No warm runtime: the canary and the revision switch fault engines while they start, and a start
+# through a runtime (a fork, then the weights) can be READY before the fault lands.
 CONTROLLER_FLAGS = (
     "--stable-window", "1",
     "--gateway-stale-after", str(STALE_S),
     "--gateway-silent-grace", "20s",
     "--stop-instances-on-exit",
+    "--warm-runtimes", "0",
 )  # fmt: skip
 RESULTS: list[ScenarioResult] = []
 
@@ -360,18 +364,24 @@ class Unsettled(KeyError):
 
 
 def engines_of(home: Path) -> set[int]:
-    """The live engine processes started for this data dir (their command line names a snapshot
-    under it), whoever started them."""
+    """The live engine processes started for this data dir, whoever started them: those whose
+    command line names a snapshot under it (a fresh `stoker engine`), and those that carry its owner
+    mark and listen on a TCP port (an engine a warm runtime became keeps the runtime's command
+    line; a runtime still waiting listens on a unix socket only)."""
+    mark = f"STOKER_ENGINE_OF={home.resolve()}".encode()
     found = set()
     for proc in Path("/proc").glob("[0-9]*"):
         try:
             cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (FileNotFoundError, ProcessLookupError):
+            if str(home) in cmdline and " engine" in cmdline:
+                found.add(int(proc.name))
+            elif " runtime " in cmdline and mark in (proc / "environ").read_bytes().split(b"\0"):
+                listening = psutil.Process(int(proc.name)).net_connections(kind="tcp")
+                if any(c.status == psutil.CONN_LISTEN for c in listening):
+                    found.add(int(proc.name))
+        except (OSError, psutil.Error):
             continue
-        if str(home) in cmdline and " engine" in cmdline and state != "Z":
-            found.add(int(proc.name))
-    return found
+    return {pid for pid in found if pid_alive(pid)}
 
 
 async def test_the_controller_stopped_past_the_staleness_bound(make_planes, tiny_model_dir: Path) -> None:
@@ -388,7 +398,8 @@ async def test_the_controller_stopped_past_the_staleness_bound(make_planes, tiny
         await deploy(c.url, "z", tiny_model_dir, min_warm=0, max=1, idle_timeout_s=600)
         await until(lambda: ready(c.url, "m"), "m READY")
         for g in planes.urls:
-            await until(lambda g=g: routed(g, "m") and routed(g, "z"), f"m and z in {g}'s table")
+            for name in ("m", "z"):
+                await until(lambda g=g, name=name: routed(g, name), f"{name} in {g}'s table")
         expected = await until_value(lambda: expected_start(c, "z"), "z's expected start in the table")
         async with load(planes) as traffic:
             await traffic.wait_finished(8)

@@ -81,7 +81,11 @@ def bench(url: str, backend: str, tokenizer: Path, out: Path) -> subprocess.Pope
 
 @needs_vllm
 def test_vllm_bench_serve_completes_every_held_stream(platform_factory, tiny_model_dir, tmp_path):
-    p = platform_factory("--keepalive-interval", f"{KEEPALIVE_S}s", "--hold-deadline", flag(300))
+    # No warm runtime: the streams are to be held across many keep-alive intervals, and a fresh
+    # process start (the interpreter and torch's imports, seconds) is far longer than five of them.
+    p = platform_factory(
+        "--keepalive-interval", f"{KEEPALIVE_S}s", "--hold-deadline", flag(300), "--warm-runtimes", "0"
+    )
     p.deploy("tiny", tiny_model_dir, "--max", "2", "--idle-timeout", "600")
     assert p.deployments()["tiny"]["instances"]["READY"] == 0
 
