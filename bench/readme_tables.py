@@ -16,6 +16,7 @@ def main() -> None:
             "engine",
             "constrained",
             "engines",
+            "decode_profile",
             "vllm_start",
             "proxy",
             "s3",
