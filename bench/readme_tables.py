@@ -17,6 +17,8 @@ def main() -> None:
             "constrained",
             "engines",
             "warm_kv",
+            "decode_profile",
+            "burst",
             "vllm_start",
             "proxy",
             "s3",

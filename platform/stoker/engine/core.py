@@ -8,11 +8,12 @@ comes back to the loop through `register_result_handler` (`call_soon_threadsafe`
   for at most `queue_timeout_s`; beyond that a request is refused at once (503, `queue_full`).
 - Cancellation: leaving `generate` early (client gone, stop string) cancels the request in the
   manager, so its slot and its KV blocks are freed.
-- Sampling: a request that asks for more than temperature and top-p (greedy, a seed, penalties,
-  logit bias, min_tokens, top-k, logprobs, a response format) is drawn by our own processors in
-  the manager's step (`draw.py`); its grammar is compiled before admission, so a schema that cannot
-  be enforced is a 400 that holds no slot. `vllm:time_to_first_token_seconds` is observed when the
-  first token reaches the event loop, before any byte of the answer is sent.
+- Sampling: every request is drawn by our own processors in the manager's step (`draw.py`):
+  temperature, top-p (sorting only the rows below 1), a seed, penalties, logit bias, min_tokens,
+  top-k, logprobs, a response format; transformers' step ends in an argmax. A grammar is compiled
+  before admission, so a schema that cannot be enforced is a 400 that holds no slot.
+  `vllm:time_to_first_token_seconds` is observed when the first token reaches the event loop,
+  before any byte of the answer is sent.
 - LoRA adapters: loaded and unloaded at run time, each request for the base or for one of them,
   all mixed in one batch step (`adapters.py` says how); a request holds its adapter from admission on.
 - Device: the CPU, or a CUDA GPU, chosen once at start (`EngineConfig.device`); everything else is
@@ -191,11 +192,9 @@ class Engine:
 
     def _start_manager(self) -> None:
         gen = GenerationConfig(
-            do_sample=True,
-            # Values other than 1.0 make transformers build its temperature and top-p processors;
-            # every request then passes its own values.
-            temperature=0.5,
-            top_p=0.5,
+            # An argmax, and none of transformers' warpers: every request's temperature, top-p and
+            # draw are the draw step's (draw.py), which narrows each row to the token it drew.
+            do_sample=False,
             max_new_tokens=self.max_model_len,
             eos_token_id=sorted(self._eos) or None,
             pad_token_id=next(iter(self._eos), 0),
@@ -271,7 +270,7 @@ class Engine:
         (on a GPU: cuBLAS handles, kernel loading)."""
         rid = f"warmup-{uuid.uuid4().hex[:8]}"
         ids = self._tokenizer.encode("Hello", add_special_tokens=False) or [0]
-        self._manager.add_request(ids, request_id=rid, max_new_tokens=2, temperature=1.0, top_p=1.0)
+        self._manager.add_request(ids, request_id=rid, max_new_tokens=2)  # no draw of ours: greedy
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             out = self._manager.get_result(request_id=rid, timeout=0.5)

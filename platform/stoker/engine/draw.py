@@ -3,26 +3,33 @@
 transformers' continuous batching applies temperature and top-p per request but chooses between
 sampling and argmax once for the whole manager, seeds one global generator, and has no per-request
 penalties, logit bias, min_tokens, grammar or logprobs. Its own repetition-penalty processor and
-friends see only the last token of each row in a batch (not a request's history), and its
-per-request top-k warper, once built, sorts every row of every step whether the request asked for
-top-k or not (4 ms per row per step for a 49k vocabulary on this CPU, against 0.06 ms for a
-`topk` on the rows that ask). So this module adds two processors of our own around transformers':
+friends see only the last token of each row in a batch (not a request's history), its per-request
+top-k warper, once built, sorts every row of every step whether the request asked for top-k or not
+(4 ms per row per step for a 49k vocabulary on this CPU, against 0.06 ms for a `topk` on the rows
+that ask), and so does its top-p warper, even for `top_p: 1` and greedy rows (measured: 17 % of
+the engine's CPU time per step at 8 streams, 5 % at 1), followed by a softmax and a `multinomial`
+over every row that our draw has already narrowed to one token. So the engine builds none of
+transformers' warpers (its manager runs with `do_sample=False`: an argmax) and every request is
+drawn by two processors of our own:
 
-    Shape (first)  →  transformers' temperature, top-p  →  Draw (last)  →  transformers' sampler
+    Shape (first)  →  Draw (last: temperature, top-p, the draw)  →  transformers' argmax
 
-`Shape`, for each row whose request asks for anything, in vLLM's order: the grammar mask
-(structured output), then the raw log-probabilities if asked (vLLM's default `raw_logprobs`: the
-model's distribution after the grammar, before everything below), then `logit_bias`,
-`min_tokens` (EOS at -inf until reached; if that leaves a grammar nothing, the grammar wins, as in
-vLLM), `repetition_penalty` (prompt and output tokens, logits > 0 divided and others multiplied),
-`frequency_penalty` (× count) and `presence_penalty` (once) on output tokens, and `top_k`.
+`Shape`, for each row whose request asks for anything more than temperature and top-p
+(`needs_shape`), in vLLM's order: the grammar mask (structured output), then the raw
+log-probabilities if asked (vLLM's default `raw_logprobs`: the model's distribution after the
+grammar, before everything below), then `logit_bias`, `min_tokens` (EOS at -inf until reached; if
+that leaves a grammar nothing, the grammar wins, as in vLLM), `repetition_penalty` (prompt and
+output tokens, logits > 0 divided and others multiplied), `frequency_penalty` (× count) and
+`presence_penalty` (once) on output tokens, and `top_k`.
 
-`Draw` picks that row's token itself: the argmax for `temperature: 0`, else a draw from the row's
-distribution (after transformers' temperature and top-p) with the request's own `torch.Generator`
-when it has a seed, so its answer is the same whatever shares the batch. It records the token's
-logprobs, counts it for the penalties, advances the grammar, then narrows the row to that one
-token, so transformers' sampler picks it. Rows of requests that ask for nothing of this are left
-to transformers untouched.
+`Draw` picks that row's token itself: the argmax for `temperature: 0` (no temperature, no top-p,
+no softmax); else the row divided by its temperature (skipped at 1), cut to its top-p nucleus
+(skipped at `top_p: 1`, the only case that sorts the row) exactly as transformers' warpers compute
+both, and a draw from its softmax with the request's own `torch.Generator` when it has a seed (so
+its answer is the same whatever shares the batch, and the same as before these warpers became
+ours), else with torch's global one. It records the token's logprobs, counts it for the penalties,
+advances the grammar, then narrows the row to that one token, so transformers' argmax picks it.
+A row of no request we know (the warm-up generation) is left to that argmax: greedy.
 
 Both run on transformers' generation thread, once per step, for the rows with a new token; an
 error in one row ends only that request (`RequestDraw.error`), never the loop, which would take
@@ -43,16 +50,14 @@ from stoker.engine.structured import Matcher
 
 log = logging.getLogger("stoker.engine")
 
-GREEDY_TEMPERATURE = 1.0  # what transformers' warper gets for greedy rows: harmless, the argmax ignores it
 NEG_INF = float("-inf")
+MIN_TEMPERATURE = 1e-3  # a sampled request's temperature is at least this (0 is greedy)
 
 
-def needs_draw(params: SamplingParams) -> bool:
-    """Whether a request asks for anything transformers' own sampler cannot give it."""
+def needs_shape(params: SamplingParams) -> bool:
+    """Whether a request asks for anything before temperature (`Shape`): more than a plain draw."""
     return (
-        params.greedy
-        or params.seed is not None
-        or params.logprobs is not None
+        params.logprobs is not None
         or params.response_format is not None
         or bool(params.logit_bias)
         or params.min_tokens > 0
@@ -79,6 +84,15 @@ class RequestDraw:
         grammar: Matcher | None = None,
     ) -> None:
         self.greedy = params.greedy
+        self.shapes = needs_shape(params) or grammar is not None
+        # Temperature and top-p as transformers' warpers hold them (float32), None where they change nothing.
+        temperature = max(params.temperature, MIN_TEMPERATURE)
+        self.temperature = None
+        if not self.greedy and temperature != 1.0:
+            self.temperature = torch.tensor(temperature, dtype=torch.float32, device=device)
+        self.top_p_floor = None  # 1 - top_p: sorted tokens whose running mass is at most this are cut
+        if not self.greedy and params.top_p < 1.0:
+            self.top_p_floor = 1 - torch.tensor(params.top_p, dtype=torch.float32, device=device)
         self.generator = None
         if not self.greedy and params.seed is not None:
             self.generator = torch.Generator(device=device)  # on the scores' device
@@ -139,10 +153,14 @@ class RequestDraw:
             raise RuntimeError(f"no token is allowed: {self.grammar.error if self.grammar else 'empty row'}")
 
     def draw(self, row: torch.Tensor) -> int:
-        """Choose the token, record it, and narrow the row to it."""
+        """Temperature and top-p, then choose the token, record it, and narrow the row to it."""
         if self.greedy:
             token = int(torch.argmax(row))
         else:
+            if self.temperature is not None:
+                row.div_(self.temperature)
+            if self.top_p_floor is not None:
+                top_p_(row, self.top_p_floor)
             token = sample(torch.softmax(row, dim=-1), self.generator)
         self._record(token)
         keep = row[token].clone()
@@ -171,6 +189,16 @@ class RequestDraw:
         self.error = self.error or reason
         row.fill_(NEG_INF)
         row[eos] = 0.0
+
+
+def top_p_(row: torch.Tensor, floor: torch.Tensor) -> None:
+    """Cut `row` (logits, in place) to its nucleus as transformers' `TopPLogitsWarper` does, op for
+    op (so a seeded draw is what it was when that warper ran): sorted ascending, the tokens whose
+    running softmax mass is at most `floor` (1 - top_p) go to -inf; the most likely always stays."""
+    ascending, order = torch.sort(row, descending=False)
+    cut = ascending.softmax(dim=-1).cumsum(dim=-1) <= floor
+    cut[-1:] = False
+    row.masked_fill_(cut.scatter(0, order, cut), NEG_INF)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
@@ -237,13 +265,18 @@ class _Processor(ContinuousBatchingLogitsProcessor):
         return scores
 
 
+def _shape(request: RequestDraw, row: torch.Tensor) -> None:
+    if request.shapes:  # a plain draw has nothing to shape: not even the check for an empty row
+        request.shape(row)
+
+
 class Shape(_Processor):
     def prepare_tensor_args(self, requests_with_new_token: list) -> torch.Tensor:
         self.draws.plan_rows(requests_with_new_token)  # first in the list: the step's rows, once
         return super().prepare_tensor_args(requests_with_new_token)
 
     def __call__(self, scores: torch.Tensor, tensor_arg: torch.Tensor) -> torch.Tensor:
-        return self._each(scores, RequestDraw.shape)
+        return self._each(scores, _shape)
 
 
 class Draw(_Processor):
@@ -254,8 +287,10 @@ class Draw(_Processor):
 def install(manager, draws: Draws) -> None:
     """Put `Shape` first and `Draw` last among the manager's logits processors, before it starts.
 
-    transformers sizes one row of per-request arguments for each per-request processor it built
-    itself; ours get a row each too, so the bookkeeping below mirrors what its constructor does.
+    The manager is built with `do_sample=False` and no temperature or top-p (`core.Engine`), so
+    transformers built no processor of its own and ends each step with an argmax. It sizes one row
+    of per-request arguments for each per-request processor; ours get a row each too, so the
+    bookkeeping below mirrors what its constructor does.
     """
     processors = manager.logit_processor
     processors.logits_processor.insert(0, Shape(draws))

@@ -74,23 +74,20 @@ class Generation:
         self._last_token_at: float | None = None
         self._manager_done = False  # the manager finished the request itself (EOS or token budget)
         self._closed = False
-        self._draw: draw_mod.RequestDraw | None = None
         self.n_param = 1  # the request's `n`, for vLLM's histogram of it; 0 on its later choices
-        if draw_mod.needs_draw(params):
-            self._draw = draw_mod.RequestDraw(
-                params,
-                prompt_ids,
-                vocab_size=engine.vocab_size,
-                eos=set() if params.ignore_eos else engine._eos,
-                device=engine.config.device,
-                grammar=grammar,
-            )
+        # Every request is drawn by the engine's own draw step (`draw.py` says why), temperature and top-p included.
+        self._draw = draw_mod.RequestDraw(
+            params,
+            prompt_ids,
+            vocab_size=engine.vocab_size,
+            eos=set() if params.ignore_eos else engine._eos,
+            device=engine.config.device,
+            grammar=grammar,
+        )
 
     def submit(self, max_new: int) -> None:
         engine, params, rid = self._engine, self._params, self.request_id
-        greedy = params.greedy
-        if self._draw is not None:
-            engine._draws.register(rid, self._draw)
+        engine._draws.register(rid, self._draw)
         if self._adapter is not None:  # before the manager can schedule it: its first step uses it
             engine.adapters.bind(rid, self._adapter)
         self._manager.register_result_handler(rid, self._outputs.put_nowait)
@@ -99,8 +96,6 @@ class Generation:
             request_id=rid,
             max_new_tokens=max_new,
             streaming=True,
-            temperature=draw_mod.GREEDY_TEMPERATURE if greedy else max(params.temperature, 1e-3),
-            top_p=params.top_p,
             eos_token_id=-1 if params.ignore_eos else None,  # -1: no EOS for this request
         )
         if accepted is None:
@@ -128,7 +123,7 @@ class Generation:
             if out.status == RequestStatus.FAILED:
                 self._failed = True
                 raise APIError(500, f"Generation failed: {out.error}", type=SERVER_ERROR)
-            if draw is not None and draw.error is not None:
+            if draw.error is not None:
                 self._failed = True
                 raise APIError(500, f"Generation failed: {draw.error}", type=SERVER_ERROR)
             tokens = out.generated_tokens

@@ -7,7 +7,7 @@ ranges OpenAI (or vLLM, for its extensions) enforces:
 
 | parameter | range | how (engine side: `draw.py`, `structured.py`) |
 |---|---|---|
-| `temperature`, `top_p` | [0, 2], (0, 1] | transformers' per-request warpers; 0 is greedy |
+| `temperature`, `top_p` | [0, 2], (0, 1] | per request, in the draw step (`draw.py`); 0 is greedy |
 | `seed`, `stop`, `max_tokens`/`max_completion_tokens` | OpenAI's | a generator per request; text.py; the manager |
 | `presence_penalty`, `frequency_penalty` | [-2, 2] | subtracted per generated token, as OpenAI and vLLM define them |
 | `logit_bias` | token id strings → [-100, 100], at most 300 | added to the logits |

@@ -9,8 +9,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from transformers.generation.continuous_batching.cb_logits_processors import (
+    ContinuousBatchingTemperatureLogitsWarper,
+    ContinuousBatchingTopPLogitsWarper,
+)
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
-from stoker.engine.draw import Draw, Draws, RequestDraw, Shape, needs_draw
+from stoker.engine.draw import Draw, Draws, RequestDraw, Shape, needs_shape, sample, top_p_
 from stoker.engine.protocol import SamplingParams
 
 V = 8
@@ -148,7 +153,7 @@ def test_a_failing_request_ends_alone_and_its_neighbours_rows_are_untouched():
     scores = draw(shape(scores, None), None)
     assert broken.error is not None and "no token is allowed" in broken.error
     assert torch.isfinite(scores[0]).nonzero().view(-1).tolist() == [EOS]  # ended with EOS
-    assert scores[1].tolist() == [0.0] * V  # "c" asked for nothing: transformers samples it
+    assert scores[1].tolist() == [0.0] * V  # "c" is no request of ours: left to transformers' argmax
     assert torch.isfinite(scores[2]).nonzero().view(-1).tolist() == [5]  # drawn as asked
 
 
@@ -157,8 +162,8 @@ def test_a_failing_request_ends_alone_and_its_neighbours_rows_are_untouched():
     [
         ({"temperature": 1.0}, False),
         ({"temperature": 0.7, "top_p": 0.9}, False),
-        ({"temperature": 0.0}, True),
-        ({"temperature": 1.0, "seed": 3}, True),
+        ({"temperature": 0.0}, False),
+        ({"temperature": 1.0, "seed": 3}, False),
         ({"temperature": 1.0, "logprobs": 0}, True),
         ({"temperature": 1.0, "top_k": 5}, True),
         ({"temperature": 1.0, "min_tokens": 1}, True),
@@ -166,5 +171,49 @@ def test_a_failing_request_ends_alone_and_its_neighbours_rows_are_untouched():
         ({"temperature": 1.0, "repetition_penalty": 1.1}, True),
     ],
 )
-def test_only_requests_that_ask_for_something_are_drawn_by_us(kw, needed):
-    assert needs_draw(params(**kw)) is needed
+def test_only_requests_that_ask_for_more_than_a_plain_draw_are_shaped(kw, needed):
+    assert needs_shape(params(**kw)) is needed
+
+
+def transformers_warped(scores: torch.Tensor, temperatures: list[float], top_ps: list[float]) -> torch.Tensor:
+    """What transformers' per-request temperature and top-p warpers make of a batch of rows."""
+    temp = ContinuousBatchingTemperatureLogitsWarper(TemperatureLogitsWarper(0.5))
+    top_p = ContinuousBatchingTopPLogitsWarper(TopPLogitsWarper(0.5))
+    rows = [SimpleNamespace(state=SimpleNamespace(logit_processor_kwargs={"temperature": t, "top_p": p}))
+            for t, p in zip(temperatures, top_ps, strict=True)]  # fmt: skip
+    scores = temp(scores, temp.prepare_tensor_args(rows))
+    return top_p(scores, top_p.prepare_tensor_args(rows))
+
+
+def test_temperature_and_top_p_are_transformers_warpers_bit_for_bit_and_a_seed_draws_what_it_drew():
+    """The draw step took over transformers' warpers: the same rows, bit for bit (so a seed gives
+    the answer it gave when they ran), top-p 1 cutting nothing and temperature 1 changing nothing."""
+    gen = torch.Generator().manual_seed(0)
+    vocab, cases = 4096, [(0.7, 0.9), (1.0, 0.95), (1.3, 1.0), (1.0, 1.0), (0.2, 0.5)]
+    logits = torch.randn(len(cases), vocab, generator=gen) * 4
+    theirs = transformers_warped(logits.clone(), [t for t, _ in cases], [p for _, p in cases])
+    for i, (t, p) in enumerate(cases):
+        mine = request(temperature=t, top_p=p, seed=11)
+        twin = request(temperature=t, top_p=p, seed=11)
+        row = logits[i].clone()
+        token = mine.draw(row)  # warps, then narrows the row to `token`
+        assert torch.isfinite(row).nonzero().view(-1).tolist() == [token]
+        expected = theirs[i].clone()
+        assert twin.generator is not None
+
+        assert token == sample(torch.softmax(expected, dim=-1), twin.generator)  # the draw on their rows
+        warped = logits[i].clone()
+        if mine.temperature is not None:
+            warped.div_(mine.temperature)
+        if mine.top_p_floor is not None:
+            top_p_(warped, mine.top_p_floor)
+        assert torch.equal(warped, expected)
+        assert (mine.temperature is None) == (t == 1.0) and (mine.top_p_floor is None) == (p == 1.0)
+        assert torch.isfinite(warped).sum() == (vocab if p == 1.0 else torch.isfinite(expected).sum())
+
+
+def test_greedy_rows_are_not_warped():
+    d = request(temperature=0.0, top_p=0.5)
+    assert d.temperature is None and d.top_p_floor is None
+    row = torch.tensor([0.0, 3.0, 1.0, 2.9, 0.0, 0.0, 0.0, 0.0])
+    assert d.draw(row) == 1
