@@ -149,7 +149,7 @@ def distributions(module: str) -> set[str]:
 def test_the_scan_sees_the_known_imports():
     # A guard on the scanner itself: lazy imports count, and module-level ones are told apart.
     found = third_party_imports()
-    assert "snapshots/s3.py:37" in " ".join(found["botocore"].eager)  # from botocore import ...
+    assert any(u.startswith("snapshots/s3.py:") for u in found["botocore"].eager)  # from botocore import ...
     assert found["yaml"].lazy and not found["yaml"].eager  # imported inside the readers only
     assert "torch" in found and "stoker" not in found and "os" not in found
 
