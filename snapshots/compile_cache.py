@@ -39,6 +39,7 @@ from pathlib import Path
 from snapshots.durable import fsync_dir
 from snapshots.errors import StoreWriteError
 from snapshots.owner import is_stale, private_name
+from snapshots.sizes import disk_bytes
 
 COMPILE_DIR = "compile"
 INFO_NAME = "cache.json"
@@ -79,17 +80,6 @@ class CacheInfo:
     path: Path
     bytes: int
     key: dict[str, object]  # cache.json's content ({} if unreadable)
-
-
-def disk_bytes(path: Path) -> int:
-    total = 0
-    for root, _dirs, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(root, name)).st_size
-            except OSError:
-                continue
-    return total
 
 
 class CompileCaches:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from snapshots.errors import StoreWriteError
 from snapshots.owner import is_stale
+from snapshots.sizes import disk_bytes
 
 KV_DIR = "kv"
 TMP_PREFIX = ".tmp-"
@@ -29,17 +30,6 @@ TMP_PREFIX = ".tmp-"
 # --kv-keep-bytes`): SmolLM2-135M in fp32 holds 45 KiB of KV a token, so ~5,800 tokens.
 DEFAULT_BYTES = 256 << 20
 _ID = re.compile(r"[0-9a-f]{64}")
-
-
-def disk_bytes(path: Path) -> int:
-    total = 0
-    for root, _dirs, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(root, name)).st_size
-            except OSError:
-                continue
-    return total
 
 
 class KeptKv:

@@ -7,7 +7,9 @@ forms powers of 1000. So `50G` is 50 x 2**30 bytes and `50GB` is 50 x 10**9.
 
 from __future__ import annotations
 
+import os
 import re
+from pathlib import Path
 
 _SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*")
 _POWERS = {"K": 1, "M": 2, "G": 3, "T": 4, "P": 5}
@@ -49,3 +51,15 @@ def format_size(n: int) -> str:
             break
         size, unit = size / 1024, bigger
     return f"{size:.1f} {unit}"
+
+
+def disk_bytes(path: Path) -> int:
+    """Bytes of the files under `path`, read without following links (a file gone meanwhile counts 0)."""
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except OSError:
+                continue
+    return total
